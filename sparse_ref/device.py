@@ -1,0 +1,65 @@
+"""Where the code runs: a CUDA GPU, or the CPU with Triton's interpreter.
+
+Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e.
+when a kernel module is imported. So ``configure_triton()`` must run before any
+module of ``sparse_ref.kernels`` is imported; ``sparse_ref/__init__.py`` calls it
+first thing. It sets ``TRITON_INTERPRET=1`` only when no GPU is present and the
+user has not set the variable already.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAST_ENV = "SPARSE_REF_FAST"
+
+
+def has_gpu() -> bool:
+    """True when a CUDA device is visible to torch."""
+    return torch.cuda.is_available()
+
+
+def configure_triton() -> None:
+    """Turn on Triton's interpreter when there is no GPU (unless the user chose already)."""
+    if not has_gpu():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run through the interpreter on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_device() -> torch.device:
+    """CUDA when present (and not forced off by the interpreter), else CPU."""
+    if has_gpu() and not triton_interpreted():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def fast_mode() -> bool:
+    """Small sizes for quick runs.
+
+    ``SPARSE_REF_FAST=1`` forces small sizes, ``SPARSE_REF_FAST=0`` forces realistic
+    ones; unset, it is fast exactly when there is no GPU (the interpreter is slow).
+    """
+    value = os.environ.get(FAST_ENV)
+    if value is None or value == "":
+        return default_device().type == "cpu"
+    return value not in ("0", "false", "False", "no")
+
+
+def execution_mode() -> str:
+    """A one-line description of where kernels run, for notebooks to print."""
+    if default_device().type == "cuda":
+        name = torch.cuda.get_device_name()
+        return f"GPU: {name} (Triton compiled), torch {torch.__version__}"
+    interp = "Triton interpreter" if triton_interpreted() else "no Triton interpreter (TRITON_INTERPRET unset)"
+    return f"CPU: {interp}, torch {torch.__version__}"
+
+
+def describe_run() -> str:
+    """The mode line plus whether fast mode is on; what each notebook's first cell prints."""
+    return f"{execution_mode()} | fast mode: {'on' if fast_mode() else 'off'} ({FAST_ENV})"

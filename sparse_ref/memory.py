@@ -1,0 +1,281 @@
+"""The two memory pools of a serving engine, and the bookkeeping that ties them together.
+
+* ``ReqToTokenPool``: one row per live request; row ``r`` maps a logical token
+  position ``t`` to the physical KV slot that holds token ``t``.
+* ``PageAllocator``: hands out and takes back whole pages. Page 0 is reserved as
+  padding, so a physical slot of 0 never holds real data.
+* ``TokenToKVPool``: the paged K and V buffers, ``[num_pages * page_size, H_kv, D]``
+  per layer.
+* ``KVCacheManager``: admits a request of n tokens, grows it one token at a time and
+  releases it, keeping the req_to_token row and the page list in step.
+
+A request's logical token ``t`` lives at physical slot ``pages[t // P] * P + t % P``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from sparse_ref.errors import PoolError, check_tensor
+
+
+def _as_index_list(name: str, indices) -> list[int]:
+    if isinstance(indices, torch.Tensor):
+        return [int(i) for i in indices.reshape(-1).tolist()]
+    if isinstance(indices, int):
+        return [indices]
+    try:
+        return [int(i) for i in indices]
+    except TypeError:
+        raise PoolError(f"{name}: expected an int, a list of ints or an integer tensor, got {indices!r}.") from None
+
+
+class ReqToTokenPool:
+    """``req_to_token``: int32 ``[size, max_context_len]``, one row per request slot."""
+
+    def __init__(self, size: int, max_context_len: int, device="cpu"):
+        if size < 1 or max_context_len < 1:
+            raise PoolError(
+                f"ReqToTokenPool: size and max_context_len must be >= 1, got size={size}, "
+                f"max_context_len={max_context_len}."
+            )
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=self.device)
+        self._free = list(range(size - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._is_free = [True] * size
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int = 1) -> list[int]:
+        """Take ``n`` request slots; raises PoolError when fewer are free."""
+        if n < 0:
+            raise PoolError(f"ReqToTokenPool.alloc: n must be >= 0, got {n}.")
+        if n > len(self._free):
+            raise PoolError(
+                f"ReqToTokenPool exhausted: asked for {n} request slots, {len(self._free)} of {self.size} free. "
+                "Fix: release finished requests, or build the pool with a larger size."
+            )
+        slots = [self._free.pop() for _ in range(n)]
+        for s in slots:
+            self._is_free[s] = False
+        return slots
+
+    def free(self, slots) -> None:
+        """Give request slots back; their rows are zeroed. Double free raises PoolError."""
+        slots = _as_index_list("ReqToTokenPool.free(slots)", slots)
+        for s in slots:
+            if not 0 <= s < self.size:
+                raise PoolError(f"ReqToTokenPool.free: slot {s} is out of range [0, {self.size}).")
+            if self._is_free[s]:
+                raise PoolError(f"ReqToTokenPool.free: slot {s} is already free (double free).")
+        for s in slots:
+            self._is_free[s] = True
+            self._free.append(s)
+            self.req_to_token[s].zero_()
+
+
+class PageAllocator:
+    """Whole pages of the KV cache. Page 0 is reserved padding and is never handed out."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2 or page_size < 1:
+            raise PoolError(
+                f"PageAllocator: need num_pages >= 2 (page 0 is reserved) and page_size >= 1, "
+                f"got num_pages={num_pages}, page_size={page_size}."
+            )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out 1, 2, 3, ...
+        self._is_free = [False] + [True] * (num_pages - 1)
+        self._free_listeners: list[Callable[[torch.Tensor], None]] = []
+
+    def available_pages(self) -> int:
+        return len(self._free)
+
+    def add_free_listener(self, callback: Callable[[torch.Tensor], None]) -> None:
+        """Call ``callback(pages)`` whenever pages are freed (Quest drops their bounds)."""
+        self._free_listeners.append(callback)
+
+    def alloc(self, n: int) -> list[int]:
+        if n < 0:
+            raise PoolError(f"PageAllocator.alloc: n must be >= 0, got {n}.")
+        if n > len(self._free):
+            raise PoolError(
+                f"KV cache exhausted: asked for {n} pages, {len(self._free)} of {self.num_pages - 1} usable "
+                f"pages free (page size {self.page_size}). Fix: release requests, or build the pool with more pages."
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def free(self, pages) -> None:
+        pages = _as_index_list("PageAllocator.free(pages)", pages)
+        for p in pages:
+            if p == 0:
+                raise PoolError("PageAllocator.free: page 0 is the reserved padding page and is never allocated.")
+            if not 0 < p < self.num_pages:
+                raise PoolError(f"PageAllocator.free: page {p} is out of range [1, {self.num_pages}).")
+            if self._is_free[p]:
+                raise PoolError(f"PageAllocator.free: page {p} is already free (double free).")
+        if len(set(pages)) != len(pages):
+            raise PoolError(f"PageAllocator.free: the same page appears twice in {pages} (double free).")
+        for p in pages:
+            self._is_free[p] = True
+            self._free.append(p)
+        freed = torch.tensor(pages, dtype=torch.int64)
+        for callback in self._free_listeners:
+            callback(freed)
+
+
+class TokenToKVPool:
+    """Paged K/V buffers: per layer, ``[num_pages * page_size, H_kv, D]``. Slot 0..P-1 is padding."""
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype=torch.float32, device="cpu"):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_layers", num_layers),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise PoolError(f"TokenToKVPool: {name} must be a positive int, got {value!r}.")
+        if num_pages < 2:
+            raise PoolError(f"TokenToKVPool: num_pages must be >= 2 (page 0 is reserved), got {num_pages}.")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise PoolError(f"TokenToKVPool: layer {layer} out of range [0, {self.num_layers}).")
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        self._check_layer(layer)
+        return self.k_buffer[layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        self._check_layer(layer)
+        return self.v_buffer[layer]
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` ``[n, H_kv, D]`` into physical slots ``loc`` ``[n]``."""
+        self._check_layer(layer)
+        check_tensor("loc", loc, dtype=(torch.int32, torch.int64), dims=1)
+        want = (loc.shape[0], self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want:
+                raise PoolError(f"TokenToKVPool.set_kv: {name} must have shape {want}, got {tuple(t.shape)}.")
+        if loc.numel():
+            lo, hi = int(loc.min()), int(loc.max())
+            if lo < self.page_size or hi >= self.num_slots:
+                raise PoolError(
+                    f"TokenToKVPool.set_kv: slots must lie in [{self.page_size}, {self.num_slots}) "
+                    f"(page 0 is padding), got min {lo}, max {hi}."
+                )
+        self.k_buffer[layer][loc.long()] = k.to(self.dtype)
+        self.v_buffer[layer][loc.long()] = v.to(self.dtype)
+
+
+@dataclass
+class Request:
+    """A live request: its row in req_to_token, its length and the pages it owns (logical order)."""
+
+    rid: int
+    req_pool_idx: int
+    seq_len: int
+    pages: list[int] = field(default_factory=list)
+    released: bool = False
+
+
+class KVCacheManager:
+    """Admit, grow and release requests across ``ReqToTokenPool`` and the page allocator."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.page_size = token_to_kv_pool.page_size
+        self.allocator = PageAllocator(token_to_kv_pool.num_pages, token_to_kv_pool.page_size)
+        self.requests: dict[int, Request] = {}
+        self._next_rid = 0
+
+    @classmethod
+    def create(cls, *, max_requests: int, max_context_len: int, num_pages: int, page_size: int,
+               num_layers: int = 1, num_kv_heads: int = 1, head_dim: int = 8, dtype=torch.float32,
+               device="cpu") -> KVCacheManager:
+        """Build both pools and the manager in one call."""
+        return cls(
+            ReqToTokenPool(max_requests, max_context_len, device),
+            TokenToKVPool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device),
+        )
+
+    def slot_of(self, req: Request, t: int) -> int:
+        """Physical slot of logical token ``t`` of ``req``."""
+        return req.pages[t // self.page_size] * self.page_size + t % self.page_size
+
+    def admit(self, num_tokens: int) -> Request:
+        """Take a request slot and enough pages for ``num_tokens`` tokens; fill its req_to_token row."""
+        if num_tokens < 0:
+            raise PoolError(f"admit: num_tokens must be >= 0, got {num_tokens}.")
+        self._check_fits(num_tokens)
+        need = -(-num_tokens // self.page_size)
+        if need > self.allocator.available_pages():
+            # Check before taking the request slot so a failed admit leaves nothing behind.
+            self.allocator.alloc(need)
+        (slot,) = self.req_to_token_pool.alloc(1)
+        req = Request(rid=self._next_rid, req_pool_idx=slot, seq_len=0)
+        self._next_rid += 1
+        self.requests[req.rid] = req
+        self.grow(req, num_tokens)
+        return req
+
+    def grow(self, req: Request, num_tokens: int = 1) -> torch.Tensor:
+        """Append ``num_tokens`` tokens to ``req``; returns their physical slots (int64)."""
+        if req.released:
+            raise PoolError(f"grow: request {req.rid} was released; admit a new request instead.")
+        if num_tokens < 0:
+            raise PoolError(f"grow: num_tokens must be >= 0, got {num_tokens}.")
+        new_len = req.seq_len + num_tokens
+        self._check_fits(new_len)
+        need = -(-new_len // self.page_size) - len(req.pages)
+        if need > 0:
+            req.pages.extend(self.allocator.alloc(need))
+        t = torch.arange(req.seq_len, new_len)
+        pages = torch.tensor(req.pages, dtype=torch.int64) if req.pages else torch.zeros(0, dtype=torch.int64)
+        slots = pages[t // self.page_size] * self.page_size + t % self.page_size
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row[req.seq_len:new_len] = slots.to(row.device, torch.int32)
+        req.seq_len = new_len
+        return slots.to(self.req_to_token_pool.device)
+
+    def release(self, req: Request) -> None:
+        """Free the request's pages and its req_to_token row; both become reusable."""
+        if req.released:
+            raise PoolError(f"release: request {req.rid} was already released (double free).")
+        self.allocator.free(req.pages)
+        self.req_to_token_pool.free([req.req_pool_idx])
+        req.released = True
+        req.pages = []
+        del self.requests[req.rid]
+
+    def _check_fits(self, num_tokens: int) -> None:
+        if num_tokens > self.req_to_token_pool.max_context_len:
+            raise PoolError(
+                f"request of {num_tokens} tokens exceeds max_context_len "
+                f"{self.req_to_token_pool.max_context_len} of the ReqToTokenPool. "
+                "Fix: build the pool with a larger max_context_len."
+            )

@@ -1,0 +1,196 @@
+"""Selection math in plain, batched torch: the semantics every kernel must match.
+
+Two references live here.
+
+``topk_reference(scores, k, lengths)``: exact top-k over rows of varying length.
+    Entry ``j`` of row ``r`` is a candidate when ``j < lengths[r]`` and its score is
+    neither NaN nor -inf (+inf is a candidate). The ``k`` largest candidates are
+    kept; ties go to the lower id; ``-0.0`` and ``+0.0`` are equal. Output: int32
+    ``[R, width]``, -1 padded at the end, ordered by score (descending, ties by
+    ascending id) or by ascending id.
+
+``select_pages(scores, seq_lens, sparse_mask, page_size, config)``: page selection
+    for sparse decode. For a row with ``n = ceil(seq_len / P)`` pages:
+
+    * the last ``recent = min(num_recent_pages, n)`` pages are kept;
+    * the first ``sink = min(num_sink_pages, n - recent)`` pages are kept;
+    * the ``history = n - recent - sink`` pages between are scored, and the best
+      ``k = config.history_budget(history)`` candidates are kept (candidates as
+      in ``topk_reference``; when fewer than ``k`` are candidates, fewer are kept);
+    * the row stays **dense** (length 0, all -1) when its ``sparse_mask`` is False,
+      its *current* ``seq_len`` is below ``min_sparse_seq_len``, it has no pages,
+      or ``sink + k + recent >= n`` (nothing to gain). This decision depends on
+      ``seq_len`` and the config only, never on the scores.
+
+    Output: ``selected`` int32 ``[bs, W]`` of ascending logical page ids, -1 padded,
+    and ``lengths`` int32 ``[bs]``. ``W = selection_width(max_pages, config)`` is a
+    static bound, so the shape never depends on the data (CUDA graphs need that).
+
+``select_pages_row`` is the same rule for one request, written to read like
+SGLang's loop; ``select_pages`` is the batched form with no Python loop over rows
+and no host sync (its eager input checks are skipped while a CUDA graph captures).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_ref.config import SparseConfig
+from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
+
+
+def ceil_div(a, b):
+    """Ceiling division for ints and integer tensors."""
+    return -(-a // b)
+
+
+def capturing() -> bool:
+    """True while a CUDA graph is being captured: then no check may sync with the host."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def selection_width(max_pages: int, config: SparseConfig) -> int:
+    """Static width of ``selected``: the most pages any row with <= max_pages pages can keep."""
+    recent = min(config.num_recent_pages, max_pages)
+    sink = min(config.num_sink_pages, max_pages - recent)
+    return min(max_pages, sink + config.history_budget(max_pages - recent - sink) + recent)
+
+
+def _candidates(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scores with -0.0 folded into +0.0, and the mask of entries that may be selected."""
+    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0, so the two zeros tie
+    return s, ~torch.isnan(s) & (s != float("-inf"))
+
+
+def _ranks_desc(masked: torch.Tensor) -> torch.Tensor:
+    """rank[r, j] = position of column j when row r is sorted descending, ties by lower id."""
+    order = torch.argsort(masked, dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(masked.shape[1], device=masked.device).expand_as(order))
+    return ranks
+
+
+def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *,
+                   order: str = "score", width: int | None = None) -> torch.Tensor:
+    """Exact top-k ids per row (see the module docstring). ``k`` is an int or an int tensor [R]."""
+    check_tensor("scores", scores, dtype=(torch.float32, torch.float16, torch.bfloat16), dims=2)
+    if order not in ("score", "index"):
+        raise SparseRefError(f"topk_reference: order must be 'score' or 'index', got {order!r}.")
+    R, N = scores.shape
+    device = scores.device
+    if lengths is None:
+        lengths = torch.full((R,), N, dtype=torch.int64, device=device)
+    check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), dims=1)
+    if isinstance(k, torch.Tensor):
+        k_row = k.to(device=device, dtype=torch.int64)
+        width = int(k_row.max()) if width is None and R else (width or 0)
+    else:
+        if int(k) < 0:
+            raise SparseRefError(f"topk_reference: k must be >= 0, got {k}.")
+        k_row = torch.full((R,), int(k), dtype=torch.int64, device=device)
+        width = int(k) if width is None else width
+    s, ok = _candidates(scores)
+    cols = torch.arange(N, device=device)
+    ok &= cols[None, :] < lengths.to(device, torch.int64)[:, None]
+    masked = torch.where(ok, s, torch.full_like(s, float("-inf")))
+    ordered = torch.argsort(masked, dim=1, descending=True, stable=True)
+    if width > N:
+        pad = torch.full((R, width - N), -1, dtype=ordered.dtype, device=device)
+        ordered = torch.cat([ordered, pad], dim=1)
+    ordered = ordered[:, :width]
+    keep = torch.arange(width, device=device)[None, :] < torch.minimum(k_row, ok.sum(1))[:, None]
+    ids = torch.where(keep, ordered, torch.full_like(ordered, -1))
+    if order == "index":
+        big = torch.iinfo(torch.int64).max
+        ids = torch.sort(torch.where(keep, ids, torch.full_like(ids, big)), dim=1).values
+        ids = torch.where(keep, ids, torch.full_like(ids, -1))  # keep is a prefix of each row
+    return ids.to(torch.int32)
+
+
+def _history_budget_tensor(history: torch.Tensor, config: SparseConfig) -> torch.Tensor:
+    """``config.history_budget`` for a tensor of history sizes (float64, like Python's floats)."""
+    if config.page_budget is not None:
+        return history.clamp(max=config.page_budget)
+    k = torch.floor(history.double() * config.keep_ratio).long().clamp(min=1)
+    return torch.minimum(k, history)
+
+
+def check_selection_inputs(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor,
+                           page_size: int) -> None:
+    """Shape, dtype, device and range checks shared by every page-selection implementation."""
+    check_tensor("scores", scores, dtype=(torch.float32, torch.float16, torch.bfloat16), dims=2,
+                 fix="pass one score per logical page, shape [bs, max_pages].")
+    bs, max_pages = scores.shape
+    check_tensor("seq_lens", seq_lens, dtype=(torch.int32, torch.int64), dims=1, device=scores.device.type)
+    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1, device=scores.device.type)
+    if seq_lens.shape[0] != bs or sparse_mask.shape[0] != bs:
+        raise ShapeError(
+            f"page selection: scores has {bs} rows but seq_lens has {seq_lens.shape[0]} and sparse_mask "
+            f"{sparse_mask.shape[0]}; expected one entry per request."
+        )
+    if not isinstance(page_size, int) or page_size < 1:
+        raise SparseRefError(f"page_size: expected a positive int, got {page_size!r}.")
+    if bs and not capturing():
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > max_pages * page_size:
+            raise SparseRefError(
+                f"seq_lens: expected values in [0, {max_pages * page_size}] (scores cover {max_pages} pages of "
+                f"{page_size} tokens), got min {lo}, max {hi}. Fix: score every page of the longest request."
+            )
+
+
+def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
+                 config: SparseConfig, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched page selection: no Python loop over requests, no host sync. See the module docstring."""
+    check_selection_inputs(scores, seq_lens, sparse_mask, page_size)
+    bs, max_pages = scores.shape
+    device = scores.device
+    W = selection_width(max_pages, config) if width is None else width
+    seq = seq_lens.to(torch.int64)
+    n = ceil_div(seq, page_size)
+    recent = n.clamp(max=config.num_recent_pages)
+    recent_start = n - recent
+    sink_end = recent_start.clamp(max=config.num_sink_pages)
+    history = recent_start - sink_end
+    k = _history_budget_tensor(history, config)
+    sparse = (sparse_mask & (seq >= config.min_sparse_seq_len) & (n > 0)
+              & (sink_end + k + recent < n))
+
+    cols = torch.arange(max_pages, device=device)[None, :]
+    s, ok = _candidates(scores)
+    in_history = (cols >= sink_end[:, None]) & (cols < recent_start[:, None])
+    ok &= in_history
+    ranks = _ranks_desc(torch.where(ok, s, torch.full_like(s, float("-inf"))))
+    keep = (cols < sink_end[:, None]) | (ok & (ranks < k[:, None]))
+    keep |= (cols >= recent_start[:, None]) & (cols < n[:, None])
+    keep &= sparse[:, None]
+
+    lengths = keep.sum(dim=1).to(torch.int32)
+    key = torch.where(keep, cols.expand(bs, -1), torch.full_like(keep, max_pages, dtype=torch.int64))
+    ids = torch.sort(key, dim=1).values[:, :W]
+    selected = torch.where(ids < max_pages, ids, torch.full_like(ids, -1)).to(torch.int32)
+    return selected, lengths
+
+
+def select_pages_row(scores_row: torch.Tensor, seq_len: int, page_size: int, config: SparseConfig,
+                     sparse: bool = True) -> torch.Tensor:
+    """One request's kept logical pages, ascending (empty when the row stays dense).
+
+    The teaching version of ``select_pages``: plain Python control flow on one row.
+    """
+    n = ceil_div(int(seq_len), page_size)
+    if not sparse or seq_len < config.min_sparse_seq_len or n == 0:
+        return torch.empty(0, dtype=torch.int32, device=scores_row.device)
+    recent = min(config.num_recent_pages, n)
+    recent_start = n - recent
+    sink_end = min(config.num_sink_pages, recent_start)
+    k = config.history_budget(recent_start - sink_end)
+    if sink_end + k + recent >= n:  # keeping everything: nothing to gain, stay dense
+        return torch.empty(0, dtype=torch.int32, device=scores_row.device)
+    history, ok = _candidates(scores_row[sink_end:recent_start])
+    candidates = ok.nonzero().squeeze(1)
+    best = torch.argsort(-history[candidates], stable=True)[:k]  # stable: ties keep the lower id
+    top = candidates[best] + sink_end
+    device = scores_row.device
+    kept = torch.cat([torch.arange(sink_end, device=device), top, torch.arange(recent_start, n, device=device)])
+    return torch.sort(kept).values.to(torch.int32)

@@ -14,8 +14,9 @@ Shapes (``bs`` requests, ``T`` new tokens in the batch):
 from __future__ import annotations
 
 import enum
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -49,12 +50,24 @@ class ForwardBatch:
         return int(self.req_pool_indices.shape[0])
 
     def __post_init__(self) -> None:
-        bs = self.req_pool_indices.shape[0]
-        for name in ("req_pool_indices", "seq_lens", "positions", "out_cache_loc"):
+        if not isinstance(self.forward_mode, ForwardMode):
+            raise BatchError(
+                f"ForwardBatch.forward_mode: expected ForwardMode.EXTEND or ForwardMode.DECODE, got "
+                f"{self.forward_mode!r}."
+            )
+        names = ["req_pool_indices", "seq_lens", "positions", "out_cache_loc"]
+        names += [n for n in ("extend_prefix_lens", "extend_seq_lens") if getattr(self, n) is not None]
+        for name in names:
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
                 raise BatchError(f"ForwardBatch.{name}: expected a 1-D int64 tensor, got {got}.")
+            if t.device != self.req_pool_indices.device:
+                raise BatchError(
+                    f"ForwardBatch.{name}: on {t.device}, but req_pool_indices is on "
+                    f"{self.req_pool_indices.device}; every field must live on one device."
+                )
+        bs = self.req_pool_indices.shape[0]
         if self.seq_lens.shape[0] != bs:
             raise BatchError(f"ForwardBatch: seq_lens has {self.seq_lens.shape[0]} entries, req_pool_indices {bs}.")
         if self.positions.shape != self.out_cache_loc.shape:
@@ -68,6 +81,17 @@ class ForwardBatch:
         if self.forward_mode is ForwardMode.EXTEND:
             if self.extend_prefix_lens is None or self.extend_seq_lens is None:
                 raise BatchError("ForwardBatch (EXTEND): extend_prefix_lens and extend_seq_lens are required.")
+            for name in ("extend_prefix_lens", "extend_seq_lens"):
+                if getattr(self, name).shape[0] != bs:
+                    raise BatchError(
+                        f"ForwardBatch (EXTEND): {name} has {getattr(self, name).shape[0]} entries, "
+                        f"expected one per request ({bs})."
+                    )
+            if not torch.equal(self.extend_prefix_lens + self.extend_seq_lens, self.seq_lens):
+                raise BatchError(
+                    f"ForwardBatch (EXTEND): extend_prefix_lens {self.extend_prefix_lens.tolist()} + "
+                    f"extend_seq_lens {self.extend_seq_lens.tolist()} must equal seq_lens {self.seq_lens.tolist()}."
+                )
             if int(self.extend_seq_lens.sum()) != self.positions.shape[0]:
                 raise BatchError(
                     f"ForwardBatch (EXTEND): extend_seq_lens sums to {int(self.extend_seq_lens.sum())} "
@@ -75,12 +99,28 @@ class ForwardBatch:
                 )
 
 
-def _requests_checked(requests: Sequence[Request]) -> None:
+def _int_or_none(value) -> int | None:
+    """``value`` as an int (numpy/torch integer scalars too), or None for floats, bools and the rest."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _requests_checked(manager: KVCacheManager, requests: Sequence[Request]) -> None:
     if len(requests) == 0:
         raise BatchError("a batch needs at least one request, got none.")
+    seen = set()
     for r in requests:
         if r.released:
             raise BatchError(f"request {r.rid} was released and cannot be batched.")
+        if manager.requests.get(r.rid) is not r:
+            raise BatchError(f"request {r.rid} was not admitted by this KVCacheManager; batch it with its own.")
+        if r.rid in seen:
+            raise BatchError(f"request {r.rid} appears twice in the batch; each request may appear once.")
+        seen.add(r.rid)
 
 
 def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
@@ -90,14 +130,19 @@ def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
     ``prefix_lens`` (default all 0) are tokens already in the cache, e.g. from an
     earlier chunk of a chunked prefill.
     """
-    _requests_checked(requests)
+    _requests_checked(manager, requests)
     prefix_lens = [0] * len(requests) if prefix_lens is None else list(prefix_lens)
     if len(prefix_lens) != len(requests):
         raise BatchError(f"prefix_lens has {len(prefix_lens)} entries for {len(requests)} requests.")
     positions, locs = [], []
-    for r, p in zip(requests, prefix_lens):
-        if not 0 <= p <= r.seq_len:
-            raise BatchError(f"prefix_len {p} of request {r.rid} must lie in [0, seq_len={r.seq_len}].")
+    for i, (r, given) in enumerate(zip(requests, prefix_lens, strict=True)):
+        p = _int_or_none(given)
+        if p is None or not 0 <= p <= r.seq_len:
+            raise BatchError(
+                f"prefix_lens[{i}]: expected an int in [0, seq_len={r.seq_len}] for request {r.rid}, "
+                f"got {given!r}."
+            )
+        prefix_lens[i] = p
         pos = torch.arange(p, r.seq_len, dtype=torch.int64)
         positions.append(pos)
         row = manager.req_to_token_pool.req_to_token[r.req_pool_idx]
@@ -122,7 +167,7 @@ def build_decode_batch(manager: KVCacheManager, requests: Sequence[Request]) -> 
     Call ``manager.grow(req, 1)`` first (or use ``decode_step``), so that the new
     token has a slot and ``seq_len`` counts it.
     """
-    _requests_checked(requests)
+    _requests_checked(manager, requests)
     for r in requests:
         if r.seq_len < 1:
             raise BatchError(f"request {r.rid} has seq_len 0; grow it by one token before decoding.")
@@ -135,7 +180,17 @@ def build_decode_batch(manager: KVCacheManager, requests: Sequence[Request]) -> 
 
 
 def decode_step(manager: KVCacheManager, requests: Sequence[Request]) -> ForwardBatch:
-    """Grow every request by one token, then build the DECODE batch for it."""
+    """Grow every request by one token, then build the DECODE batch for it.
+
+    All or nothing: if the requests together need more pages than are free, PoolError is
+    raised before any request grows.
+    """
+    _requests_checked(manager, requests)
+    need = sum(manager.pages_needed(r, 1) for r in requests)
+    for r in requests:
+        manager._check_fits(r.seq_len + 1)
+    if need > manager.allocator.available_pages():
+        manager.allocator.alloc(need)  # raises the allocator's exhaustion error, taking nothing
     for r in requests:
         manager.grow(r, 1)
     return build_decode_batch(manager, requests)

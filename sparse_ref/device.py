@@ -13,7 +13,13 @@ import os
 
 import torch
 
+from sparse_ref.errors import ConfigError
+
 FAST_ENV = "SPARSE_REF_FAST"
+# How environment switches are read. Triton reads TRITON_INTERPRET the same way
+# (case-insensitive "1", "true", "on", "yes" are on; anything else is off).
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
 
 
 def has_gpu() -> bool:
@@ -29,7 +35,7 @@ def configure_triton() -> None:
 
 def triton_interpreted() -> bool:
     """True when Triton kernels run through the interpreter on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
 def default_device() -> torch.device:
@@ -42,13 +48,21 @@ def default_device() -> torch.device:
 def fast_mode() -> bool:
     """Small sizes for quick runs.
 
-    ``SPARSE_REF_FAST=1`` forces small sizes, ``SPARSE_REF_FAST=0`` forces realistic
-    ones; unset, it is fast exactly when there is no GPU (the interpreter is slow).
+    ``SPARSE_REF_FAST=1`` (or true/on/yes) forces small sizes, ``SPARSE_REF_FAST=0``
+    (or false/off/no) forces realistic ones; unset or empty, it is fast exactly when
+    there is no GPU (the interpreter is slow). Any other value raises ``ConfigError``.
     """
-    value = os.environ.get(FAST_ENV)
-    if value is None or value == "":
+    value = os.environ.get(FAST_ENV, "").strip().lower()
+    if value == "":
         return default_device().type == "cpu"
-    return value not in ("0", "false", "False", "no")
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(
+        f"{FAST_ENV}: expected one of {_TRUE + _FALSE} (or unset), got {os.environ[FAST_ENV]!r}. "
+        f"Fix: export {FAST_ENV}=1 for small sizes, {FAST_ENV}=0 for realistic ones."
+    )
 
 
 def execution_mode() -> str:

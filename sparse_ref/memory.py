@@ -14,29 +14,50 @@ A request's logical token ``t`` lives at physical slot ``pages[t // P] * P + t %
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from sparse_ref.errors import PoolError, check_tensor
 
 
-def _as_index_list(name: str, indices) -> list[int]:
-    if isinstance(indices, torch.Tensor):
-        return [int(i) for i in indices.reshape(-1).tolist()]
-    if isinstance(indices, int):
-        return [indices]
+def _as_int(name: str, value) -> int:
+    """``value`` as a Python int (ints, numpy/torch integer scalars); floats and bools raise PoolError."""
+    if isinstance(value, bool):
+        raise PoolError(f"{name}: expected an int, got the bool {value!r}.")
     try:
-        return [int(i) for i in indices]
+        return operator.index(value)
     except TypeError:
-        raise PoolError(f"{name}: expected an int, a list of ints or an integer tensor, got {indices!r}.") from None
+        raise PoolError(f"{name}: expected an int, got {value!r}.") from None
+
+
+def _as_index_list(name: str, indices) -> list[int]:
+    """Ints from an int, a sequence of ints or an integer tensor; anything else (floats too) raises."""
+    if isinstance(indices, torch.Tensor):
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise PoolError(f"{name}: expected an integer tensor, got dtype {indices.dtype}.")
+        return [int(i) for i in indices.reshape(-1).tolist()]
+    if isinstance(indices, (int, bool)) or not hasattr(indices, "__iter__"):
+        return [_as_int(name, indices)]
+    return [_as_int(name, i) for i in indices]
+
+
+def _as_count(name: str, n) -> int:
+    """A non-negative int count, or PoolError naming the argument."""
+    n = _as_int(name, n)
+    if n < 0:
+        raise PoolError(f"{name}: must be >= 0, got {n}.")
+    return n
 
 
 class ReqToTokenPool:
     """``req_to_token``: int32 ``[size, max_context_len]``, one row per request slot."""
 
     def __init__(self, size: int, max_context_len: int, device="cpu"):
+        size = _as_int("ReqToTokenPool(size)", size)
+        max_context_len = _as_int("ReqToTokenPool(max_context_len)", max_context_len)
         if size < 1 or max_context_len < 1:
             raise PoolError(
                 f"ReqToTokenPool: size and max_context_len must be >= 1, got size={size}, "
@@ -54,8 +75,7 @@ class ReqToTokenPool:
 
     def alloc(self, n: int = 1) -> list[int]:
         """Take ``n`` request slots; raises PoolError when fewer are free."""
-        if n < 0:
-            raise PoolError(f"ReqToTokenPool.alloc: n must be >= 0, got {n}.")
+        n = _as_count("ReqToTokenPool.alloc(n)", n)
         if n > len(self._free):
             raise PoolError(
                 f"ReqToTokenPool exhausted: asked for {n} request slots, {len(self._free)} of {self.size} free. "
@@ -74,6 +94,8 @@ class ReqToTokenPool:
                 raise PoolError(f"ReqToTokenPool.free: slot {s} is out of range [0, {self.size}).")
             if self._is_free[s]:
                 raise PoolError(f"ReqToTokenPool.free: slot {s} is already free (double free).")
+        if len(set(slots)) != len(slots):
+            raise PoolError(f"ReqToTokenPool.free: the same slot appears twice in {slots} (double free).")
         for s in slots:
             self._is_free[s] = True
             self._free.append(s)
@@ -84,6 +106,8 @@ class PageAllocator:
     """Whole pages of the KV cache. Page 0 is reserved padding and is never handed out."""
 
     def __init__(self, num_pages: int, page_size: int):
+        num_pages = _as_int("PageAllocator(num_pages)", num_pages)
+        page_size = _as_int("PageAllocator(page_size)", page_size)
         if num_pages < 2 or page_size < 1:
             raise PoolError(
                 f"PageAllocator: need num_pages >= 2 (page 0 is reserved) and page_size >= 1, "
@@ -103,8 +127,8 @@ class PageAllocator:
         self._free_listeners.append(callback)
 
     def alloc(self, n: int) -> list[int]:
-        if n < 0:
-            raise PoolError(f"PageAllocator.alloc: n must be >= 0, got {n}.")
+        """Take ``n`` whole pages (never page 0); raises PoolError when fewer are free."""
+        n = _as_count("PageAllocator.alloc(n)", n)
         if n > len(self._free):
             raise PoolError(
                 f"KV cache exhausted: asked for {n} pages, {len(self._free)} of {self.num_pages - 1} usable "
@@ -116,6 +140,7 @@ class PageAllocator:
         return pages
 
     def free(self, pages) -> None:
+        """Give whole pages back and tell the free listeners. Page 0, double free, out of range raise."""
         pages = _as_index_list("PageAllocator.free(pages)", pages)
         for p in pages:
             if p == 0:
@@ -141,7 +166,7 @@ class TokenToKVPool:
                  dtype=torch.float32, device="cpu"):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_layers", num_layers),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PoolError(f"TokenToKVPool: {name} must be a positive int, got {value!r}.")
         if num_pages < 2:
             raise PoolError(f"TokenToKVPool: num_pages must be >= 2 (page 0 is reserved), got {num_pages}.")
@@ -175,7 +200,9 @@ class TokenToKVPool:
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[n, H_kv, D]`` into physical slots ``loc`` ``[n]``."""
         self._check_layer(layer)
-        check_tensor("loc", loc, dtype=(torch.int32, torch.int64), dims=1)
+        check_tensor("loc", loc, dtype=(torch.int32, torch.int64), dims=1, device=self.device.type)
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, device=self.device.type, fix=f"move {name} to the pool's device {self.device}.")
         want = (loc.shape[0], self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want:
@@ -229,8 +256,7 @@ class KVCacheManager:
 
     def admit(self, num_tokens: int) -> Request:
         """Take a request slot and enough pages for ``num_tokens`` tokens; fill its req_to_token row."""
-        if num_tokens < 0:
-            raise PoolError(f"admit: num_tokens must be >= 0, got {num_tokens}.")
+        num_tokens = _as_count("admit(num_tokens)", num_tokens)
         self._check_fits(num_tokens)
         need = -(-num_tokens // self.page_size)
         if need > self.allocator.available_pages():
@@ -247,8 +273,8 @@ class KVCacheManager:
         """Append ``num_tokens`` tokens to ``req``; returns their physical slots (int64)."""
         if req.released:
             raise PoolError(f"grow: request {req.rid} was released; admit a new request instead.")
-        if num_tokens < 0:
-            raise PoolError(f"grow: num_tokens must be >= 0, got {num_tokens}.")
+        self._check_owned("grow", req)
+        num_tokens = _as_count("grow(num_tokens)", num_tokens)
         new_len = req.seq_len + num_tokens
         self._check_fits(new_len)
         need = -(-new_len // self.page_size) - len(req.pages)
@@ -266,11 +292,23 @@ class KVCacheManager:
         """Free the request's pages and its req_to_token row; both become reusable."""
         if req.released:
             raise PoolError(f"release: request {req.rid} was already released (double free).")
+        self._check_owned("release", req)
         self.allocator.free(req.pages)
         self.req_to_token_pool.free([req.req_pool_idx])
         req.released = True
         req.pages = []
         del self.requests[req.rid]
+
+    def _check_owned(self, what: str, req: Request) -> None:
+        if self.requests.get(req.rid) is not req:
+            raise PoolError(
+                f"{what}: request {req.rid} (req_pool_idx {req.req_pool_idx}) was not admitted by this "
+                "KVCacheManager. Fix: use the manager whose admit() returned it."
+            )
+
+    def pages_needed(self, req: Request, num_tokens: int = 1) -> int:
+        """How many new pages growing ``req`` by ``num_tokens`` tokens takes (0 while its last page has room)."""
+        return max(0, -(-(req.seq_len + num_tokens) // self.page_size) - len(req.pages))
 
     def _check_fits(self, num_tokens: int) -> None:
         if num_tokens > self.req_to_token_pool.max_context_len:

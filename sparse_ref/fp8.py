@@ -1,0 +1,83 @@
+"""Block-wise FP8 (e4m3) quantisation with one fp32 scale per block, as DeepSeek's ``act_quant``.
+
+For each block of ``block_size`` consecutive values along the last dim:
+
+1. ``amax = max(|x|)`` over the block, clamped below at ``1e-4`` (so an all-zero
+   block gets a finite, nonzero scale instead of dividing by zero);
+2. ``scale = amax / 448`` (448 is e4m3's largest finite value), or, in the ``ue8m0``
+   mode, that value rounded *up* to a power of two, so the scale fits an 8-bit
+   exponent with no mantissa and no block value overflows;
+3. ``q = clamp(x / scale, -448, 448)`` cast to ``torch.float8_e4m3fn``. The clamp
+   matters: out-of-range casts are not saturating on every backend.
+
+Dequantisation is ``q.float() * scale``. e4m3 keeps 3 mantissa bits, so a value in
+the normal range comes back within a relative error of ``2**-4``; below
+``2**-6 * scale`` the grid is uniform with step ``2**-9 * scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Round positive fp32 scales up to the next power of two (an exact power stays as it is).
+
+    ``frexp`` writes ``s = m * 2**e`` with ``m`` in ``[0.5, 1)``; ``s`` is a power of two
+    exactly when ``m == 0.5``, and otherwise ``2**e`` is the next power above it.
+    """
+    mantissa, exponent = torch.frexp(scale)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    return torch.ldexp(torch.ones_like(scale), exponent)
+
+
+def block_scales(x: torch.Tensor, block_size: int, ue8m0: bool = False) -> torch.Tensor:
+    """fp32 scales ``[..., n // block_size]``: ``max(amax, 1e-4) / 448`` per block (power of two if ue8m0)."""
+    blocks = _blocks(x, block_size)
+    amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    scale = amax / FP8_E4M3_MAX
+    return round_scale_ue8m0(scale) if ue8m0 else scale
+
+
+def quantize_fp8(x: torch.Tensor, block_size: int = 128, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x [..., n]`` to (``float8_e4m3fn [..., n]``, fp32 scales ``[..., n // block_size]``)."""
+    blocks = _blocks(x, block_size)
+    scale = block_scales(x, block_size, ue8m0)
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return q.reshape(x.shape), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+    """fp32 values ``q * scale``, block by block (the inverse of ``quantize_fp8`` up to rounding)."""
+    check_tensor("q", q, dtype=FP8_DTYPE, fix="pass the first output of quantize_fp8.")
+    check_tensor("scale", scale, dtype=torch.float32, fix="pass the second output of quantize_fp8.")
+    blocks = _blocks(q, block_size)
+    if tuple(scale.shape) != tuple(blocks.shape[:-1]):
+        raise ShapeError(
+            f"dequantize_fp8: scale must have shape {tuple(blocks.shape[:-1])} (one per block of {block_size}), "
+            f"got {tuple(scale.shape)}."
+        )
+    return (blocks.float() * scale.unsqueeze(-1)).reshape(q.shape)
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x`` viewed as ``[..., n // block_size, block_size]`` (fp32 unless it is already fp8)."""
+    check_tensor("x", x, dtype=(torch.float32, torch.float16, torch.bfloat16, torch.float64, FP8_DTYPE))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise SparseRefError(f"block_size: expected a positive int, got {block_size!r}.")
+    if x.dim() == 0 or x.shape[-1] % block_size:
+        n = x.shape[-1] if x.dim() else None
+        raise ShapeError(
+            f"FP8 quantisation: the last dim of x ({n}, shape {tuple(x.shape)}) must be a positive multiple of "
+            f"block_size={block_size}. Fix: pick a block size that divides it."
+        )
+    if x.shape[-1] == 0:
+        raise ShapeError(f"FP8 quantisation: x has an empty last dim (shape {tuple(x.shape)}).")
+    view = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    return view if x.dtype == FP8_DTYPE else view.float()

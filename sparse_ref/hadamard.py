@@ -1,0 +1,70 @@
+"""The Walsh–Hadamard transform: a fast, orthonormal rotation that spreads outliers.
+
+DeepSeek's lightning indexer rotates its queries and keys with a Hadamard transform
+scaled by ``n**-0.5`` before quantising them to FP8. The scaled matrix
+``H_n / sqrt(n)`` is orthonormal and symmetric, so it preserves every dot product
+(``(Hq)·(Hk) = q·k``) while mixing each coordinate into all the others: one large
+channel becomes ``n`` moderate ones, and the per-block FP8 scale stops being
+dictated by a single outlier.
+
+``hadamard_matrix(n)`` builds ``H_n`` explicitly (Sylvester's construction);
+``hadamard_transform(x, scale)`` applies ``x @ H_n * scale`` along the last dim with
+the fast butterfly, ``O(n log n)`` per vector instead of ``O(n^2)``. The tests check
+one against the other. ``n`` must be a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_ref.errors import ShapeError, check_tensor
+
+
+def is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
+def hadamard_matrix(n: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """The unscaled Sylvester Hadamard matrix ``H_n`` (entries +-1): ``H_2n = [[H, H], [H, -H]]``."""
+    if not is_power_of_two(n):
+        raise ShapeError(f"hadamard_matrix: n must be a power of two, got {n!r}.")
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    return h
+
+
+def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``(x @ H_n) * scale`` over the last dim, by the fast Walsh–Hadamard butterfly.
+
+    Each of the ``log2(n)`` rounds pairs entries ``h`` apart and replaces ``(a, b)`` by
+    ``(a + b, a - b)``. Computed in fp32 (or fp64 for fp64 inputs) and returned in
+    ``x.dtype``. ``H_n`` is symmetric, so ``x @ H_n == H_n @ x`` for a vector.
+    """
+    check_tensor("x", x, dtype=(torch.float32, torch.float64, torch.float16, torch.bfloat16),
+                 fix="pass a floating-point tensor whose last dim is a power of two.")
+    if x.dim() == 0:
+        raise ShapeError("hadamard_transform: x must have at least one dim (the one to transform), got a scalar.")
+    n = x.shape[-1]
+    if not is_power_of_two(n):
+        raise ShapeError(
+            f"hadamard_transform: the last dim of x must be a power of two, got {n} (shape {tuple(x.shape)}). "
+            "Fix: pad the vectors, or choose a head_dim that is a power of two."
+        )
+    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    lead = work.shape[:-1]
+    y = work.reshape(-1, n)
+    h = 1
+    while h < n:
+        # View each row as [n / 2h blocks, 2 halves, h]: the butterfly combines the two halves.
+        pairs = y.view(-1, n // (2 * h), 2, h)
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        y = torch.stack([a + b, a - b], dim=2).reshape(-1, n)
+        h *= 2
+    return (y * scale).reshape(*lead, n).to(x.dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """The orthonormal rotation the indexer uses: ``hadamard_transform(x, scale=n**-0.5)``."""
+    n = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else 1
+    return hadamard_transform(x, scale=float(n) ** -0.5)

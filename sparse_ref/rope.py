@@ -1,0 +1,67 @@
+"""Rotary position embedding (RoPE) on the first ``rope_dim`` dims of each vector.
+
+RoPE rotates pairs of coordinates by an angle ``position * theta**(-2i / rope_dim)``
+for pair ``i = 0 .. rope_dim/2 - 1``, so that ``rope(q, m) · rope(k, n)`` depends
+on the positions only through ``m - n``. Dims from ``rope_dim`` on pass unchanged.
+
+Which coordinates form pair ``i`` is a convention, and a checkpoint is trained with
+one of them:
+
+* **non-interleaved** (``interleaved=False``, "rotate half", GPT-NeoX style): pair
+  ``i`` is ``(x[i], x[i + rope_dim/2])``. DeepSeek-V3.2-Exp's lightning indexer uses
+  this one (its reference ``Indexer.forward`` passes ``interleaved=False``, commented
+  "rope in indexer is not interleaved"; an earlier release of that code used the
+  interleaved layout there by mistake and was corrected), and SGLang's indexer uses a
+  NeoX-style rope unless the model config asks for interleaving.
+* **interleaved** (``interleaved=True``, GPT-J style): pair ``i`` is
+  ``(x[2i], x[2i + 1])``. DeepSeek's MLA attention uses this one.
+
+The frequencies are plain RoPE (no YaRN context extension); the indexer only needs
+the relative-position property, which both layouts have.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
+
+
+def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Angles ``[T, rope_dim // 2]``: ``positions[t] * theta**(-2i / rope_dim)`` (fp32)."""
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device) / rope_dim)
+    return (positions.to(torch.float64)[:, None] * inv_freq[None, :]).float()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float = 10000.0,
+               interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first ``rope_dim`` dims of ``x`` ``[T, D]`` or ``[T, H, D]`` by ``positions`` ``[T]``.
+
+    Computed in fp32, returned in ``x.dtype``. See the module docstring for the two layouts.
+    """
+    check_tensor("x", x, dtype=(torch.float32, torch.float16, torch.bfloat16), dims=(2, 3))
+    check_tensor("positions", positions, dtype=(torch.int32, torch.int64), dims=1, device=x.device.type)
+    if positions.shape[0] != x.shape[0]:
+        raise ShapeError(f"apply_rope: x has {x.shape[0]} tokens but positions has {positions.shape[0]} entries.")
+    D = x.shape[-1]
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > D:
+        raise SparseRefError(f"rope_dim: expected an even int in [0, {D}] (the head dim), got {rope_dim!r}.")
+    if rope_dim == 0:
+        return x.clone()
+    angles = rope_angles(positions, rope_dim, theta)  # [T, rope_dim/2]
+    if x.dim() == 3:
+        angles = angles[:, None, :]  # the same rotation for every head of a token
+    cos, sin = angles.cos(), angles.sin()
+    xf = x.float()
+    rot, rest = xf[..., :rope_dim], xf[..., rope_dim:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+    else:
+        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
+    # (a + ib) * (cos + i sin) = (a cos - b sin) + i (a sin + b cos)
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    if interleaved:
+        rotated = torch.stack([ra, rb], dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat([ra, rb], dim=-1)
+    return torch.cat([rotated, rest], dim=-1).to(x.dtype)

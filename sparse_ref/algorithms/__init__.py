@@ -1,0 +1,59 @@
+"""Sparse algorithms and their registry: ``create_sparse_algorithm(name, config, device)``.
+
+A registry entry is either a class or a ``"module:Class"`` string imported on first use, so
+an algorithm with heavy or optional dependencies (DSA) costs nothing until it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from sparse_ref.algorithms.base import SELECTION_BACKENDS, SparseAlgorithm
+from sparse_ref.algorithms.quest import QuestAlgorithm
+from sparse_ref.errors import UnknownAlgorithmError
+
+_REGISTRY: dict[str, type | str] = {
+    "quest": QuestAlgorithm,
+    "deepseek_dsa": "sparse_ref.algorithms.dsa:DSAAlgorithm",
+}
+
+
+def known_algorithms() -> list[str]:
+    """The registered names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def register_sparse_algorithm(name: str, cls: type | str) -> None:
+    """Add (or replace) a registry entry: a SparseAlgorithm subclass or a ``"module:Class"`` path."""
+    _REGISTRY[name] = cls
+
+
+def _resolve(name: str) -> type:
+    entry = _REGISTRY[name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+    return entry
+
+
+def create_sparse_algorithm(name: str, config=None, device="cpu", **kwargs):
+    """Build the algorithm registered under ``name`` with ``config`` on ``device``.
+
+    An unknown name raises UnknownAlgorithmError (SGLang's message, then the known names).
+    """
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise UnknownAlgorithmError(
+            f"Unknown sparse algorithm: {name}. Known algorithms: {', '.join(known_algorithms())}. "
+            "Fix: pass one of these names, or register a new class with register_sparse_algorithm(name, cls)."
+        )
+    return _resolve(name)(config, device, **kwargs)
+
+
+__all__ = [
+    "SELECTION_BACKENDS",
+    "QuestAlgorithm",
+    "SparseAlgorithm",
+    "create_sparse_algorithm",
+    "known_algorithms",
+    "register_sparse_algorithm",
+]

@@ -1,0 +1,145 @@
+"""From a selection of logical pages to what a paged attention kernel reads.
+
+``retrieve_topk`` names *logical* pages (page ``j`` of request ``r``). Attention needs
+*physical* pages, a KV length per request and cumulative lengths:
+
+* ``page_table`` int32 ``[bs, W_out]``: physical page of each kept page, in selection order.
+  Entries past a row's page count are the reserved page 0 (never real data).
+  ``W_out = max(W, max_pages)`` with ``max_pages = ceil(req_to_token.shape[1] / P)``: static
+  (a CUDA graph needs fixed shapes) and wide enough for a dense row's full page list.
+* ``kv_lens`` int32 ``[bs]``: tokens to attend to. A sparse row keeps ``len`` pages, all full but
+  the last, which is the request's last page (always kept as a recent page) holding
+  ``last_page_len = seq_len - (n - 1) * P`` tokens, so ``kv_len = (len - 1) * P + last_page_len``.
+  A dense row (length 0, or ``sparse_mask`` False) gets all its ``n = ceil(seq_len / P)`` pages
+  and ``kv_len = seq_len``.
+* ``cu_kv_lens`` int32 ``[bs + 1]``: 0, then the running sum of ``kv_lens``.
+
+It also works at page size 1 for token selections (DSA): there, ``lengths`` is the count of
+non-negative entries, ``lengths_from_selection(selected)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
+from sparse_ref.selection import capturing, ceil_div
+
+
+def lengths_from_selection(selected: torch.Tensor) -> torch.Tensor:
+    """int32 ``[bs]``: entries ``>= 0`` per row of a -1 padded selection (e.g. DSA's top-k tokens)."""
+    check_tensor("selected", selected, dtype=(torch.int32, torch.int64), dims=2)
+    return (selected >= 0).sum(dim=1).to(torch.int32)
+
+
+def page_table_width(selection_width: int, max_context_len: int, page_size: int) -> int:
+    """``W_out = max(W, ceil(max_context_len / P))``: the static width of the page table."""
+    return max(selection_width, ceil_div(max_context_len, page_size))
+
+
+def _check_inputs(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size, out) -> None:
+    check_tensor("selected", selected, dtype=(torch.int32, torch.int64), dims=2,
+                 fix="pass the selection returned by retrieve_topk, int32 [bs, W].")
+    bs, width = selected.shape
+    device = selected.device.type
+    check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), dims=1, device=device)
+    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1, device=device)
+    check_tensor("forward_batch.seq_lens", seq_lens, dtype=(torch.int32, torch.int64), dims=1, device=device)
+    check_tensor("forward_batch.req_pool_indices", rows, dtype=(torch.int32, torch.int64), dims=1, device=device)
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=device)
+    for name, t in (("lengths", lengths), ("sparse_mask", sparse_mask), ("forward_batch.seq_lens", seq_lens),
+                    ("forward_batch.req_pool_indices", rows)):
+        if t.shape[0] != bs:
+            raise ShapeError(f"{name}: expected {bs} entries (one per row of selected), got {t.shape[0]}.")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise SparseRefError(f"page_size: expected a positive int, got {page_size!r}.")
+    w_out = page_table_width(width, req_to_token.shape[1], page_size)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise ShapeError("out: expected a tuple (page_table, kv_lens, cu_kv_lens) of preallocated buffers.")
+        for name, t, shape in (("page_table", out[0], (bs, w_out)), ("kv_lens", out[1], (bs,)),
+                               ("cu_kv_lens", out[2], (bs + 1,))):
+            check_tensor(f"out {name}", t, dtype=torch.int32, device=device)
+            if tuple(t.shape) != shape:
+                raise ShapeError(f"out {name}: expected shape {shape}, got {tuple(t.shape)}.")
+    if bs == 0 or capturing():
+        return
+    # Eager value checks (each syncs with the host, so none of them runs while a graph captures).
+    if int(seq_lens.min()) < 0 or int(seq_lens.max()) > req_to_token.shape[1]:
+        raise ShapeError(f"forward_batch.seq_lens: expected values in [0, {req_to_token.shape[1]}], "
+                         f"got min {int(seq_lens.min())}, max {int(seq_lens.max())}.")
+    if int(rows.min()) < 0 or int(rows.max()) >= req_to_token.shape[0]:
+        raise ShapeError(f"forward_batch.req_pool_indices: expected rows in [0, {req_to_token.shape[0]}), "
+                         f"got min {int(rows.min())}, max {int(rows.max())}.")
+    if int(lengths.min()) < 0 or int(lengths.max()) > width:
+        raise ShapeError(f"lengths: expected values in [0, {width}] (the width of selected), "
+                         f"got min {int(lengths.min())}, max {int(lengths.max())}.")
+    n = ceil_div(seq_lens.long(), page_size)
+    cols = torch.arange(width, device=selected.device)
+    live = cols[None, :] < lengths[:, None]
+    sparse = sparse_mask & (lengths > 0)
+    bad = sparse[:, None] & live & ((selected < 0) | (selected >= n[:, None]))
+    bad |= sparse[:, None] & ~live & (selected != -1)
+    if bool(bad.any()):
+        r, j = (int(x) for x in bad.nonzero()[0])
+        raise ShapeError(
+            f"selected: row {r} entry {j} is {int(selected[r, j])}; expected its first lengths[r]={int(lengths[r])} "
+            f"entries in [0, {int(n[r])}) (ceil(seq_len / page_size) pages of that request) and -1 after. "
+            "A request may only name its own pages. Fix: pass the (selected, lengths) of retrieve_topk unchanged."
+        )
+    ids = torch.where(live & sparse[:, None], selected.long(), torch.full_like(selected, -1, dtype=torch.long))
+    ids = torch.sort(ids, dim=1).values
+    if bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()):
+        raise ShapeError("selected: a row names the same page twice; each kept page must appear once.")
+    if page_size > 1:
+        last = selected.long().gather(1, (lengths.long() - 1).clamp(min=0)[:, None]).squeeze(1)
+        wrong = sparse & (last != n - 1)
+        if bool(wrong.any()):
+            r = int(wrong.nonzero()[0, 0])
+            raise ShapeError(
+                f"selected: row {r} ends with page {int(last[r])}, not its last page {int(n[r] - 1)}. The KV length "
+                "(len - 1) * P + last_page_len needs the last (partial) page kept last. Fix: keep num_recent_pages "
+                ">= 1 and pass the ascending selection of retrieve_topk."
+            )
+
+
+def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, forward_batch,
+                          req_to_token: torch.Tensor, page_size: int, out=None):
+    """``(page_table, kv_lens, cu_kv_lens)`` for paged attention (see the module docstring).
+
+    ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers written in place (CUDA
+    graph replay); they are returned. Batched torch, no host sync once the eager checks are skipped.
+    """
+    seq_lens, rows = forward_batch.seq_lens, forward_batch.req_pool_indices
+    _check_inputs(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size, out)
+    bs, width = selected.shape
+    device = selected.device
+    w_out = page_table_width(width, req_to_token.shape[1], page_size)
+    seq = seq_lens.long()
+    n = ceil_div(seq, page_size)
+    lens = lengths.long()
+    sparse = sparse_mask & (lens > 0)
+
+    cols = torch.arange(w_out, device=device)
+    if w_out > width:
+        pad = torch.full((bs, w_out - width), -1, dtype=selected.dtype, device=device)
+        chosen = torch.cat([selected, pad], dim=1)
+    else:
+        chosen = selected
+    logical = torch.where(sparse[:, None], chosen.long(), cols[None, :].expand(bs, -1))
+    count = torch.where(sparse, lens, n)
+    live = cols[None, :] < count[:, None]
+    first_token = torch.where(live, logical, torch.zeros_like(logical)) * page_size
+    physical = req_to_token[rows.long()[:, None], first_token.clamp(max=req_to_token.shape[1] - 1)] // page_size
+    page_table = torch.where(live, physical, torch.zeros_like(physical)).to(torch.int32)
+
+    last_page_len = seq - (n - 1) * page_size
+    kv_lens = torch.where(sparse, (lens - 1) * page_size + last_page_len, seq).to(torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(kv_lens.long(), 0)])
+    cu_kv_lens = cu.to(torch.int32)
+    if out is None:
+        return page_table, kv_lens, cu_kv_lens
+    out[0].copy_(page_table)
+    out[1].copy_(kv_lens)
+    out[2].copy_(cu_kv_lens)
+    return out[0], out[1], out[2]

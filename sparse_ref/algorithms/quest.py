@@ -1,0 +1,221 @@
+"""Quest: score each KV page by an upper bound on ``q . k`` over the keys it holds.
+
+Quest (Tang et al., 2024, arXiv 2406.10774) keeps, per physical page and KV head, the
+elementwise minimum and maximum key. For any key ``k`` in the page and any query ``q``,
+
+    q . k = sum_d q_d k_d <= sum_d max(q_d * max_d, q_d * min_d)        (the page score)
+
+because ``q_d k_d`` is linear in ``k_d`` and ``min_d <= k_d <= max_d``. So a page whose score
+is low cannot hold a key that the query attends to strongly; the best-scoring pages are read.
+
+Bookkeeping (per layer, indexed by PHYSICAL page, fp32 ``[num_pages, H_kv, D]``):
+
+* ``construct_representations`` after a prefill builds the bounds of every page the prefill
+  *completed* (a page with all ``P`` tokens written);
+* ``update_representations`` after a decode step builds the bounds of a page that this step
+  completed (``seq_len % P == 0``), batched with no host sync;
+* ``invalidate_pages`` (registered with ``PageAllocator.add_free_listener``) marks freed pages
+  invalid, so a freed and reused page never scores with the bounds of its previous owner.
+
+A page without valid bounds (the incomplete last page of a request, or a page whose bounds were
+never built) scores ``-inf``: selection never picks it by score. The incomplete last page does not
+need a score: it is always kept as a recent page (``num_recent_pages >= 1``).
+
+GQA. Queries come as ``[bs, H_q * D]`` or ``[bs, H_q, D]``, ``G = H_q / H_kv`` query heads per KV
+head; query head ``h`` reads KV head ``h // G`` (SGLang and Hugging Face layout). With
+``q+ = max(q, 0)`` and ``q- = min(q, 0)``, ``max(q_d*max_d, q_d*min_d) = q+_d*max_d + q-_d*min_d``:
+
+* ``gqa_mode="mean"`` (SGLang): average each group's query heads into one query per KV head,
+  ``qbar = mean_g q_g``, and score ``sum_kvhead sum_d max(qbar_d*max_d, qbar_d*min_d)``. An upper
+  bound on ``sum_kvhead qbar . k`` for every token of the page.
+* ``gqa_mode="per_kv_head"``: bound each query head separately and sum over all query heads,
+  ``sum_h sum_d max(q_h,d*max_d, q_h,d*min_d)`` (KV head of ``h`` is ``h // G``). An upper bound on
+  ``sum_h q_h . k`` for every token; it is never below ``G`` times the mean-mode score, as the
+  bound is convex in ``q``.
+
+Recipe for a decode setup at any size (the benchmark's bs=64, 32K context, page 16):
+``sparse_ref.workloads.make_quest_decode_setup(bs, ctx, page_size, ...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_ref.algorithms.base import SparseAlgorithm
+from sparse_ref.batch import ForwardMode
+from sparse_ref.errors import BatchError, ShapeError, check_tensor
+from sparse_ref.selection import capturing
+
+
+def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gqa_mode: str):
+    """``(q_pos, q_neg)`` fp32 ``[bs, H_kv, D]`` with score = q_pos . max + q_neg . min, per the GQA mode.
+
+    Raises ShapeError with SGLang's Quest messages (verbatim) followed by the fix.
+    """
+    bs = queries.shape[0]
+    if queries.dim() == 2:
+        hidden = queries.shape[1]
+        if hidden % head_dim != 0:
+            raise ShapeError(
+                f"Quest query hidden size {hidden} not divisible by head_dim {head_dim}. Fix: pass queries as "
+                f"[bs, H_q * {head_dim}] (all query heads of the layer, flattened) or as [bs, H_q, {head_dim}]."
+            )
+        queries = queries.reshape(bs, hidden // head_dim, head_dim)
+    elif queries.dim() != 3 or queries.shape[2] != head_dim:
+        raise ShapeError(
+            f"Unsupported query shape for Quest: {tuple(queries.shape)}. Fix: pass one decode query per request, "
+            f"[bs, H_q * {head_dim}] or [bs, H_q, {head_dim}] (head_dim of the KV pool is {head_dim})."
+        )
+    num_q_heads = queries.shape[1]
+    if num_q_heads % num_kv_heads != 0 or num_q_heads == 0:
+        raise ShapeError(
+            f"Query heads {num_q_heads} not divisible by KV heads {num_kv_heads}. Fix: pass all H_q query heads of "
+            f"the layer; with grouped-query attention H_q must be a multiple of the pool's {num_kv_heads} KV heads."
+        )
+    q = queries.float().reshape(bs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    if gqa_mode == "mean":
+        q = q.mean(dim=2)
+        return q.clamp(min=0), q.clamp(max=0)
+    return q.clamp(min=0).sum(dim=2), q.clamp(max=0).sum(dim=2)  # per_kv_head: the sum of per-head bounds
+
+
+class QuestAlgorithm(SparseAlgorithm):
+    """Quest page scoring over per-page key min/max (see the module docstring)."""
+
+    name = "quest"
+
+    def initialize_representation_pool(self, start_layer: int, end_layer: int, token_to_kv_pool,
+                                       req_to_token_pool, page_allocator=None) -> None:
+        """Allocate the min/max pools of layers ``[start_layer, end_layer)`` (exclusive end).
+
+        Pass ``page_allocator`` (e.g. ``KVCacheManager.allocator``) to have freed pages invalidated
+        automatically; otherwise call ``invalidate_pages`` yourself when pages are freed.
+        """
+        super().initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool)
+        pool = token_to_kv_pool
+        self.num_pages, self.num_kv_heads, self.head_dim = pool.num_pages, pool.num_kv_heads, pool.head_dim
+        shape = (pool.num_pages, pool.num_kv_heads, pool.head_dim)
+        layers = range(start_layer, end_layer)
+        self.page_min = {i: torch.zeros(shape, dtype=torch.float32, device=self.device) for i in layers}
+        self.page_max = {i: torch.zeros(shape, dtype=torch.float32, device=self.device) for i in layers}
+        self.page_valid = {i: torch.zeros(pool.num_pages, dtype=torch.bool, device=self.device) for i in layers}
+        if page_allocator is not None:
+            page_allocator.add_free_listener(self.invalidate_pages)
+
+    # ---------------------------------------------------------------- bounds
+    def _pages_view(self, name: str, k_buffer: torch.Tensor) -> torch.Tensor:
+        """``k_buffer`` ``[num_pages * P, H_kv, D]`` seen as ``[num_pages, P, H_kv, D]``."""
+        want = (self.num_pages * self.page_size, self.num_kv_heads, self.head_dim)
+        check_tensor(name, k_buffer, dims=3, device=self.device.type)
+        if tuple(k_buffer.shape) != want:
+            raise ShapeError(f"{name}: expected the layer's key buffer of shape {want}, got {tuple(k_buffer.shape)}.")
+        return k_buffer.view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def _write_bounds(self, layer_id: int, pages: torch.Tensor, k_pages: torch.Tensor, write: torch.Tensor) -> None:
+        """Store min/max of ``k_pages`` ``[n, P, H_kv, D]`` at physical ``pages`` where ``write`` is True."""
+        mn, mx = k_pages.float().amin(dim=1), k_pages.float().amax(dim=1)
+        w = write[:, None, None]
+        self.page_min[layer_id][pages] = torch.where(w, mn, self.page_min[layer_id][pages])
+        self.page_max[layer_id][pages] = torch.where(w, mx, self.page_max[layer_id][pages])
+        self.page_valid[layer_id][pages] = self.page_valid[layer_id][pages] | write
+
+    def construct_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
+        """After a prefill (EXTEND): bounds of every page that the new tokens completed.
+
+        A request with prefix ``p`` and length ``s`` completes logical pages ``[p // P, s // P)``;
+        each is rebuilt from all of its ``P`` keys (earlier chunks included).
+        """
+        self.check_layer(layer_id)
+        if forward_batch.forward_mode is not ForwardMode.EXTEND:
+            raise BatchError(
+                f"construct_representations: expected an EXTEND batch, got {forward_batch.forward_mode}. "
+                "Fix: after a decode step call update_representations instead."
+            )
+        k_pages = self._pages_view("k_buffer", k_buffer)
+        P = self.page_size
+        req_to_token = self.req_to_token_pool.req_to_token
+        pages = []
+        rows = forward_batch.req_pool_indices.tolist()
+        prefixes, seq_lens = forward_batch.extend_prefix_lens.tolist(), forward_batch.seq_lens.tolist()
+        for r, prefix, seq_len in zip(rows, prefixes, seq_lens, strict=True):
+            first_token_of_page = torch.arange(prefix // P, seq_len // P, device=req_to_token.device) * P
+            pages.append(req_to_token[r, first_token_of_page].long() // P)
+        pages = torch.cat(pages).to(self.device)
+        if pages.numel():
+            self._write_bounds(layer_id, pages, k_pages[pages], torch.ones_like(pages, dtype=torch.bool))
+
+    def update_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
+        """After a decode step: build the bounds of the page this step completed, if any.
+
+        Batched with no host sync: every row computes the bounds of the page holding its newest
+        token, and keeps them only where ``seq_len % P == 0`` (the page just filled up).
+        """
+        self.check_layer(layer_id)
+        if forward_batch.forward_mode is not ForwardMode.DECODE:
+            raise BatchError(
+                f"update_representations: expected a DECODE batch, got {forward_batch.forward_mode}. "
+                "Fix: after a prefill call construct_representations instead."
+            )
+        k_pages = self._pages_view("k_buffer", k_buffer)
+        P = self.page_size
+        req_to_token = self.req_to_token_pool.req_to_token
+        seq_lens = forward_batch.seq_lens.to(req_to_token.device)
+        rows = forward_batch.req_pool_indices.to(req_to_token.device)
+        newest = (seq_lens - 1).clamp(min=0)
+        pages = req_to_token[rows, (newest // P) * P].long().to(self.device) // P
+        completed = ((seq_lens > 0) & (seq_lens % P == 0)).to(self.device)
+        self._write_bounds(layer_id, pages, k_pages[pages], completed)
+
+    def invalidate_pages(self, pages) -> None:
+        """Forget the bounds of freed physical ``pages`` in every layer (the free-listener hook)."""
+        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.device)
+        for layer in self.page_valid:
+            self.page_valid[layer][pages] = False
+            self.page_min[layer][pages] = 0.0
+            self.page_max[layer][pages] = 0.0
+
+    # ---------------------------------------------------------------- scoring
+    def physical_pages(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """int64 ``[bs, max_pages]``: physical page of logical page ``j``, ``req_to_token[r, j*P] // P``.
+
+        Past a row's length the entry is whatever the row holds (clamped into the pool); selection
+        masks those pages, so their scores never matter.
+        """
+        req_to_token = self.req_to_token_pool.req_to_token
+        first_token_of_page = torch.arange(self.max_pages, device=req_to_token.device) * self.page_size
+        rows = req_pool_indices.to(req_to_token.device).long()
+        pages = req_to_token[rows[:, None], first_token_of_page[None, :]].long() // self.page_size
+        return pages.to(self.device).clamp(0, self.num_pages - 1)
+
+    def score_pages(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                    forward_batch) -> torch.Tensor:
+        """fp32 ``[bs, max_pages]`` Quest bounds of each logical page; -inf where a page has no bounds."""
+        self.check_layer(layer_id)
+        q_pos, q_neg = split_query_sign(queries.to(self.device), self.num_kv_heads, self.head_dim,
+                                        self.config.gqa_mode)
+        pages = self.physical_pages(req_pool_indices)
+        if not capturing() and pages.numel():
+            self._check_pages_in_range(pages, forward_batch)
+        bs, max_pages = pages.shape
+        hd = self.num_kv_heads * self.head_dim
+        page_max = self.page_max[layer_id].view(self.num_pages, hd)[pages]  # [bs, max_pages, H_kv*D]
+        page_min = self.page_min[layer_id].view(self.num_pages, hd)[pages]
+        scores = torch.bmm(page_max, q_pos.reshape(bs, hd, 1)) + torch.bmm(page_min, q_neg.reshape(bs, hd, 1))
+        scores = scores.squeeze(2)
+        return torch.where(self.page_valid[layer_id][pages], scores, torch.full_like(scores, float("-inf")))
+
+    def _check_pages_in_range(self, pages: torch.Tensor, forward_batch) -> None:
+        """Eager only: the pages of every row's real tokens lie in [1, num_pages) (page 0 is padding)."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        rows = forward_batch.req_pool_indices.to(req_to_token.device).long()
+        n = -(-forward_batch.seq_lens.to(req_to_token.device) // self.page_size)
+        cols = torch.arange(pages.shape[1], device=req_to_token.device)
+        raw = req_to_token[rows[:, None], cols[None, :] * self.page_size].long() // self.page_size
+        bad = (cols[None, :] < n[:, None]) & ((raw < 1) | (raw >= self.num_pages))
+        if bool(bad.any()):
+            r, j = (int(x) for x in bad.nonzero()[0])
+            raise ShapeError(
+                f"req_to_token: request {r} (row {int(rows[r])}) maps logical page {j} to physical page "
+                f"{int(raw[r, j])}, outside the KV pool's usable pages [1, {self.num_pages}). Fix: fill req_to_token "
+                "through KVCacheManager (admit/grow), and pass forward_batch for the same requests."
+            )

@@ -1,0 +1,107 @@
+"""Paged decode attention references, dense and sparse, in fp32 torch.
+
+One query token per request, ``q`` ``[bs, H_q, D]``; K and V live in the paged buffers
+``[num_slots, H_kv, D]``. Query head ``h`` reads KV head ``h // (H_q / H_kv)`` (GQA).
+
+* ``dense_decode_attention`` reads every token ``t < seq_len`` of a request through its
+  req_to_token row: the ground truth.
+* ``sparse_decode_attention`` reads the tokens of the physical pages in a page table, the first
+  ``kv_len`` of them (what ``adaptor.to_attention_metadata`` produces).
+
+Both can return the attention probabilities, so ``metrics`` can measure how much attention
+mass a selection keeps. With a page table of *all* pages the two agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparse_ref.errors import ShapeError, check_tensor
+
+
+def _check_q_kv(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> int:
+    """Shape checks shared by both references; returns the GQA group size ``H_q / H_kv``."""
+    check_tensor("q", q, dims=3, fix="pass one query token per request, [bs, H_q, D].")
+    check_tensor("k_buffer", k_buffer, dims=3, device=q.device.type)
+    check_tensor("v_buffer", v_buffer, dims=3, device=q.device.type)
+    if k_buffer.shape != v_buffer.shape:
+        raise ShapeError(f"k_buffer {tuple(k_buffer.shape)} and v_buffer {tuple(v_buffer.shape)} must match.")
+    h_q, d = q.shape[1], q.shape[2]
+    h_kv = k_buffer.shape[1]
+    if k_buffer.shape[2] != d:
+        raise ShapeError(f"q: head dim {d} differs from the KV buffers' head dim {k_buffer.shape[2]}.")
+    if h_q % h_kv != 0:
+        raise ShapeError(f"q: {h_q} query heads are not a multiple of the {h_kv} KV heads (GQA needs H_q % H_kv == 0).")
+    return h_q // h_kv
+
+
+def _attend(q: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, k_buffer: torch.Tensor,
+            v_buffer: torch.Tensor, group: int, scale: float | None):
+    """Softmax attention of ``q`` over the slots ``[bs, T]`` where ``valid``; fp32 output and probabilities."""
+    d = q.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    keys = k_buffer[slots.long()].float().repeat_interleave(group, dim=2)  # [bs, T, H_q, D]
+    values = v_buffer[slots.long()].float().repeat_interleave(group, dim=2)
+    logits = torch.einsum("bhd,bthd->bht", q.float(), keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # a row with nothing to read (length 0) attends to nothing
+    out = torch.einsum("bht,bthd->bhd", probs, values)
+    return out, probs
+
+
+def dense_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float | None = None, return_probs: bool = False):
+    """Attention over every token ``t < seq_len`` of each request. ``probs``: ``[bs, H_q, T]`` over logical t.
+
+    ``T`` is the longest ``seq_len`` in the batch; probabilities past a row's length are 0.
+    """
+    group = _check_q_kv(q, k_buffer, v_buffer)
+    bs = q.shape[0]
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=q.device.type)
+    check_tensor("seq_lens", seq_lens, dtype=(torch.int32, torch.int64), dims=1, device=q.device.type)
+    check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1, device=q.device.type)
+    if seq_lens.shape[0] != bs or req_pool_indices.shape[0] != bs:
+        raise ShapeError(f"seq_lens and req_pool_indices need {bs} entries (one per query), got "
+                         f"{seq_lens.shape[0]} and {req_pool_indices.shape[0]}.")
+    longest = int(seq_lens.max()) if bs else 0
+    if longest > req_to_token.shape[1] or (bs and int(seq_lens.min()) < 0):
+        raise ShapeError(f"seq_lens: expected values in [0, {req_to_token.shape[1]}], got max {longest}.")
+    t = torch.arange(longest, device=q.device)
+    slots = req_to_token[req_pool_indices.long()[:, None], t[None, :]]
+    valid = t[None, :] < seq_lens[:, None]
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    out, probs = _attend(q, slots, valid, k_buffer, v_buffer, group, scale)
+    return (out, probs) if return_probs else out
+
+
+def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                            page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
+                            scale: float | None = None, return_probs: bool = False):
+    """Attention over the first ``kv_len`` tokens of the pages in ``page_table`` ``[bs, W]`` (physical ids).
+
+    ``probs``: ``[bs, H_q, W * P]``, position ``i * P + o`` is offset ``o`` of the table's ``i``-th page.
+    """
+    group = _check_q_kv(q, k_buffer, v_buffer)
+    bs = q.shape[0]
+    check_tensor("page_table", page_table, dtype=(torch.int32, torch.int64), dims=2, device=q.device.type)
+    check_tensor("kv_lens", kv_lens, dtype=(torch.int32, torch.int64), dims=1, device=q.device.type)
+    if page_table.shape[0] != bs or kv_lens.shape[0] != bs:
+        raise ShapeError(f"page_table and kv_lens need {bs} rows (one per query), got "
+                         f"{page_table.shape[0]} and {kv_lens.shape[0]}.")
+    width = page_table.shape[1]
+    num_pages = k_buffer.shape[0] // page_size
+    if bs and (int(kv_lens.min()) < 0 or int(kv_lens.max()) > width * page_size):
+        raise ShapeError(f"kv_lens: expected values in [0, {width * page_size}] (table width x page size), "
+                         f"got min {int(kv_lens.min())}, max {int(kv_lens.max())}.")
+    if page_table.numel() and (int(page_table.min()) < 0 or int(page_table.max()) >= num_pages):
+        raise ShapeError(f"page_table: expected physical pages in [0, {num_pages}), "
+                         f"got min {int(page_table.min())}, max {int(page_table.max())}.")
+    offsets = torch.arange(page_size, device=q.device)
+    slots = (page_table.long()[:, :, None] * page_size + offsets).reshape(bs, width * page_size)
+    valid = torch.arange(width * page_size, device=q.device)[None, :] < kv_lens[:, None]
+    out, probs = _attend(q, slots, valid, k_buffer, v_buffer, group, scale)
+    return (out, probs) if return_probs else out

@@ -1,0 +1,72 @@
+"""How good is a selection? Measured against dense attention (the oracle).
+
+* ``page_attention_mass(probs, page_size)``: the true attention mass of each logical page,
+  averaged over query heads, from ``dense_decode_attention(..., return_probs=True)``.
+* ``page_recall``: the share of the oracle's top pages (by true mass) that a selection kept.
+* ``attention_mass_kept``: the share of attention mass on the kept pages (1.0 = nothing lost).
+* ``relative_error``: ``||out - ref|| / ||ref||`` per request, sparse output against dense.
+
+Rows that stay dense (length 0) keep everything: recall and mass kept are 1.0 there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_ref.errors import ShapeError, check_tensor
+from sparse_ref.selection import ceil_div, topk_reference
+
+
+def page_attention_mass(probs: torch.Tensor, page_size: int) -> torch.Tensor:
+    """fp32 ``[bs, ceil(T / P)]``: attention mass of each logical page, mean over heads (rows sum to 1)."""
+    check_tensor("probs", probs, dims=3, fix="pass the probabilities of dense_decode_attention, [bs, H_q, T].")
+    bs, heads, t = probs.shape
+    pages = ceil_div(t, page_size)
+    padded = torch.nn.functional.pad(probs.float(), (0, pages * page_size - t))
+    return padded.reshape(bs, heads, pages, page_size).sum(-1).mean(1)
+
+
+def _kept_mask(selected: torch.Tensor, lengths: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """bool ``[bs, num_pages]``: page kept by the row (every page for a dense row)."""
+    check_tensor("selected", selected, dtype=(torch.int32, torch.int64), dims=2)
+    check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), dims=1)
+    if lengths.shape[0] != selected.shape[0]:
+        raise ShapeError(f"lengths has {lengths.shape[0]} entries, selected {selected.shape[0]} rows.")
+    live = (torch.arange(selected.shape[1], device=selected.device)[None, :] < lengths[:, None]) & (selected >= 0)
+    ids = torch.where(live, selected.long(), torch.full_like(selected, num_pages, dtype=torch.long))
+    kept = torch.zeros(selected.shape[0], num_pages + 1, dtype=torch.bool, device=selected.device)
+    kept.scatter_(1, ids.clamp(max=num_pages), True)
+    kept = kept[:, :num_pages]
+    return kept | (lengths == 0)[:, None]
+
+
+def attention_mass_kept(selected: torch.Tensor, lengths: torch.Tensor, page_mass: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[bs]``: the share of each request's attention mass on its kept pages."""
+    kept = _kept_mask(selected, lengths, page_mass.shape[1])
+    return torch.where(kept, page_mass, torch.zeros_like(page_mass)).sum(1) / page_mass.sum(1).clamp(min=1e-30)
+
+
+def page_recall(selected: torch.Tensor, lengths: torch.Tensor, page_mass: torch.Tensor, seq_lens: torch.Tensor,
+                page_size: int, k: int | None = None) -> torch.Tensor:
+    """fp32 ``[bs]``: share of the oracle's top-``k`` pages (by true mass, among the row's pages) kept.
+
+    ``k`` defaults to each row's own ``lengths`` (the best a selection of that size could do).
+    """
+    num_pages = page_mass.shape[1]
+    kept = _kept_mask(selected, lengths, num_pages)
+    k_row = lengths.long() if k is None else torch.full_like(lengths, k, dtype=torch.long)
+    n = ceil_div(seq_lens.long().to(page_mass.device), page_size).clamp(max=num_pages)
+    k_row = torch.minimum(k_row, n)
+    width = num_pages
+    oracle = topk_reference(page_mass, k_row, n, width=width).long()
+    hit = (oracle >= 0) & kept.gather(1, oracle.clamp(min=0))
+    recall = hit.sum(1).float() / k_row.clamp(min=1).float()
+    return torch.where((lengths == 0) | (k_row == 0), torch.ones_like(recall), recall)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[bs]``: ``||out - ref|| / ||ref||`` per request (over heads and dims)."""
+    if out.shape != ref.shape:
+        raise ShapeError(f"out {tuple(out.shape)} and ref {tuple(ref.shape)} must have the same shape.")
+    diff = (out.float() - ref.float()).reshape(out.shape[0], -1).norm(dim=1)
+    return diff / ref.float().reshape(ref.shape[0], -1).norm(dim=1).clamp(min=1e-30)

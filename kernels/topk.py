@@ -67,17 +67,6 @@ def _signed_key(x):
 
 
 @triton.jit
-def _descend(h, k_rem, NB: tl.constexpr):
-    """The digit holding the k_rem-th largest key of histogram h, and the count of keys above it."""
-    bins = tl.arange(0, NB)
-    total = tl.sum(h, axis=0)
-    at_or_above = total - tl.cumsum(h, axis=0) + h
-    digit = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins > digit, h, 0), axis=0)
-    return digit, above
-
-
-@triton.jit
 def _walk(hist_row, pass_stride, k_eff, UPTO: tl.constexpr, BITS: tl.constexpr):
     """Threshold prefix (digits of passes < UPTO) and how many keys equal to it are still needed."""
     NB: tl.constexpr = 1 << BITS
@@ -85,9 +74,13 @@ def _walk(hist_row, pass_stride, k_eff, UPTO: tl.constexpr, BITS: tl.constexpr):
     prefix = tl.full([], 0, tl.uint32)
     k_rem = k_eff
     for p in tl.static_range(UPTO):
+        # Walk the histogram from the top: the digit where the count of keys at or above it
+        # first reaches k_rem holds the k_rem-th largest key. (Inlined: nested calls are slow
+        # in the interpreter.)
         h = tl.load(hist_row + p * pass_stride + bins)
-        digit, above = _descend(h, k_rem, NB)
-        k_rem = k_rem - above
+        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+        digit = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
+        k_rem = k_rem - tl.sum(tl.where(bins > digit, h, 0), axis=0)
         prefix = prefix | (digit.to(tl.uint32) << (32 - BITS * (p + 1)))
     return prefix, k_rem
 

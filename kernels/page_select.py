@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 
 import torch
-
 from sparse_ref.kernels.topk import capturing, check_same_device, check_scores, launch_select
+
 from sparse_ref.errors import ShapeError, SparseRefError
 
 
@@ -104,7 +104,8 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
                              f"Fix: pass forward_batch.{name if name == 'seq_lens' else 'sparse_mask'} for this batch.")
         check_same_device(name, t, scores, fn)
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise SparseRefError(f"{fn}: page_size must be a positive int, got {page_size!r}. Fix: the KV pool's page size.")
+        raise SparseRefError(f"{fn}: page_size must be a positive int, got {page_size!r}. "
+                             f"Fix: pass the KV pool's page size.")
     fields = _config_ints(config)
     if bs and not capturing():
         lo, hi = int(seq_lens.min()), int(seq_lens.max())

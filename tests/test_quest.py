@@ -1,0 +1,196 @@
+"""Quest: page bounds, the upper-bound property, GQA modes, the three errors, construct/update, stale bounds."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparse_ref import KVCacheManager, ShapeError, SparseConfig, build_decode_batch, build_extend_batch
+from sparse_ref.algorithms import QuestAlgorithm
+from sparse_ref.algorithms.quest import split_query_sign
+from sparse_ref.errors import BatchError
+
+
+def quest_on(manager, config=None):
+    algo = QuestAlgorithm(config or SparseConfig(page_budget=1))
+    algo.initialize_representation_pool(0, manager.token_to_kv_pool.num_layers, manager.token_to_kv_pool,
+                                        manager.req_to_token_pool, page_allocator=manager.allocator)
+    return algo
+
+
+def write_keys(manager, req, gen, start=0):
+    """Random K (and V) for tokens [start, seq_len) of req; returns the keys."""
+    slots = manager.req_to_token_pool.req_to_token[req.req_pool_idx, start:req.seq_len].long()
+    pool = manager.token_to_kv_pool
+    k = torch.randn(slots.shape[0], pool.num_kv_heads, pool.head_dim, generator=gen)
+    pool.set_kv(0, slots, k, torch.randn_like(k))
+    return k
+
+
+def naive_scores(q, keys_by_page, num_kv_heads, gqa_mode):
+    """Quest scores the slow way: per page, per KV head, per query head, straight from the formula."""
+    bs_heads, d = q.shape
+    group = bs_heads // num_kv_heads
+    out = []
+    for keys in keys_by_page:  # keys [P, H_kv, D]
+        mn, mx = keys.min(0).values, keys.max(0).values
+        s = 0.0
+        for kvh in range(num_kv_heads):
+            qs = q[kvh * group:(kvh + 1) * group]
+            qs = [qs.mean(0)] if gqa_mode == "mean" else list(qs)
+            for qh in qs:
+                s += torch.maximum(qh * mx[kvh], qh * mn[kvh]).sum()
+        out.append(float(s))
+    return torch.tensor(out)
+
+
+@given(st.integers(1, 3), st.sampled_from([1, 2, 4]), st.sampled_from([1, 3, 16]), st.integers(1, 70),
+       st.sampled_from(["mean", "per_kv_head"]), st.integers(0, 2**31 - 1))
+def test_scores_match_naive_and_bound_every_key(num_kv_heads, group, page_size, seq_len, gqa_mode, seed):
+    gen = torch.Generator().manual_seed(seed)
+    d = 5
+    m = KVCacheManager.create(max_requests=1, max_context_len=80, num_pages=90, page_size=page_size,
+                              num_kv_heads=num_kv_heads, head_dim=d)
+    m.allocator.alloc(3)  # so logical and physical pages differ
+    req = m.admit(seq_len)
+    keys = write_keys(m, req, gen)
+    algo = quest_on(m, SparseConfig(page_budget=1, gqa_mode=gqa_mode))
+    algo.construct_representations(0, build_extend_batch(m, [req]), m.token_to_kv_pool.get_key_buffer(0))
+    q = torch.randn(1, num_kv_heads * group, d, generator=gen) * 3
+    fb = build_decode_batch(m, [req])
+    scores = algo.score_pages(q, 0, fb.req_pool_indices, fb)[0]
+    complete = seq_len // page_size
+    pages = [keys[j * page_size:(j + 1) * page_size] for j in range(complete)]
+    torch.testing.assert_close(scores[:complete], naive_scores(q[0], pages, num_kv_heads, gqa_mode),
+                               rtol=1e-5, atol=1e-4)
+    if complete < -(-seq_len // page_size):
+        assert scores[complete] == float("-inf")  # the incomplete last page has no bounds yet
+    # The upper-bound property: no key of the page has a larger (GQA-folded) dot product than its score.
+    q4 = q[0].reshape(num_kv_heads, group, d)
+    folded = q4.mean(1)[:, None] if gqa_mode == "mean" else q4  # [H_kv, g, D]
+    for j, keys_j in enumerate(pages):
+        dots = torch.einsum("hgd,thd->t", folded, keys_j)  # summed over KV heads (and query heads)
+        assert bool((dots <= scores[j] + 1e-4 * (1 + scores[j].abs())).all())
+
+
+def test_per_kv_head_is_at_least_group_times_mean():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 4, 8, generator=gen)
+    pos_m, neg_m = split_query_sign(q, 2, 8, "mean")
+    pos_h, neg_h = split_query_sign(q, 2, 8, "per_kv_head")
+    mx = torch.randn(2, 8, generator=gen).abs()
+    mn = -torch.randn(2, 8, generator=gen).abs()
+    mean_score = (pos_m * mx + neg_m * mn).sum((1, 2))
+    head_score = (pos_h * mx + neg_h * mn).sum((1, 2))
+    assert bool((head_score >= 2 * mean_score - 1e-5).all())
+
+
+def test_query_shape_errors_verbatim():
+    with pytest.raises(ShapeError) as e:
+        split_query_sign(torch.zeros(2, 30), 2, 8, "mean")
+    assert str(e.value).startswith("Quest query hidden size 30 not divisible by head_dim 8. Fix:")
+    with pytest.raises(ShapeError) as e:
+        split_query_sign(torch.zeros(2, 4, 8, 1), 2, 8, "mean")
+    assert str(e.value).startswith("Unsupported query shape for Quest: (2, 4, 8, 1). Fix:")
+    with pytest.raises(ShapeError) as e:
+        split_query_sign(torch.zeros(2, 4, 7), 2, 8, "mean")
+    assert str(e.value).startswith("Unsupported query shape for Quest: (2, 4, 7). Fix:")
+    with pytest.raises(ShapeError) as e:
+        split_query_sign(torch.zeros(2, 3, 8), 2, 8, "mean")
+    assert str(e.value).startswith("Query heads 3 not divisible by KV heads 2. Fix:")
+    with pytest.raises(ShapeError) as e:
+        split_query_sign(torch.zeros(2, 24), 2, 8, "mean")  # flat: 3 heads of 8
+    assert str(e.value).startswith("Query heads 3 not divisible by KV heads 2.")
+    a = split_query_sign(torch.arange(32.0).reshape(2, 16), 2, 8, "mean")
+    b = split_query_sign(torch.arange(32.0).reshape(2, 2, 8), 2, 8, "mean")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_decode_update_builds_the_page_it_completes_and_nothing_else():
+    gen = torch.Generator().manual_seed(1)
+    P = 4
+    m = KVCacheManager.create(max_requests=2, max_context_len=32, num_pages=20, page_size=P, head_dim=3)
+    a, b = m.admit(5), m.admit(2)
+    write_keys(m, a, gen)
+    write_keys(m, b, gen)
+    algo = quest_on(m)
+    kbuf = m.token_to_kv_pool.get_key_buffer(0)
+    algo.construct_representations(0, build_extend_batch(m, [a, b]), kbuf)
+    valid = algo.page_valid[0]
+    assert valid.nonzero().flatten().tolist() == [a.pages[0]]
+    for _ in range(3):  # a: 6, 7, 8 tokens (completes its page 1 at 8); b: 3, 4, 5 (completes page 0 at 4)
+        m.grow(a, 1)
+        m.grow(b, 1)
+        write_keys(m, a, gen, a.seq_len - 1)
+        write_keys(m, b, gen, b.seq_len - 1)
+        algo.update_representations(0, build_decode_batch(m, [a, b]), kbuf)
+    assert sorted(valid.nonzero().flatten().tolist()) == sorted([a.pages[0], a.pages[1], b.pages[0]])
+    for page in (a.pages[1], b.pages[0]):
+        keys = kbuf[page * P:(page + 1) * P]
+        assert torch.equal(algo.page_min[0][page], keys.min(0).values)
+        assert torch.equal(algo.page_max[0][page], keys.max(0).values)
+    with pytest.raises(BatchError, match="expected a DECODE batch"):
+        algo.update_representations(0, build_extend_batch(m, [a]), kbuf)
+    with pytest.raises(BatchError, match="expected an EXTEND batch"):
+        algo.construct_representations(0, build_decode_batch(m, [a]), kbuf)
+    with pytest.raises(ShapeError, match="k_buffer"):
+        algo.construct_representations(0, build_extend_batch(m, [a]), kbuf[:-1])
+
+
+def test_chunked_prefill_rebuilds_pages_completed_across_chunks():
+    gen = torch.Generator().manual_seed(2)
+    P = 4
+    m = KVCacheManager.create(max_requests=1, max_context_len=32, num_pages=10, page_size=P, head_dim=3)
+    r = m.admit(6)
+    write_keys(m, r, gen)
+    algo = quest_on(m)
+    kbuf = m.token_to_kv_pool.get_key_buffer(0)
+    algo.construct_representations(0, build_extend_batch(m, [r]), kbuf)
+    m.grow(r, 5)  # second chunk, tokens 6..10: page 1 (tokens 4..7) completes, page 2 (8..10) stays partial
+    write_keys(m, r, gen, 6)
+    algo.construct_representations(0, build_extend_batch(m, [r], prefix_lens=[6]), kbuf)
+    assert algo.page_valid[0][r.pages[:2]].all() and not algo.page_valid[0][r.pages[2]]
+    page = r.pages[1]
+    assert torch.equal(algo.page_max[0][page], kbuf[page * P:(page + 1) * P].max(0).values)
+
+
+def test_freed_and_reused_pages_never_score_with_stale_bounds():
+    gen = torch.Generator().manual_seed(3)
+    P = 4
+    m = KVCacheManager.create(max_requests=2, max_context_len=64, num_pages=9, page_size=P, head_dim=4)
+    kbuf = m.token_to_kv_pool.get_key_buffer(0)
+    old = m.admit(32)  # takes all 8 usable pages
+    k_old = write_keys(m, old, gen) * 100  # huge keys: stale bounds would dominate any score
+    m.token_to_kv_pool.set_kv(0, m.req_to_token_pool.req_to_token[old.req_pool_idx, :32].long(), k_old, k_old)
+    algo = quest_on(m)
+    algo.construct_representations(0, build_extend_batch(m, [old]), kbuf)
+    old_pages = list(old.pages)
+    assert algo.page_valid[0][old_pages].all()
+    m.release(old)  # the allocator's free listener invalidates the pages in Quest
+    assert not algo.page_valid[0].any()
+    assert not algo.page_min[0].any() and not algo.page_max[0].any()
+    new = m.admit(30)  # reuses the same physical pages
+    assert sorted(new.pages) == sorted(old_pages)
+    write_keys(m, new, gen)
+    q = torch.randn(1, 1, 4, generator=gen)
+    fb = build_decode_batch(m, [new])
+    assert (algo.score_pages(q, 0, fb.req_pool_indices, fb) == float("-inf")).all()  # nothing valid yet
+    algo.construct_representations(0, build_extend_batch(m, [new]), kbuf)
+    scores = algo.score_pages(q, 0, fb.req_pool_indices, fb)[0]
+    for j in range(7):  # 7 complete pages of the new request, scored from its own keys only
+        keys = kbuf[new.pages[j] * P:(new.pages[j] + 1) * P]
+        expect = naive_scores(q[0], [keys], 1, "mean")[0]
+        torch.testing.assert_close(scores[j], expect, rtol=1e-5, atol=1e-5)
+        assert scores[j].abs() < 1000  # stale bounds (keys x100) would score in the hundreds or more
+    assert scores[7] == float("-inf")
+
+
+def test_invalid_req_to_token_entries_are_reported():
+    P = 4
+    m = KVCacheManager.create(max_requests=1, max_context_len=16, num_pages=6, page_size=P, head_dim=2)
+    r = m.admit(9)
+    algo = quest_on(m)
+    fb = build_decode_batch(m, [r])
+    m.req_to_token_pool.req_to_token[r.req_pool_idx, 4] = 1000  # logical page 1 -> physical page 250
+    with pytest.raises(ShapeError, match="maps logical page 1 to physical page 250"):
+        algo.score_pages(torch.zeros(1, 1, 2), 0, fb.req_pool_indices, fb)

@@ -24,10 +24,10 @@ $(VENV)/.installed: pyproject.toml
 ifeq ($(HAS_GPU),1)
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
 else
-	@# A local wheel cache (pip's find-links) answers first; otherwise PyTorch's CPU index.
-	$(BIN)/python -m pip install --quiet --no-index torch==$(TORCH_VERSION) 2>/dev/null \
+	@# CPU build: a local wheel cache (pip's find-links) answers first; otherwise PyTorch's CPU index.
+	$(BIN)/python -m pip install --quiet --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null \
 	  || $(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX)
-	$(BIN)/python -m pip install --quiet triton==$(TRITON_VERSION)
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
 endif
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null

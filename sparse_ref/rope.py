@@ -28,9 +28,12 @@ from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
 
 
 def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """Angles ``[T, rope_dim // 2]``: ``positions[t] * theta**(-2i / rope_dim)`` (fp32)."""
+    """Angles ``[T, rope_dim // 2]``: ``positions[t] * theta**(-2i / rope_dim)``.
+
+    fp64, so that cos/sin stay accurate at large positions (an fp32 angle near 10^5 is off by ~10^-2 rad).
+    """
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device) / rope_dim)
-    return (positions.to(torch.float64)[:, None] * inv_freq[None, :]).float()
+    return positions.to(torch.float64)[:, None] * inv_freq[None, :]
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float = 10000.0,
@@ -51,7 +54,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: f
     angles = rope_angles(positions, rope_dim, theta)  # [T, rope_dim/2]
     if x.dim() == 3:
         angles = angles[:, None, :]  # the same rotation for every head of a token
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos().float(), angles.sin().float()
     xf = x.float()
     rot, rest = xf[..., :rope_dim], xf[..., rope_dim:]
     if interleaved:

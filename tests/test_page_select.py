@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sparse_ref.kernels import page_select as page_select_module
+from sparse_ref.kernels.page_select import select_pages_triton
 
 import sparse_ref  # noqa: F401  (interpreter set-up before the kernel import)
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
-from sparse_ref.kernels import page_select as page_select_module
-from sparse_ref.kernels.page_select import select_pages_triton
 from sparse_ref.selection import select_pages, select_pages_row, selection_width
 
 

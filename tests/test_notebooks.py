@@ -1,0 +1,98 @@
+"""The committed notebooks are clean: no outputs, no execution counts, kernel python3, numbered names,
+and a first code cell that reads the fast mode and prints where the notebook runs.
+
+Executing them is nbmake's job (``pytest --nbmake notebooks``); this file only reads them.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+NAME = re.compile(r"^\d\d_[a-z0-9]+(_[a-z0-9]+)*\.ipynb$")
+
+
+def ids(paths):
+    return [p.name for p in paths]
+
+
+def test_notebooks_exist():
+    if not NOTEBOOK_DIR.is_dir():
+        pytest.skip("no notebooks/ next to the tests (installed tests run without the tutorial)")
+    names = [p.name for p in NOTEBOOKS]
+    assert "00_overview.ipynb" in names and "01_req_to_token_pool.ipynb" in names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
+def test_notebook_name_is_numbered(path):
+    assert NAME.match(path.name), f"{path.name}: expected NN_name.ipynb (two digits, lower_snake_case)"
+
+
+def test_notebook_numbers_are_unique():
+    numbers = [p.name[:2] for p in NOTEBOOKS]
+    assert len(numbers) == len(set(numbers)), f"two notebooks share a number: {sorted(numbers)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
+def test_notebook_is_committed_clean(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{path.name}: kernel name must be python3"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        assert cell.get("outputs") == [], f"{path.name} cell {i}: outputs must be cleared"
+        assert cell.get("execution_count") is None, f"{path.name} cell {i}: execution_count must be null"
+
+
+def _calls(source: str) -> set[str]:
+    """Dotted names of every function called in ``source`` (e.g. 'sparse_ref.fast_mode', 'print')."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            parts, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                parts.append(f.id)
+            names.add(".".join(reversed(parts)))
+    return names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
+def test_first_code_cell_is_the_parameters_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code, f"{path.name}: no code cells"
+    first = code[0].source
+    calls = _calls(first)
+    assert "sparse_ref.fast_mode" in calls, f"{path.name}: first code cell must call sparse_ref.fast_mode()"
+    assert "print" in calls and calls & {"sparse_ref.describe_run", "sparse_ref.execution_mode"}, (
+        f"{path.name}: first code cell must print sparse_ref.describe_run() (the mode it runs in)"
+    )
+    assert re.search(r"^\s*FAST\s*=\s*sparse_ref\.fast_mode\(\)", first, re.M), f"{path.name}: set FAST there"
+
+
+def test_the_checks_reject_a_dirty_notebook(tmp_path):
+    """The checks above can fail: a notebook with an output and a wrong kernel is caught."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="1\n")]
+    nb.cells[0].execution_count = 1
+    nb.metadata["kernelspec"] = {"name": "venv", "display_name": "venv", "language": "python"}
+    bad = tmp_path / "1_Bad.ipynb"
+    nbformat.write(nb, bad)
+    with pytest.raises(AssertionError):
+        test_notebook_name_is_numbered(bad)
+    with pytest.raises(AssertionError, match="kernel name"):
+        test_notebook_is_committed_clean(bad)
+    nb.metadata["kernelspec"]["name"] = "python3"
+    nbformat.write(nb, bad)
+    with pytest.raises(AssertionError, match="outputs must be cleared"):
+        test_notebook_is_committed_clean(bad)
+    with pytest.raises(AssertionError, match="sparse_ref.fast_mode"):
+        test_first_code_cell_is_the_parameters_cell(bad)

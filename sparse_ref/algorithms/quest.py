@@ -141,8 +141,8 @@ class QuestAlgorithm(SparseAlgorithm):
             first_token_of_page = torch.arange(prefix // P, seq_len // P, device=req_to_token.device) * P
             pages.append(req_to_token[r, first_token_of_page].long() // P)
         pages = torch.cat(pages).to(self.device)
-        if pages.numel():
-            self._write_bounds(layer_id, pages, k_pages[pages], torch.ones_like(pages, dtype=torch.bool))
+        for chunk in pages.split(4096):  # bounded temporaries at long context: [chunk, P, H_kv, D]
+            self._write_bounds(layer_id, chunk, k_pages[chunk], torch.ones_like(chunk, dtype=torch.bool))
 
     def update_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
         """After a decode step: build the bounds of the page this step completed, if any.

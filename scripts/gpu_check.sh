@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The one GPU check, run on the H200 from the repository root:
+#   tests (GPU tests included) -> benchmarks (JSON to $OUT/h200.json) -> notebooks (if nbmake is there).
+# Logs go to $OUT (default: ./gpu_out). Meant to finish in well under 6 minutes.
+set -u -o pipefail
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+status=0
+
+echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)" | tee "$OUT/gpu_check.log"
+# The package maps sparse_ref.kernels onto kernels/, so it must be installed (no network there: no deps).
+if ! "$PY" -c "import sparse_ref.kernels.topk" 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/gpu_check.log" 2>&1 \
+    || { echo "pip install -e . failed (see $OUT/gpu_check.log)"; exit 1; }
+fi
+
+echo "== pytest tests (GPU tests included)" | tee -a "$OUT/gpu_check.log"
+timeout 240 "$PY" -m pytest tests -x -q 2>&1 | tee "$OUT/pytest.log" | tail -n 25 || status=1
+
+echo "== benchmarks" | tee -a "$OUT/gpu_check.log"
+timeout 150 "$PY" -m sparse_ref.bench all --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log" || status=1
+
+if "$PY" -c "import nbmake" 2>/dev/null; then
+  echo "== notebooks (nbmake)" | tee -a "$OUT/gpu_check.log"
+  timeout 240 "$PY" -m pytest --nbmake notebooks -q 2>&1 | tee "$OUT/nbmake.log" | tail -n 15 || status=1
+else
+  echo "== notebooks skipped: nbmake is not installed in this python (carry it as a wheel to run them)" \
+    | tee -a "$OUT/gpu_check.log"
+fi
+echo "== done, status $status; logs in $OUT" | tee -a "$OUT/gpu_check.log"
+exit $status

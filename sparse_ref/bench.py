@@ -1,0 +1,310 @@
+"""Side-by-side GPU timings: ``python -m sparse_ref.bench topk|select|retrieve|all [--quick] [--out PATH]``.
+
+What is measured, and how (DESIGN.md section 6):
+
+* **topk**: the radix top-k (``sparse_ref.kernels.topk.topk``) against ``torch.topk`` on the
+  same inputs, for three score distributions: ``randn``; ``indexer`` (ReLU-weighted sums of
+  random dot products, rounded through bf16 like real indexer logits: many near-ties); and
+  ``clustered`` (a few distinct values plus tiny noise).
+* **select**: the fused page selection (``select_pages_triton``) against the torch batched
+  selection (``select_pages``: torch.topk-style ranking + finalize), and torch.topk alone.
+* **retrieve**: the batched ``retrieve_topk`` of Quest (Triton selection) against the
+  per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
+
+Timing: CUDA events around each call, median of many calls. **L2 cold** rows zero a 1 GiB
+buffer before every call (the H200's L2 is ~60 MB), which also keeps the GPU busy while Python
+launches the next call, so launch overhead does not leak into the numbers; inputs rotate
+among several copies. **L2 warm** rows replay a CUDA graph of the same call on the same input.
+The device-to-device copy bandwidth is measured in the same run; effective TB/s is the bytes
+the operation must move (read every score once, write the ids once) over the time.
+
+On CPU (Triton's interpreter) it refuses to run unless ``--allow-cpu`` is given; such results
+are labelled as CPU results and are not GPU numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import sparse_ref
+from sparse_ref.config import SparseConfig
+
+FLUSH_BYTES = 1 << 30
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+def make_distribution(name: str, R: int, N: int, device, seed: int = 0) -> torch.Tensor:
+    """fp32 scores [R, N] of the named distribution."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if name == "randn":
+        x = torch.randn(R, N, generator=g)
+    elif name == "indexer":
+        heads, dim = 8, 16
+        q = torch.randn(R, heads, dim, generator=g)
+        w = torch.rand(R, heads, generator=g)
+        x = torch.zeros(R, N)
+        for start in range(0, N, 16384):  # ReLU-weighted sum over heads of q.k, blockwise to bound memory
+            k = torch.randn(min(16384, N - start), dim, generator=g)
+            logits = torch.relu(torch.einsum("rhd,nd->rhn", q, k))
+            x[:, start:start + k.shape[0]] = torch.einsum("rh,rhn->rn", w, logits)
+        x = x.bfloat16().float()  # indexer logits are low precision: many exact and near ties
+    elif name == "clustered":
+        centers = torch.randn(8, generator=g) * 4
+        x = centers[torch.randint(0, 8, (R, N), generator=g)] + 1e-4 * torch.randn(R, N, generator=g)
+        x = x.bfloat16().float()
+    else:
+        raise ValueError(f"unknown distribution {name!r}")
+    return x.to(device)
+
+
+# ------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------
+class Timer:
+    def __init__(self, device: torch.device, reps: int):
+        self.device = device
+        self.reps = reps
+        self.on_gpu = device.type == "cuda"
+        self.flush = torch.empty(FLUSH_BYTES // 4 if self.on_gpu else 1, dtype=torch.int32, device=device)
+
+    def cold(self, fns) -> float:
+        """Median µs of one call, L2 flushed before each; ``fns`` rotates over input copies."""
+        for fn in fns:  # warm-up / compile
+            fn()
+        if not self.on_gpu:
+            times = []
+            for i in range(self.reps):
+                t0 = time.perf_counter()
+                fns[i % len(fns)]()
+                times.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(times)
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for i in range(self.reps):
+            self.flush.zero_()
+            starts[i].record()
+            fns[i % len(fns)]()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+    def warm(self, fn, calls: int = 20) -> float:
+        """Median µs of one call replayed from a CUDA graph on the same (L2-resident) input."""
+        if not self.on_gpu:
+            return self.cold([fn])
+        fn()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(max(5, self.reps // 10)):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graph.replay()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / calls)
+        return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> float:
+    """Device-to-device copy bandwidth in TB/s (bytes read + bytes written)."""
+    if device.type != "cuda":
+        return float("nan")
+    n = (1 << 30) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    us = timer.cold([lambda: dst.copy_(src)])
+    del src, dst
+    return 2 * n * 4 / (us * 1e-6) / 1e12
+
+
+# ------------------------------------------------------------------------------------------
+# Suites
+# ------------------------------------------------------------------------------------------
+def _row(shape, k, dist, l2, torch_us, ours_us, bytes_moved, copy_bw, op, **extra):
+    tbps = bytes_moved / (ours_us * 1e-6) / 1e12 if ours_us and ours_us > 0 else float("nan")
+    row = dict(op=op, shape=shape, k=k, distribution=dist, l2=l2, torch_us=round(torch_us, 2),
+               ours_us=round(ours_us, 2), speedup=round(torch_us / ours_us, 2), bytes=int(bytes_moved),
+               tbps=round(tbps, 3), pct_copy_bw=round(100 * tbps / copy_bw, 1) if math.isfinite(copy_bw) else None)
+    row.update(extra)
+    print(f"  {op:<14} {shape:<22} k={k if k is not None else '-':<5} {dist:<10} L2 {l2:<4} torch {torch_us:9.1f} us | ours "
+          f"{ours_us:9.1f} us | x{torch_us / ours_us:6.2f} | {tbps:6.2f} TB/s "
+          f"({row['pct_copy_bw']}% of copy)", flush=True)
+    return row
+
+
+def bench_topk(device, timer, copy_bw, quick, on_cpu):
+    from sparse_ref.kernels.topk import topk
+
+    if on_cpu:
+        shapes = [(2, 512, 16, None)]
+    else:
+        shapes = [(64, 65536, 2048, None), (64, 131072, 2048, None), (1, 131072, 2048, None),
+                  (32, 8192, 128, None)]
+    dists = ["randn"] if quick else ["randn", "indexer", "clustered"]
+    rows = []
+    for R, N, k, splits in shapes:
+        for dist in dists:
+            copies = [make_distribution(dist, R, N, device, seed=s) for s in range(1 if on_cpu else 4)]
+            nbytes = R * N * 4 + R * k * 4
+            t_torch = timer.cold([lambda x=x: torch.topk(x, k, dim=1) for x in copies])
+            for order in ("score", "index"):
+                out = torch.empty(R, k, dtype=torch.int32, device=device)
+                t_ours = timer.cold([lambda x=x: topk(x, k, order=order, out=out, splits=splits) for x in copies])
+                rows.append(_row(f"{R}x{N} fp32", k, dist, "cold", t_torch, t_ours, nbytes, copy_bw,
+                                 f"topk({order})"))
+            if dist == "randn" and not quick and not on_cpu:
+                x = copies[0]
+                out = torch.empty(R, k, dtype=torch.int32, device=device)
+                t_torch_w = timer.warm(lambda: torch.topk(x, k, dim=1))
+                t_ours_w = timer.warm(lambda: topk(x, k, order="score", out=out))
+                rows.append(_row(f"{R}x{N} fp32", k, dist, "warm", t_torch_w, t_ours_w, nbytes, copy_bw,
+                                 "topk(score)"))
+    return rows
+
+
+def bench_select(device, timer, copy_bw, quick, on_cpu):
+    from sparse_ref.kernels.page_select import select_pages_triton
+    from sparse_ref.selection import select_pages
+
+    bs, pages, page_size, k = (2, 64, 4, 8) if on_cpu else (32, 8192, 16, 128)
+    config = SparseConfig(page_budget=k, num_recent_pages=4)
+    dists = ["randn"] if quick else ["randn", "indexer", "clustered"]
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(pages * page_size * 3 // 4, pages * page_size + 1, (bs,), generator=g).to(device)
+    seq_lens[0] = pages * page_size
+    mask = torch.ones(bs, dtype=torch.bool, device=device)
+    for dist in dists:
+        copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(1 if on_cpu else 4)]
+        W = select_pages_triton(copies[0], seq_lens, mask, page_size, config)[0].shape[1]
+        nbytes = bs * pages * 4 + bs * 8 + bs * 1 + bs * W * 4 + bs * 4
+        t_ours = timer.cold([lambda x=x: select_pages_triton(x, seq_lens, mask, page_size, config) for x in copies])
+        t_sel = timer.cold([lambda x=x: select_pages(x, seq_lens, mask, page_size, config) for x in copies])
+        t_topk = timer.cold([lambda x=x: torch.topk(x, k, dim=1) for x in copies])
+        shape = f"{bs}x{pages} pages"
+        rows.append(_row(shape, k, dist, "cold", t_sel, t_ours, nbytes, copy_bw, "select",
+                         baseline="torch select_pages (batched torch: ranks + finalize)"))
+        rows.append(_row(shape, k, dist, "cold", t_topk, t_ours, nbytes, copy_bw, "select_vs_topk",
+                         baseline="torch.topk alone (no recent/sink, no finalize)"))
+        if dist == "randn" and not on_cpu:
+            x = copies[0]
+            t_ours_w = timer.warm(lambda: select_pages_triton(x, seq_lens, mask, page_size, config))
+            t_sel_w = timer.warm(lambda: select_pages(x, seq_lens, mask, page_size, config))
+            rows.append(_row(shape, k, dist, "warm", t_sel_w, t_ours_w, nbytes, copy_bw, "select",
+                             baseline="torch select_pages, CUDA graph replay"))
+    return rows
+
+
+def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
+    from sparse_ref.workloads import make_quest_decode_setup
+
+    bs, ctx, page_size = (2, 256, 16) if on_cpu else (64, 32768, 16)
+    setup = make_quest_decode_setup(bs, ctx, page_size, device=device)
+    batched = setup.retrieve()
+    looped = setup.retrieve(loop=True)
+    same = bool(torch.equal(batched[0], looped[0]) and torch.equal(batched[1], looped[1]))
+    t_batched = timer.cold([setup.retrieve])
+    loop_times = []
+    for _ in range(3 if quick or on_cpu else 5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        setup.retrieve(loop=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        loop_times.append((time.perf_counter() - t0) * 1e6)
+    t_loop = statistics.median(loop_times)
+    graph_ok = None
+    if device.type == "cuda":
+        try:
+            t_graph = timer.warm(setup.retrieve, calls=5)
+            graph_ok = True
+        except Exception as e:  # report, don't hide: the row says why
+            t_graph, graph_ok = float("nan"), f"capture failed: {type(e).__name__}: {e}"[:300]
+    else:
+        t_graph = float("nan")
+    pages = -(-ctx // page_size)
+    rows = [_row(f"bs={bs} ctx={ctx} page={page_size}", None, "planted", "cold", t_loop, t_batched,
+                 bs * pages * 4, copy_bw, "retrieve", baseline="retrieve_topk_loop (wall clock, synced)",
+                 identical_to_loop=same, graph_replay_us=None if math.isnan(t_graph) else round(t_graph, 2),
+                 graph_capturable=graph_ok)]
+    return rows
+
+
+SUITES = {"topk": bench_topk, "select": bench_select, "retrieve": bench_retrieve}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m sparse_ref.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("suite", choices=[*SUITES, "all"])
+    parser.add_argument("--quick", action="store_true", help="fewer distributions and repetitions")
+    parser.add_argument("--out", default="benchmarks/results/h200.json", help="where to write the JSON")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers)")
+    args = parser.parse_args(argv)
+    device = sparse_ref.default_device()
+    on_cpu = device.type != "cuda"
+    if on_cpu and not args.allow_cpu:
+        raise SystemExit("sparse_ref.bench: no CUDA GPU (or TRITON_INTERPRET is on), so there is nothing to time: "
+                         "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu "
+                         "for a smoke run whose results are labelled as CPU results (never commit them as GPU "
+                         "numbers).")
+    import triton
+
+    timer = Timer(device, reps=5 if on_cpu else (30 if args.quick else 100))
+    gpu = torch.cuda.get_device_name() if not on_cpu else "CPU (Triton interpreter) - NOT GPU numbers"
+    print(f"sparse_ref.bench on {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    copy_bw = copy_bandwidth(device, timer)
+    print(f"device-to-device copy bandwidth: {copy_bw:.2f} TB/s", flush=True)
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    rows = []
+    for name in suites:
+        print(f"== {name}", flush=True)
+        rows += SUITES[name](device, timer, copy_bw, args.quick, on_cpu)
+    result = dict(
+        command="python -m sparse_ref.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
+        timing=("CUDA events, median; L2 cold = 1 GiB buffer zeroed before each call, inputs rotated over 4 "
+                "copies; L2 warm = CUDA graph replay of the same call on one input"),
+        rows=rows,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
+          f"{'TB/s':>7}{'%copy':>7}")
+    for r in rows:
+        print(f"{r['op']:<15}{r['shape']:<24}{r['k'] if r['k'] is not None else '-':>6} {r['distribution']:<10}"
+              f"{r['l2']:<5}{r['torch_us']:>10.1f}{r['ours_us']:>10.1f}{r['speedup']:>7.2f}{r['tbps']:>7.2f}"
+              f"{r['pct_copy_bw'] if r['pct_copy_bw'] is not None else '-':>7}")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ import math
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -98,7 +99,7 @@ class Timer:
             fns[i % len(fns)]()
             ends[i].record()
         torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True))
 
     def warm(self, fn, calls: int = 20) -> float:
         """Median µs of one call replayed from a CUDA graph on the same (L2-resident) input."""
@@ -135,8 +136,7 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
     n = (1 << 30) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    us = timer.cold([lambda: dst.copy_(src)])
-    del src, dst
+    us = timer.cold([partial(dst.copy_, src)])
     return 2 * n * 4 / (us * 1e-6) / 1e12
 
 
@@ -149,7 +149,8 @@ def _row(shape, k, dist, l2, torch_us, ours_us, bytes_moved, copy_bw, op, **extr
                ours_us=round(ours_us, 2), speedup=round(torch_us / ours_us, 2), bytes=int(bytes_moved),
                tbps=round(tbps, 3), pct_copy_bw=round(100 * tbps / copy_bw, 1) if math.isfinite(copy_bw) else None)
     row.update(extra)
-    print(f"  {op:<14} {shape:<22} k={k if k is not None else '-':<5} {dist:<10} L2 {l2:<4} torch {torch_us:9.1f} us | ours "
+    k_txt = "-" if k is None else k
+    print(f"  {op:<14} {shape:<22} k={k_txt:<5} {dist:<10} L2 {l2:<4} torch {torch_us:9.1f} us | ours "
           f"{ours_us:9.1f} us | x{torch_us / ours_us:6.2f} | {tbps:6.2f} TB/s "
           f"({row['pct_copy_bw']}% of copy)", flush=True)
     return row
@@ -169,17 +170,17 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
         for dist in dists:
             copies = [make_distribution(dist, R, N, device, seed=s) for s in range(1 if on_cpu else 4)]
             nbytes = R * N * 4 + R * k * 4
-            t_torch = timer.cold([lambda x=x: torch.topk(x, k, dim=1) for x in copies])
+            t_torch = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
             for order in ("score", "index"):
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
-                t_ours = timer.cold([lambda x=x: topk(x, k, order=order, out=out, splits=splits) for x in copies])
+                t_ours = timer.cold([partial(topk, x, k, order=order, out=out, splits=splits) for x in copies])
                 rows.append(_row(f"{R}x{N} fp32", k, dist, "cold", t_torch, t_ours, nbytes, copy_bw,
                                  f"topk({order})"))
             if dist == "randn" and not quick and not on_cpu:
                 x = copies[0]
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
-                t_torch_w = timer.warm(lambda: torch.topk(x, k, dim=1))
-                t_ours_w = timer.warm(lambda: topk(x, k, order="score", out=out))
+                t_torch_w = timer.warm(partial(torch.topk, x, k, dim=1))
+                t_ours_w = timer.warm(partial(topk, x, k, order="score", out=out))
                 rows.append(_row(f"{R}x{N} fp32", k, dist, "warm", t_torch_w, t_ours_w, nbytes, copy_bw,
                                  "topk(score)"))
     return rows
@@ -201,9 +202,9 @@ def bench_select(device, timer, copy_bw, quick, on_cpu):
         copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(1 if on_cpu else 4)]
         W = select_pages_triton(copies[0], seq_lens, mask, page_size, config)[0].shape[1]
         nbytes = bs * pages * 4 + bs * 8 + bs * 1 + bs * W * 4 + bs * 4
-        t_ours = timer.cold([lambda x=x: select_pages_triton(x, seq_lens, mask, page_size, config) for x in copies])
-        t_sel = timer.cold([lambda x=x: select_pages(x, seq_lens, mask, page_size, config) for x in copies])
-        t_topk = timer.cold([lambda x=x: torch.topk(x, k, dim=1) for x in copies])
+        t_ours = timer.cold([partial(select_pages_triton, x, seq_lens, mask, page_size, config) for x in copies])
+        t_sel = timer.cold([partial(select_pages, x, seq_lens, mask, page_size, config) for x in copies])
+        t_topk = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
         shape = f"{bs}x{pages} pages"
         rows.append(_row(shape, k, dist, "cold", t_sel, t_ours, nbytes, copy_bw, "select",
                          baseline="torch select_pages (batched torch: ranks + finalize)"))
@@ -211,8 +212,8 @@ def bench_select(device, timer, copy_bw, quick, on_cpu):
                          baseline="torch.topk alone (no recent/sink, no finalize)"))
         if dist == "randn" and not on_cpu:
             x = copies[0]
-            t_ours_w = timer.warm(lambda: select_pages_triton(x, seq_lens, mask, page_size, config))
-            t_sel_w = timer.warm(lambda: select_pages(x, seq_lens, mask, page_size, config))
+            t_ours_w = timer.warm(partial(select_pages_triton, x, seq_lens, mask, page_size, config))
+            t_sel_w = timer.warm(partial(select_pages, x, seq_lens, mask, page_size, config))
             rows.append(_row(shape, k, dist, "warm", t_sel_w, t_ours_w, nbytes, copy_bw, "select",
                              baseline="torch select_pages, CUDA graph replay"))
     return rows

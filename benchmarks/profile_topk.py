@@ -4,13 +4,13 @@ Run on the GPU: ``python3 benchmarks/profile_topk.py``. Prints one table per sha
 """
 
 import torch
+from sparse_ref.kernels.page_select import select_pages_triton
+from sparse_ref.kernels.topk import topk
 from torch.profiler import ProfilerActivity, profile
 
 import sparse_ref  # noqa: F401
 from sparse_ref.bench import make_distribution
 from sparse_ref.config import SparseConfig
-from sparse_ref.kernels.page_select import select_pages_triton
-from sparse_ref.kernels.topk import topk
 
 CASES = [("64x64K k2048", 64, 65536, 2048), ("64x128K k2048", 64, 131072, 2048), ("1x128K k2048", 1, 131072, 2048)]
 

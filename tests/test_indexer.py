@@ -1,10 +1,14 @@
 """The lightning indexer: the formula, FP8 against full precision, the key cache, causality, isolation, errors.
 
-Measured on this file's configs (CPU, seeds 0-4 of /tmp measurements, see the report):
-* FP8 against full precision: max |I_fp8 - I_fp32| per row was <= 0.11 x that row's max |I_fp32|
-  (<= 0.19 with ue8m0 scales). Stated tolerance: 0.2 (0.3 with ue8m0).
-* top-k overlap (rows whose history exceeds index_topk): mean 0.97-0.98, worst row 0.875.
-  Stated bounds: mean >= 0.95, every row >= 0.75.
+FP8 tolerance. Write B[t, s] = sum_h |w[t, h]| sum_i |q[t, h, i]| |k[s, i]| (full-precision q, k and
+head weights): it bounds |I[t, s]|. e4m3 rounds each value with a relative error <= 2^-4, so
+|I_fp8 - I_fp32| <= (2^-3 + 2^-8) B in theory (normal range). Measured on MEDIUM, 128 tokens, seeds 0-5,
+with and without ue8m0: max |I_fp8 - I_fp32| / B = 0.0099-0.0131 (mean 0.0016). Stated tolerance: 0.03 B.
+(Normalising by a row's max |I| instead is fragile: with signed head weights a short row's scores can
+nearly cancel, and one seed gave 0.36 on such a row.)
+
+top-k overlap between FP8 and full precision (rows whose history exceeds index_topk): measured mean
+0.97-0.98, worst row 0.875 (MEDIUM, 128 tokens). Stated bounds: mean >= 0.95, every row >= 0.75.
 """
 
 import dataclasses
@@ -134,6 +138,7 @@ def test_fp8_matches_formula_on_quantised_values():
 
 
 def fp8_against_fp32(cfg, length, seed):
+    """Scores, selections and the magnitude bound B of one prefill, in full precision and in FP8."""
     out = {}
     for fp8 in (False, True):
         c = dataclasses.replace(cfg, use_fp8=fp8)
@@ -143,20 +148,23 @@ def fp8_against_fp32(cfg, length, seed):
         x, ql = inputs(c, length, seed + 100)
         s = idx.index_scores(x, ql, fb.positions, fb, 0)
         out[fp8] = (s, idx.select(s, fb.positions))
-    return fb.positions, out[False], out[True]
+        if not fp8:
+            qk = idx.prepare(x, ql, fb.positions)
+            bound = torch.einsum("th,ths->ts", qk.weights.abs(), torch.einsum("thd,sd->ths", qk.q.abs(), qk.k.abs()))
+    return fb.positions, bound, out[False], out[True]
 
 
-@pytest.mark.parametrize("ue8m0,tol", [(False, 0.2), (True, 0.3)])
-def test_fp8_scores_close_to_full_precision_and_topk_overlaps(ue8m0, tol):
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_scores_close_to_full_precision_and_topk_overlaps(ue8m0):
     cfg = dataclasses.replace(MEDIUM, ue8m0=ue8m0)
     overlaps = []
     for seed in range(3):
-        pos, (s32, sel32), (s8, sel8) = fp8_against_fp32(cfg, 128, seed)
+        pos, bound, (s32, sel32), (s8, sel8) = fp8_against_fp32(cfg, 128, seed)
         finite = torch.isfinite(s32)
         assert torch.equal(finite, torch.isfinite(s8))  # the same causal pattern
-        row_max = s32.masked_fill(~finite, 0).abs().amax(1, keepdim=True)
         err = (s8 - s32).masked_fill(~finite, 0).abs()
-        assert torch.all(err <= tol * row_max), float((err / row_max).max())
+        assert torch.all(err <= (2**-3 + 2**-8) * bound)  # the worst case e4m3 allows
+        assert torch.all(err <= 0.03 * bound), float((err / bound)[finite].max())  # the stated tolerance
         for t in torch.nonzero(pos + 1 > cfg.index_topk).squeeze(1).tolist():
             overlaps.append(len(set(sel32[t].tolist()) & set(sel8[t].tolist())) / cfg.index_topk)
     assert sum(overlaps) / len(overlaps) >= 0.95 and min(overlaps) >= 0.75, (sum(overlaps) / len(overlaps),

@@ -292,6 +292,7 @@ class LightningIndexer(nn.Module):
         return self
 
     # ------------------------------------------------------------------ stages
+    @torch.no_grad()
     def project(self, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 1: ``q = wq_b(q_lora)`` ``[T, H, D]`` and ``k = k_norm(wk(x))`` ``[T, D]`` (fp32)."""
         c = self.config
@@ -299,16 +300,19 @@ class LightningIndexer(nn.Module):
         k = self.k_norm(self.wk(x.float()))
         return q, k
 
+    @torch.no_grad()
     def add_positions(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """Stage 2: RoPE on the first ``rope_dim`` dims of q and k."""
         c = self.config
         return (apply_rope(q, positions, c.rope_dim, c.rope_theta, c.rope_interleaved),
                 apply_rope(k, positions, c.rope_dim, c.rope_theta, c.rope_interleaved))
 
+    @torch.no_grad()
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 3: the orthonormal Hadamard rotation ``x @ H / sqrt(head_dim)`` of q and k."""
         return hadamard_rotate(q), hadamard_rotate(k)
 
+    @torch.no_grad()
     def quantize(self, q: torch.Tensor, k: torch.Tensor):
         """Stage 4: ``(q8, q_scale [T, H], k8, k_scale [T])``; with ``use_fp8=False``, the inputs and scales of 1."""
         c = self.config
@@ -318,11 +322,13 @@ class LightningIndexer(nn.Module):
         k8, k_scale = quantize_fp8(k, c.quant_block, c.ue8m0)
         return q8, q_scale.squeeze(-1), k8, k_scale.squeeze(-1)
 
+    @torch.no_grad()
     def head_weights(self, x: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
         """Stage 5: ``weights_proj(x) * n_heads**-0.5 * q_scale * head_dim**-0.5`` ``[T, H]`` (fp32)."""
         c = self.config
         return self.weights_proj(x.float()) * c.n_heads ** -0.5 * q_scale * c.head_dim ** -0.5
 
+    @torch.no_grad()
     def prepare(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor) -> IndexerQK:
         """Stages 1-5 for a batch of new tokens (no cache involved)."""
         q, k = self.project(x, q_lora)

@@ -32,6 +32,8 @@ set, each program derives its row's history window, budget and dense/sparse deci
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,7 @@ from sparse_ref.errors import ShapeError, SparseRefError
 RADIX_BITS = 8
 NUM_BINS = 1 << RADIX_BITS
 NUM_PASSES = 32 // RADIX_BITS
+SHORT_ROW = 16384  # rows up to this long run in one program each (latency-bound anyway)
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
 
@@ -109,20 +112,20 @@ def _row_plan(r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
         start = sink_end
         end = recent_start
     else:
-        start = 0
+        start = tl.full([], 0, tl.int32)
         if HAS_LEN:
             end = tl.load(len_ptr + r).to(tl.int32)
             end = tl.minimum(tl.maximum(end, 0), N)  # a bad length can never read past the row
         else:
-            end = N
+            end = tl.full([], 0, tl.int32) + N
         if HAS_K:
             k = tl.load(k_ptr + r).to(tl.int32)
         else:
             k = tl.full([], 0, tl.int32) + k_scalar
         k = tl.minimum(tl.maximum(k, 0), W)
-        sink_end = 0
-        recent_start = 0
-        n = 0
+        sink_end = tl.full([], 0, tl.int32)
+        recent_start = sink_end
+        n = sink_end
         sparse = True
     return start, end, k, sink_end, recent_start, n, sparse
 
@@ -225,37 +228,96 @@ def _compact_kernel(scores, stride_r, hist, split_buf, out, lengths_out, R, N, W
     hi = tl.minimum(lo + CHUNK, end)
     if k_eff == 0:
         hi = lo
+    _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end, W, BLOCK)
+    if s == 0:
+        _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK, PAGE)
+
+
+@triton.jit
+def _fused_row_kernel(scores, stride_r, out, lengths_out, N, W,
+                      k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
+                      page_size, n_recent, n_sink, min_seq, page_budget,
+                      BITS: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
+    """The whole chain for one row in one program (rows that are short, or many): one launch, no atomics."""
+    NB: tl.constexpr = 1 << BITS
+    PASSES: tl.constexpr = 32 // BITS
+    r = tl.program_id(0)
+    start, end, k, sink_end, recent_start, n, sparse = _row_plan(
+        r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr, HAS_K, HAS_LEN, PAGE,
+        page_size, n_recent, n_sink, min_seq, page_budget, USE_TABLE)
+    row = scores + r.to(tl.int64) * stride_r
+    bins = tl.arange(0, NB)
+    k_eff = k
+    k_rem = k
+    prefix = tl.full([], 0, tl.uint32)
+    for p in tl.static_range(PASSES):
+        acc = tl.zeros([NB], dtype=tl.int32)
+        for t in range(start, end, BLOCK):
+            offs = t + tl.arange(0, BLOCK)
+            valid = offs < end
+            key = _sortable_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32), valid)
+            if p == 0:
+                match = key != 0
+            else:
+                match = ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p))) & (key != 0)
+            if tl.sum(match.to(tl.int32), axis=0) > 0:
+                digit = ((key >> (32 - BITS * (p + 1))) & (NB - 1)).to(tl.int32)
+                acc += tl.histogram(digit, NB, mask=match)
+        if p == 0:
+            k_eff = tl.minimum(k, tl.sum(acc, axis=0))
+            k_rem = k_eff
+            if k_eff == 0:
+                end = start  # nothing to select: later passes and the compaction skip the data
+        at_or_above = tl.sum(acc, axis=0) - tl.cumsum(acc, axis=0) + acc
+        digit = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
+        k_rem = k_rem - tl.sum(tl.where(bins > digit, acc, 0), axis=0)
+        prefix = prefix | (digit.to(tl.uint32) << (32 - BITS * (p + 1)))
+    out_row = out + r.to(tl.int64) * W
+    zero = tl.full([], 0, tl.int32)
+    _emit_winners(row, out_row, start, end, prefix, k_rem, zero, zero, sink_end, W, BLOCK)
+    _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK, PAGE)
+
+
+@triton.jit
+def _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end, W, BLOCK: tl.constexpr):
+    """Ordered compaction of [lo, hi): keys > T, and keys == T while the tie quota lasts, in id order."""
     for t in range(lo, hi, BLOCK):
         offs = t + tl.arange(0, BLOCK)
         valid = offs < hi
         key = _sortable_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32), valid)
         gt = key > T
         eq = (key == T) & valid
-        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        keep = gt | (eq & (eq_rank < ties_needed))
-        pos = pos0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        dest = sink_end + pos
-        tl.store(out_row + dest, offs.to(tl.int32), mask=keep & (dest < W))
-        pos0 += tl.sum(keep.to(tl.int32), axis=0)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+        n_eq = tl.sum(eq.to(tl.int32), axis=0)
+        if tl.sum(gt.to(tl.int32), axis=0) + n_eq > 0:  # most tiles hold no winner: skip the scans
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+            keep = gt | (eq & (eq_rank < ties_needed))
+            pos = pos0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            dest = sink_end + pos
+            tl.store(out_row + dest, offs.to(tl.int32), mask=keep & (dest < W))
+            pos0 += tl.sum(keep.to(tl.int32), axis=0)
+        eq_seen += n_eq
 
-    if s == 0:
-        # One program per row writes everything that is not a history winner.
-        if PAGE:
-            recent = n - recent_start
-            filled = tl.where(sparse, sink_end + k_eff + recent, 0)
-            tl.store(lengths_out + r, filled)
-            for t in range(0, W, BLOCK):
-                j = t + tl.arange(0, BLOCK)
-                is_sink = sparse & (j < sink_end)
-                rec = j - (sink_end + k_eff)
-                is_recent = sparse & (rec >= 0) & (rec < recent)
-                val = tl.where(is_sink, j, tl.where(is_recent, recent_start + rec, -1))
-                tl.store(out_row + j, val, mask=(j < W) & (is_sink | is_recent | (j >= filled)))
-        else:
-            for t in range(0, W, BLOCK):
-                j = t + tl.arange(0, BLOCK)
-                tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j < W) & (j >= k_eff))
+
+@triton.jit
+def _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK: tl.constexpr,
+                PAGE: tl.constexpr):
+    """Everything of a row that is not a history winner: -1 padding; in page mode sink/recent pages + length."""
+    if PAGE:
+        recent = n - recent_start
+        filled = tl.where(sparse, sink_end + k_eff + recent, 0)
+        tl.store(lengths_out + r, filled)
+        for t in range(0, W, BLOCK):
+            j = t + tl.arange(0, BLOCK)
+            is_sink = sparse & (j < sink_end)
+            rec = j - (sink_end + k_eff)
+            is_recent = sparse & (rec >= 0) & (rec < recent)
+            val = tl.where(is_sink, j, tl.where(is_recent, recent_start + rec, -1))
+            tl.store(out_row + j, val, mask=(j < W) & (is_sink | is_recent | (j >= filled)))
+    else:
+        for t in range(0, W, BLOCK):
+            j = t + tl.arange(0, BLOCK)
+            tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j < W) & (j >= k_eff))
 
 
 @triton.jit
@@ -295,7 +357,7 @@ def plan_splits(R: int, N: int, device: torch.device, splits: int | None) -> tup
     """(programs per row, chunk length, tile length). Rows are split only when rows alone can't fill the GPU."""
     on_gpu = device.type == "cuda"
     if splits is None:
-        if on_gpu:
+        if on_gpu and N > SHORT_ROW:
             target = 2 * _sm_count(device)
             splits = max(1, min(triton.cdiv(N, 2048), triton.cdiv(target, max(R, 1)), 256))
         else:
@@ -319,9 +381,7 @@ def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=No
     R, N = scores.shape
     device = scores.device
     S, chunk, block = plan_splits(R, N, device, splits)
-    hist = torch.zeros((NUM_PASSES, R, NUM_BINS), dtype=torch.int32, device=device)
-    split_buf = torch.empty((R, S, 2, NUM_BINS), dtype=torch.int32, device=device)
-    dummy = hist  # any tensor: pointers a variant does not read
+    dummy = out  # any tensor: pointers a variant does not read
     p = page or {}
     args = dict(
         k_scalar=int(k_scalar), k_ptr=k_tensor if k_tensor is not None else dummy,
@@ -333,6 +393,13 @@ def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=No
     flags = dict(HAS_K=k_tensor is not None, HAS_LEN=lengths is not None, PAGE=page is not None,
                  USE_TABLE="budget_table" in p)
     num_warps = 4 if device.type == "cuda" else 1
+    if S == 1:  # one program per row: the whole chain in one launch
+        _fused_row_kernel[(R,)](
+            scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
+            BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=num_warps)
+        return out
+    hist = torch.zeros((NUM_PASSES, R, NUM_BINS), dtype=torch.int32, device=device)
+    split_buf = torch.empty((R, S, 2, NUM_BINS), dtype=torch.int32, device=device)
     for pass_id in range(NUM_PASSES):
         _radix_pass_kernel[(R, S)](
             scores, scores.stride(0), hist, split_buf, R, N, W, chunk, S, **args,
@@ -355,6 +422,11 @@ def sort_winners(scores, out):
     return out
 
 
+def interpreted() -> bool:
+    """True when Triton runs kernels through its interpreter (CPU tensors allowed)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def capturing() -> bool:
     """True while a CUDA graph is being captured: then no check may read device data."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -374,9 +446,9 @@ def check_scores(name: str, scores, fn: str) -> None:
     if scores.shape[1] > 1 and scores.stride(1) != 1:
         raise ShapeError(f"{fn}: {name} must have unit stride along its last dim, got strides {scores.stride()}. "
                          f"Fix: pass {name}.contiguous().")
-    if scores.device.type not in ("cuda", "cpu"):
-        raise ShapeError(f"{fn}: {name} must be on a CUDA device (or CPU under the Triton interpreter), "
-                         f"got {scores.device}. Fix: move it with .cuda().")
+    if scores.device.type != "cuda" and not (scores.device.type == "cpu" and interpreted()):
+        raise ShapeError(f"{fn}: {name} must be on a CUDA device (CPU only under the Triton interpreter, "
+                         f"TRITON_INTERPRET=1), got {scores.device}. Fix: move it with .cuda().")
     if scores.shape[1] >= 2**31 - 1:
         raise ShapeError(f"{fn}: rows longer than 2**31 - 2 are not supported, got N={scores.shape[1]}.")
 

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from sparse_ref.kernels import page_select as page_select_module
 from sparse_ref.kernels.page_select import select_pages_triton
 
-import sparse_ref  # noqa: F401  (interpreter set-up before the kernel import)
+import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.selection import select_pages, select_pages_row, selection_width
+
+DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
 
 
 def check_against_references(scores, seq_lens, mask, page_size, config, width=None, splits=None):
@@ -31,7 +33,7 @@ def check_against_references(scores, seq_lens, mask, page_size, config, width=No
     return got_sel, got_len
 
 
-def page_scores(bs, max_pages, seed, ties, nonfinite, device="cpu"):
+def page_scores(bs, max_pages, seed, ties, nonfinite, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     s = torch.randint(0, 3, (bs, max_pages), generator=g).float() if ties else torch.randn(bs, max_pages, generator=g)
     if nonfinite and bs * max_pages:
@@ -59,8 +61,8 @@ def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, n
     cap = max_pages * page_size
     lens = st.one_of(st.sampled_from([0, 1, min(page_size - 1, cap), cap, (cap // page_size) * page_size]),
                      st.integers(0, cap))
-    seq_lens = torch.tensor(data.draw(st.lists(lens, min_size=bs, max_size=bs)), dtype=torch.int64)
-    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)))
+    seq_lens = torch.tensor(data.draw(st.lists(lens, min_size=bs, max_size=bs)), dtype=torch.int64, device=DEVICE)
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), device=DEVICE)
     scores = page_scores(bs, max_pages, seed, ties, nonfinite)
     check_against_references(scores, seq_lens, mask, page_size, config, splits=splits)
 
@@ -69,8 +71,8 @@ def test_typical_batch_and_explicit_widths():
     """Long rows, short rows, a dense row; then a wider and a narrower static width."""
     config = SparseConfig(keep_ratio=0.25, num_recent_pages=2, num_sink_pages=1)
     scores = page_scores(5, 40, seed=3, ties=True, nonfinite=True)
-    seq_lens = torch.tensor([160, 3, 64, 0, 97], dtype=torch.int32)
-    mask = torch.tensor([True, True, True, True, False])
+    seq_lens = torch.tensor([160, 3, 64, 0, 97], dtype=torch.int32, device=DEVICE)
+    mask = torch.tensor([True, True, True, True, False], device=DEVICE)
     sel, lengths = check_against_references(scores, seq_lens, mask, 4, config)
     assert sel.shape == (5, selection_width(40, config))
     assert lengths[0] > 0 and lengths[4] == 0
@@ -83,9 +85,10 @@ def test_kernel_clamps_bad_seq_lens(monkeypatch):
     monkeypatch.setattr(page_select_module, "capturing", lambda: True)
     config = SparseConfig(page_budget=2, num_recent_pages=1)
     scores = page_scores(2, 9, seed=4, ties=False, nonfinite=False)
-    sel, lengths = select_pages_triton(scores, torch.tensor([10**6, -4]), torch.tensor([True, True]), 4, config)
-    ref_sel, ref_len = select_pages(scores, torch.tensor([36, 0]), torch.tensor([True, True]), 4, config)
-    assert torch.equal(sel, ref_sel) and torch.equal(lengths, ref_len)
+    on = torch.tensor([True, True], device=DEVICE)
+    sel, lengths = select_pages_triton(scores, torch.tensor([10**6, -4], device=DEVICE), on, 4, config)
+    ref_sel, ref_len = select_pages(scores.cpu(), torch.tensor([36, 0]), on.cpu(), 4, config)
+    assert torch.equal(sel.cpu(), ref_sel) and torch.equal(lengths.cpu(), ref_len)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -100,11 +103,13 @@ def test_kernel_clamps_bad_seq_lens(monkeypatch):
     (lambda s, q, m, c: select_pages_triton(s, q - 100, m, 4, c), r"seq_lens must lie in \[0, 48\]"),
     (lambda s, q, m, c: select_pages_triton(s, q, m, 4, object()), "config must look like a SparseConfig"),
     (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=-1), "width must be an int >= 0"),
+    (lambda s, q, m, c: select_pages_triton(s, q.to("meta"), m, 4, c), "same device"),
 ])
 def test_input_errors(call, match):
-    scores = torch.randn(3, 12)
+    scores = torch.randn(3, 12, device=DEVICE)
     with pytest.raises(SparseRefError, match=match) as info:
-        call(scores, torch.tensor([5, 40, 48]), torch.tensor([True, False, True]), SparseConfig())
+        call(scores, torch.tensor([5, 40, 48], device=DEVICE), torch.tensor([True, False, True], device=DEVICE),
+             SparseConfig())
     assert "Fix" in str(info.value) or "config." in str(info.value)
 
 

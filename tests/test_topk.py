@@ -11,14 +11,15 @@ from hypothesis import strategies as st
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
 
-import sparse_ref  # noqa: F401  (interpreter set-up before the kernel import)
+import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref.errors import SparseRefError
 from sparse_ref.selection import topk_reference
 
+DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
 SPECIALS = [float("nan"), float("-inf"), float("inf"), -0.0, 0.0]
 
 
-def make_scores(R, N, *, seed, ties=False, specials=False, dtype=torch.float32, device="cpu"):
+def make_scores(R, N, *, seed, ties=False, specials=False, dtype=torch.float32, device=DEVICE):
     """Random scores; with ``ties`` few distinct values, with ``specials`` NaN / +-inf / -0.0 sprinkled in."""
     g = torch.Generator().manual_seed(seed)
     if ties:
@@ -50,8 +51,9 @@ def test_awkward_rows_both_orders():
     """Ties, specials, lengths 0/1/full and k beyond the row, in one batch (N not a power of two)."""
     x = make_scores(6, 37, seed=1, specials=True)
     x[1] = 1.5  # an all-equal row: ties to the lower id
-    x[2, :10] = torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), float("-inf"), float("inf"), 0.0, -0.0, 1.0])
-    lengths = torch.tensor([37, 30, 10, 1, 0, 25])
+    x[2, :10] = torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), float("-inf"), float("inf"), 0.0, -0.0, 1.0],
+                             device=DEVICE)
+    lengths = torch.tensor([37, 30, 10, 1, 0, 25], device=DEVICE)
     for order in ("score", "index", "none"):
         check(x, 9, lengths, order=order)
     check(x, 40, lengths)  # k larger than every row: fewer ids, -1 padded
@@ -60,7 +62,7 @@ def test_awkward_rows_both_orders():
 def test_forced_row_splitting_matches():
     """The split path (partial histograms combined with atomics) on a small row."""
     x = make_scores(3, 70, seed=2, ties=True, specials=True)
-    lengths = torch.tensor([70, 41, 3])
+    lengths = torch.tensor([70, 41, 3], device=DEVICE)
     check(x, 13, lengths, splits=4)
     check(x, 13, lengths, order="index", splits=7)
 
@@ -72,15 +74,15 @@ def test_half_precision_inputs(dtype):
 
 def test_edge_sizes():
     """N = 0 and 1, k = 0, zero rows."""
-    assert topk(torch.empty(3, 0), 4).tolist() == [[-1] * 4] * 3
+    assert topk(torch.empty(3, 0, device=DEVICE), 4).tolist() == [[-1] * 4] * 3
     check(make_scores(2, 1, seed=4), 3)
     assert topk(make_scores(2, 5, seed=5), 0).shape == (2, 0)
-    assert topk(torch.empty(0, 5), 2).shape == (0, 2)
+    assert topk(torch.empty(0, 5, device=DEVICE), 2).shape == (0, 2)
 
 
 def test_per_row_k_tensor():
     x = make_scores(4, 23, seed=6, ties=True)
-    k = torch.tensor([0, 3, 23, 7])
+    k = torch.tensor([0, 3, 23, 7], device=DEVICE)
     check(x, k, width=8)
     check(x, k, order="index")  # width read from k.max() eagerly
 
@@ -92,7 +94,7 @@ def test_per_row_k_tensor():
        data=st.data())
 def test_property_matches_reference(R, N, k, ties, specials, splits, order, dtype, seed, data):
     x = make_scores(R, N, seed=seed, ties=ties, specials=specials, dtype=dtype)
-    lengths = torch.tensor(data.draw(st.lists(st.integers(0, N), min_size=R, max_size=R)))
+    lengths = torch.tensor(data.draw(st.lists(st.integers(0, N), min_size=R, max_size=R)), device=DEVICE)
     check(x, k, lengths, order=order, splits=splits)
 
 
@@ -100,8 +102,8 @@ def test_kernel_clamps_bad_lengths(monkeypatch):
     """While a CUDA graph captures, lengths are not checked on the host: the kernel clamps them to [0, N]."""
     monkeypatch.setattr(topk_module, "capturing", lambda: True)
     x = make_scores(3, 11, seed=7)
-    got = topk(x, 4, torch.tensor([-5, 99, 6]))
-    assert torch.equal(got, topk_reference(x, 4, torch.tensor([0, 11, 6])))
+    got = topk(x, 4, torch.tensor([-5, 99, 6], device=DEVICE))
+    assert torch.equal(got.cpu(), topk_reference(x.cpu(), 4, torch.tensor([0, 11, 6])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,18 +118,20 @@ def test_kernel_clamps_bad_lengths(monkeypatch):
     (lambda x: topk(x, 2.5), "k must be an int >= 0"),
     (lambda x: topk(x, 5000), "at most 4096"),
     (lambda x: topk(x, 2, order="random"), "order must be one of"),
-    (lambda x: topk(x, torch.tensor([1.0, 2.0, 3.0])), "k as a tensor"),
-    (lambda x: topk(x, torch.tensor([1, 2])), "k as a tensor"),
-    (lambda x: topk(x, torch.tensor([1, -2, 3])), "k must be >= 0"),
-    (lambda x: topk(x, 2, torch.tensor([1.0, 2.0, 3.0])), "lengths must be an int32/int64"),
-    (lambda x: topk(x, 2, torch.tensor([1, 2])), "lengths must be an int32/int64"),
-    (lambda x: topk(x, 2, torch.tensor([1, 2, 9])), r"lengths must lie in \[0, 8\]"),
-    (lambda x: topk(x, 2, torch.tensor([-1, 2, 3])), r"lengths must lie in \[0, 8\]"),
-    (lambda x: topk(x, 2, out=torch.empty(3, 2, dtype=torch.int64)), "out must be"),
+    (lambda x: topk(x, torch.tensor([1.0, 2.0, 3.0], device=x.device)), "k as a tensor"),
+    (lambda x: topk(x, torch.tensor([1, 2], device=x.device)), "k as a tensor"),
+    (lambda x: topk(x, torch.tensor([1, -2, 3], device=x.device)), "k must be >= 0"),
+    (lambda x: topk(x, 2, torch.tensor([1.0, 2.0, 3.0], device=x.device)), "lengths must be an int32/int64"),
+    (lambda x: topk(x, 2, torch.tensor([1, 2], device=x.device)), "lengths must be an int32/int64"),
+    (lambda x: topk(x, 2, torch.tensor([1, 2, 9], device=x.device)), r"lengths must lie in \[0, 8\]"),
+    (lambda x: topk(x, 2, torch.tensor([-1, 2, 3], device=x.device)), r"lengths must lie in \[0, 8\]"),
+    (lambda x: topk(x, 2, out=torch.empty(3, 2, dtype=torch.int64, device=x.device)), "out must be"),
     (lambda x: topk(x, 2, splits=0), "splits must be"),
+    (lambda x: topk(x.to("meta"), 2), "must be on a CUDA device"),
+    (lambda x: topk(x, 2, torch.tensor([1, 2, 3], device="meta")), "same device"),
 ])
 def test_input_errors(call, match):
-    x = torch.randn(3, 8)
+    x = torch.randn(3, 8, device=DEVICE)
     with pytest.raises(SparseRefError, match=match) as info:
         call(x)
     assert "Fix" in str(info.value)

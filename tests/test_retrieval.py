@@ -130,9 +130,10 @@ def test_row_goes_sparse_on_current_seq_len_not_prompt():
     assert kept == [0, 0, 2, 2]
 
 
-def quest_workload_algo(config, seq_lens=(1, 15, 16, 17, 64, 97, 150), P=16, **kwargs):
-    wl = make_planted_workload(list(seq_lens), page_size=P, num_q_heads=4, num_kv_heads=2, head_dim=8, seed=3, **kwargs)
-    algo = QuestAlgorithm(config)
+def quest_workload_algo(config, seq_lens=(1, 15, 16, 17, 64, 97, 150), P=16, device="cpu"):
+    wl = make_planted_workload(list(seq_lens), page_size=P, num_q_heads=4, num_kv_heads=2, head_dim=8, seed=3,
+                               device=device)
+    algo = QuestAlgorithm(config, device)
     wl.attach(algo)
     return wl, algo
 
@@ -221,3 +222,18 @@ def test_auto_backend_is_torch_on_cpu_tensors():
                              forward_batch=batch_stub(seq))
     ref = select_pages(scores, seq, torch.ones(3, dtype=torch.bool), 4, algo.config)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+def test_triton_backend_through_retrieve_topk_matches_torch(device):
+    """The switch wires the fused kernel in with select_pages' contract (its own tests live in test_page_select*)."""
+    pytest.importorskip("sparse_ref.kernels.page_select")
+    config = SparseConfig(page_budget=3, num_sink_pages=1)
+    wl, torch_algo = quest_workload_algo(config, seq_lens=(300, 17, 129, 64), device=device)
+    torch_algo.selection_backend = "torch"
+    triton_algo = QuestAlgorithm(config, device, selection_backend="triton")
+    wl.attach(triton_algo)
+    fb = wl.forward_batch
+    mask = torch.tensor([True, True, False, True], device=device)
+    a = torch_algo.retrieve_topk(wl.queries, 0, fb.req_pool_indices, mask, forward_batch=fb)
+    b = triton_algo.retrieve_topk(wl.queries, 0, fb.req_pool_indices, mask, forward_batch=fb)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and int(a[1][0]) > 0

@@ -44,6 +44,8 @@ RADIX_BITS = 8
 NUM_BINS = 1 << RADIX_BITS
 NUM_PASSES = 32 // RADIX_BITS
 SHORT_ROW = 16384  # rows up to this long run in one program each (latency-bound anyway)
+# GPU launch knobs (module-level so benchmarks/profile_topk.py can try variants).
+TUNING = {"programs_per_sm": 2, "block": 1024, "num_warps": 4, "fused_num_warps": 4}
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
 
@@ -358,7 +360,7 @@ def plan_splits(R: int, N: int, device: torch.device, splits: int | None) -> tup
     on_gpu = device.type == "cuda"
     if splits is None:
         if on_gpu and N > SHORT_ROW:
-            target = 2 * _sm_count(device)
+            target = TUNING["programs_per_sm"] * _sm_count(device)
             splits = max(1, min(triton.cdiv(N, 2048), triton.cdiv(target, max(R, 1)), 256))
         else:
             splits = 1
@@ -366,7 +368,7 @@ def plan_splits(R: int, N: int, device: torch.device, splits: int | None) -> tup
         raise SparseRefError(f"topk: splits must be a positive int or None, got {splits!r}. Fix: pass e.g. splits=4.")
     splits = min(splits, max(N, 1))
     chunk = triton.cdiv(max(N, 1), splits)
-    block = 1024 if on_gpu else min(1024, max(16, triton.next_power_of_2(chunk)))
+    block = TUNING["block"] if on_gpu else min(1024, max(16, triton.next_power_of_2(chunk)))
     chunk = triton.cdiv(chunk, block) * block if on_gpu else chunk
     splits = triton.cdiv(max(N, 1), chunk)
     return splits, chunk, block
@@ -392,11 +394,11 @@ def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=No
     )
     flags = dict(HAS_K=k_tensor is not None, HAS_LEN=lengths is not None, PAGE=page is not None,
                  USE_TABLE="budget_table" in p)
-    num_warps = 4 if device.type == "cuda" else 1
+    num_warps = TUNING["num_warps"] if device.type == "cuda" else 1
     if S == 1:  # one program per row: the whole chain in one launch
         _fused_row_kernel[(R,)](
             scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
-            BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=num_warps)
+            BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=TUNING["fused_num_warps"] if device.type == "cuda" else 1)
         return out
     hist = torch.zeros((NUM_PASSES, R, NUM_BINS), dtype=torch.int32, device=device)
     split_buf = torch.empty((R, S, 2, NUM_BINS), dtype=torch.int32, device=device)

@@ -78,12 +78,19 @@ class Timer:
         self.reps = reps
         self.on_gpu = device.type == "cuda"
         self.flush = torch.empty(FLUSH_BYTES // 4 if self.on_gpu else 1, dtype=torch.int32, device=device)
+        self.mode = "graph" if self.on_gpu else "cpu"
 
     def cold(self, fns) -> float:
-        """Median µs of one call, L2 flushed before each; ``fns`` rotates over input copies."""
+        """Median µs of one call, L2 flushed before each; ``fns`` rotates over input copies.
+
+        On a GPU each call is captured once in a CUDA graph and the graph is replayed, so the
+        time is the GPU's alone (no Python launch overhead); ``self.mode`` says "graph" or, when
+        a call cannot be captured, "eager".
+        """
         for fn in fns:  # warm-up / compile
             fn()
         if not self.on_gpu:
+            self.mode = "cpu"
             times = []
             for i in range(self.reps):
                 t0 = time.perf_counter()
@@ -91,33 +98,29 @@ class Timer:
                 times.append((time.perf_counter() - t0) * 1e6)
             return statistics.median(times)
         torch.cuda.synchronize()
+        try:
+            calls = [_graph_of(fn, 1).replay for fn in fns]
+            self.mode = "graph"
+        except Exception:  # not capturable (e.g. a host sync inside): time eager calls
+            torch.cuda.synchronize()
+            calls = list(fns)
+            self.mode = "eager"
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         for i in range(self.reps):
             self.flush.zero_()
             starts[i].record()
-            fns[i % len(fns)]()
+            calls[i % len(calls)]()
             ends[i].record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True))
 
     def warm(self, fn, calls: int = 20) -> float:
-        """Median µs of one call replayed from a CUDA graph on the same (L2-resident) input."""
+        """Median µs of one call replayed from a CUDA graph of ``calls`` calls on the same (L2-resident) input."""
         if not self.on_gpu:
             return self.cold([fn])
         fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = _graph_of(fn, calls)
         times = []
         for _ in range(max(5, self.reps // 10)):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -127,6 +130,22 @@ class Timer:
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e) * 1e3 / calls)
         return statistics.median(times)
+
+
+def _graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` (warmed up on a side stream first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
 
 
 def copy_bandwidth(device: torch.device, timer: Timer) -> float:
@@ -144,6 +163,7 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
 # Suites
 # ------------------------------------------------------------------------------------------
 def _row(shape, k, dist, l2, torch_us, ours_us, bytes_moved, copy_bw, op, **extra):
+    """One result row (and its progress line)."""
     tbps = bytes_moved / (ours_us * 1e-6) / 1e12 if ours_us and ours_us > 0 else float("nan")
     row = dict(op=op, shape=shape, k=k, distribution=dist, l2=l2, torch_us=round(torch_us, 2),
                ours_us=round(ours_us, 2), speedup=round(torch_us / ours_us, 2), bytes=int(bytes_moved),
@@ -171,11 +191,12 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
             copies = [make_distribution(dist, R, N, device, seed=s) for s in range(1 if on_cpu else 4)]
             nbytes = R * N * 4 + R * k * 4
             t_torch = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
+            m_torch = timer.mode
             for order in ("score", "index"):
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
                 t_ours = timer.cold([partial(topk, x, k, order=order, out=out, splits=splits) for x in copies])
                 rows.append(_row(f"{R}x{N} fp32", k, dist, "cold", t_torch, t_ours, nbytes, copy_bw,
-                                 f"topk({order})"))
+                                 f"topk({order})", torch_timing=m_torch, ours_timing=timer.mode))
             if dist == "randn" and not quick and not on_cpu:
                 x = copies[0]
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
@@ -203,13 +224,17 @@ def bench_select(device, timer, copy_bw, quick, on_cpu):
         W = select_pages_triton(copies[0], seq_lens, mask, page_size, config)[0].shape[1]
         nbytes = bs * pages * 4 + bs * 8 + bs * 1 + bs * W * 4 + bs * 4
         t_ours = timer.cold([partial(select_pages_triton, x, seq_lens, mask, page_size, config) for x in copies])
+        m_ours = timer.mode
         t_sel = timer.cold([partial(select_pages, x, seq_lens, mask, page_size, config) for x in copies])
+        m_sel = timer.mode
         t_topk = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
         shape = f"{bs}x{pages} pages"
         rows.append(_row(shape, k, dist, "cold", t_sel, t_ours, nbytes, copy_bw, "select",
-                         baseline="torch select_pages (batched torch: ranks + finalize)"))
+                         baseline="torch select_pages (batched torch: ranks + finalize)", torch_timing=m_sel,
+                         ours_timing=m_ours))
         rows.append(_row(shape, k, dist, "cold", t_topk, t_ours, nbytes, copy_bw, "select_vs_topk",
-                         baseline="torch.topk alone (no recent/sink, no finalize)"))
+                         baseline="torch.topk alone (no recent/sink, no finalize)", torch_timing=timer.mode,
+                         ours_timing=m_ours))
         if dist == "randn" and not on_cpu:
             x = copies[0]
             t_ours_w = timer.warm(partial(select_pages_triton, x, seq_lens, mask, page_size, config))
@@ -228,6 +253,7 @@ def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
     looped = setup.retrieve(loop=True)
     same = bool(torch.equal(batched[0], looped[0]) and torch.equal(batched[1], looped[1]))
     t_batched = timer.cold([setup.retrieve])
+    m_batched = timer.mode
     loop_times = []
     for _ in range(3 if quick or on_cpu else 5):
         if device.type == "cuda":
@@ -251,7 +277,7 @@ def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
     rows = [_row(f"bs={bs} ctx={ctx} page={page_size}", None, "planted", "cold", t_loop, t_batched,
                  bs * pages * 4, copy_bw, "retrieve", baseline="retrieve_topk_loop (wall clock, synced)",
                  identical_to_loop=same, graph_replay_us=None if math.isnan(t_graph) else round(t_graph, 2),
-                 graph_capturable=graph_ok)]
+                 graph_capturable=graph_ok, torch_timing="wall clock", ours_timing=m_batched)]
     return rows
 
 
@@ -290,8 +316,9 @@ def main(argv=None) -> dict:
         gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
-        timing=("CUDA events, median; L2 cold = 1 GiB buffer zeroed before each call, inputs rotated over 4 "
-                "copies; L2 warm = CUDA graph replay of the same call on one input"),
+        timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer zeroed "
+                "before each call, inputs rotated over 4 copies; L2 warm = replay of a graph of 20 calls on one "
+                "input, divided by 20. A row whose call cannot be captured says timing_mode='eager'."),
         rows=rows,
     )
     out = Path(args.out)

@@ -264,8 +264,8 @@ def _fused_row_kernel(scores, stride_r, out, lengths_out, N, W,
             else:
                 match = ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p))) & (key != 0)
             if tl.sum(match.to(tl.int32), axis=0) > 0:
-                digit = ((key >> (32 - BITS * (p + 1))) & (NB - 1)).to(tl.int32)
-                acc += tl.histogram(digit, NB, mask=match)
+                digits = ((key >> (32 - BITS * (p + 1))) & (NB - 1)).to(tl.int32)
+                acc += tl.histogram(digits, NB, mask=match)
         if p == 0:
             k_eff = tl.minimum(k, tl.sum(acc, axis=0))
             k_rem = k_eff

@@ -55,12 +55,12 @@ SCORE_VALUES = [0.0, -0.0, 1.0, 1.0, 2.5, -3.0, float("nan"), float("-inf"), flo
 @st.composite
 def retrieval_case(draw):
     page_size = draw(st.sampled_from([1, 2, 3, 16]))
-    max_context_len = draw(st.integers(1, 120))
+    max_context_len = draw(st.integers(1, 400))
     bs = draw(st.integers(1, 9))
     special = [0, 1, page_size - 1, page_size, 2 * page_size, 3 * page_size + 1, max_context_len]
-    seq_lens = draw(st.lists(st.one_of(st.sampled_from(special), st.integers(0, max_context_len)),
-                             min_size=bs, max_size=bs))
-    seq_lens = [min(max(s, 0), max_context_len) for s in seq_lens]
+    lengths = st.one_of(st.sampled_from(special), st.integers(0, max_context_len),
+                        st.integers(max_context_len // 2, max_context_len))
+    seq_lens = [min(max(s, 0), max_context_len) for s in draw(st.lists(lengths, min_size=bs, max_size=bs))]
     if draw(st.booleans()):
         budget = {"keep_ratio": draw(st.sampled_from([0.01, 0.1, 0.25, 0.5, 0.9, 1.0]))}
     else:
@@ -68,11 +68,15 @@ def retrieval_case(draw):
     config = SparseConfig(**budget, num_recent_pages=draw(st.integers(1, 5)), num_sink_pages=draw(st.integers(0, 3)),
                           min_sparse_seq_len=draw(st.sampled_from([0, 0, 5, 40])))
     max_pages = ceil_div(max_context_len, page_size)
-    tied = draw(st.booleans())
-    values = st.sampled_from(SCORE_VALUES) if tied else st.floats(-10, 10, allow_nan=False, width=32)
-    scores = torch.tensor(draw(st.lists(values, min_size=bs * max_pages, max_size=bs * max_pages)),
-                          dtype=torch.float32).reshape(bs, max_pages)
-    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=bs, max_size=bs)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["tied", "randn", "mixed"]))
+    pick = torch.tensor(SCORE_VALUES)[torch.randint(0, len(SCORE_VALUES), (bs, max_pages), generator=gen)]
+    scores = torch.randn(bs, max_pages, generator=gen)
+    if kind == "tied":
+        scores = pick
+    elif kind == "mixed":  # mostly distinct values, with NaN / +-inf / ties sprinkled in
+        scores = torch.where(torch.rand(bs, max_pages, generator=gen) < 0.2, pick, scores)
+    mask = torch.tensor(draw(st.lists(st.sampled_from([True, True, True, False]), min_size=bs, max_size=bs)))
     return page_size, max_context_len, torch.tensor(seq_lens, dtype=torch.int64), scores, mask, config
 
 

@@ -66,7 +66,8 @@ def main():
     base = dict(topk_module.TUNING)
     variants = [dict(), dict(programs_per_sm=4), dict(programs_per_sm=8), dict(programs_per_sm=16),
                 dict(block=512), dict(block=2048, num_warps=8), dict(programs_per_sm=8, block=512),
-                dict(num_warps=8)]
+                dict(num_warps=8), dict(programs_per_sm=8, block=2048, num_warps=8),
+                dict(programs_per_sm=16, block=512, num_warps=2)]
     for name, R, N, k in CASES:
         copies = [make_distribution("randn", R, N, "cuda", seed=s) for s in range(4)]
         for v in variants:

@@ -156,7 +156,7 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
     pass_stride = R * NB
     row = scores + r.to(tl.int64) * stride_r
     acc = tl.zeros([NB], dtype=tl.int32)
-    gt_hi = tl.full([], 0, tl.int32)
+    gt_hi = tl.zeros([BLOCK], dtype=tl.int32)  # reduced once at the end (no barrier per tile)
     if PASS == 0:
         for t in range(lo, hi, BLOCK):
             offs = t + tl.arange(0, BLOCK)
@@ -178,7 +178,7 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
             top = key >> (32 - BITS * PASS)
             match = (top == high) & (key != 0)
             if PASS == LAST:
-                gt_hi += tl.sum(((top > high) & (key != 0)).to(tl.int32), axis=0)
+                gt_hi += ((top > high) & (key != 0)).to(tl.int32)
             if tl.sum(match.to(tl.int32), axis=0) > 0:  # most tiles hold no match in late passes
                 digit = ((key >> (32 - BITS * (PASS + 1))) & (NB - 1)).to(tl.int32)
                 acc += tl.histogram(digit, NB, mask=match)
@@ -186,7 +186,7 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
     if PASS == LAST:
         # Per chunk: keys above T and keys equal to T, for every possible last digit of T, so
         # that the compaction can place its keys after those of earlier chunks.
-        above = gt_hi + tl.sum(acc, axis=0) - tl.cumsum(acc, axis=0)
+        above = tl.sum(gt_hi, axis=0) + tl.sum(acc, axis=0) - tl.cumsum(acc, axis=0)
         base = split_buf + ((r * S + s) * 2) * NB
         tl.store(base + bins, above)
         tl.store(base + NB + bins, acc)
@@ -290,15 +290,14 @@ def _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end,
         key = _sortable_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32), valid)
         gt = key > T
         eq = (key == T) & valid
-        n_eq = tl.sum(eq.to(tl.int32), axis=0)
-        if tl.sum(gt.to(tl.int32), axis=0) + n_eq > 0:  # most tiles hold no winner: skip the scans
+        if tl.max((gt | eq).to(tl.int32), axis=0) > 0:  # tiles without a winner skip the scans
             eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
             keep = gt | (eq & (eq_rank < ties_needed))
             pos = pos0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             dest = sink_end + pos
             tl.store(out_row + dest, offs.to(tl.int32), mask=keep & (dest < W))
             pos0 += tl.sum(keep.to(tl.int32), axis=0)
-        eq_seen += n_eq
+            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit

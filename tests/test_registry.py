@@ -36,3 +36,9 @@ def test_create_deepseek_dsa_lazily():
 def test_config_type_is_checked():
     with pytest.raises(SparseRefError, match="config: expected a SparseConfig"):
         create_sparse_algorithm("quest", {"page_budget": 3}, "cpu")
+
+
+def test_selection_backend_is_checked():
+    with pytest.raises(SparseRefError, match="selection_backend: expected one of"):
+        create_sparse_algorithm("quest", SparseConfig(), "cpu", selection_backend="cuda")
+    assert create_sparse_algorithm("quest", None, "cpu", selection_backend="torch").selection_backend == "torch"

@@ -76,6 +76,8 @@ class SparseAlgorithm:
     def __init__(self, config: SparseConfig | None = None, device="cpu", selection_backend: str = "auto"):
         if config is not None and not isinstance(config, SparseConfig):
             raise ConfigError(f"config: expected a SparseConfig or None, got {type(config).__name__}.")
+        if selection_backend not in SELECTION_BACKENDS:
+            raise ConfigError(f"selection_backend: expected one of {SELECTION_BACKENDS}, got {selection_backend!r}.")
         self.config = config if config is not None else SparseConfig()
         self.device = torch.device(device)
         self.selection_backend = selection_backend

@@ -205,6 +205,12 @@ def test_extend_then_decode_equals_one_extend(use_fp8):
             row = starts[i] + pos[i]
             torch.testing.assert_close(dec[i, : pos[i] + 1], full[row, : pos[i] + 1], rtol=1e-5, atol=1e-6)
             assert torch.equal(sel[i], full_sel[row])
+    # The cached keys are bit-identical: a token's key does not depend on the batch it came in.
+    for r, r2 in zip(reqs, reqs2, strict=True):
+        slots = mgr.req_to_token_pool.req_to_token[r.req_pool_idx, : r.seq_len].long()
+        slots2 = mgr2.req_to_token_pool.req_to_token[r2.req_pool_idx, : r2.seq_len].long()
+        assert torch.equal(idx.cache.keys[0][slots].float(), idx2.cache.keys[0][slots2].float())
+        assert torch.equal(idx.cache.scales[0][slots], idx2.cache.scales[0][slots2])
 
 
 @given(lengths=st.lists(st.integers(1, 14), min_size=1, max_size=3), cut=st.floats(0.0, 1.0),
@@ -288,6 +294,19 @@ def test_selection_is_causal_and_padded():
     by_score = idx(x, ql, fb.positions, fb, 0, order="score")
     assert torch.equal(torch.sort(torch.where(by_score < 0, 10**6, by_score), 1).values,
                        torch.where(sel < 0, 10**6, sel))
+
+
+def test_low_precision_inputs_and_empty_batches():
+    mgr, idx = make()
+    r = mgr.admit(9)
+    fb = build_extend_batch(mgr, [r])
+    x, ql = inputs(SMALL, 9, 4)
+    low = idx.index_scores(x.bfloat16(), ql.half(), fb.positions, fb, 0)  # computed in fp32 after the cast
+    assert torch.equal(low, idx.index_scores(x.bfloat16().float(), ql.half().float(), fb.positions, fb, 0))
+    empty = mgr.admit(0)
+    fb = build_extend_batch(mgr, [empty])
+    sel = idx(torch.zeros(0, SMALL.hidden_size), torch.zeros(0, SMALL.q_lora_rank), fb.positions, fb, 0)
+    assert sel.shape == (0, SMALL.index_topk) and sel.dtype == torch.int32
 
 
 def test_seeded_init_is_deterministic():

@@ -292,12 +292,24 @@ class LightningIndexer(nn.Module):
         return self
 
     # ------------------------------------------------------------------ stages
+    @staticmethod
+    def _linear(layer: nn.Linear, inp: torch.Tensor) -> torch.Tensor:
+        """``layer(inp)`` computed in fp64 and rounded to fp32: the same bits for a token in any batch.
+
+        A BLAS matmul may round the last bit of a row differently depending on how many rows it
+        multiplies, and one fp32 ulp can move a value across an FP8 rounding boundary (a whole FP8
+        step, 2^-3 relative). Rounding an fp64 product to fp32 makes each token's q, k and head
+        weights independent of the batch it came in, so prefill, chunked prefill and decode give
+        bit-identical keys. (Production kernels promise no such thing; a reference should.)
+        """
+        return torch.nn.functional.linear(inp.double(), layer.weight.double()).float()
+
     @torch.no_grad()
     def project(self, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 1: ``q = wq_b(q_lora)`` ``[T, H, D]`` and ``k = k_norm(wk(x))`` ``[T, D]`` (fp32)."""
         c = self.config
-        q = self.wq_b(q_lora.float()).view(-1, c.n_heads, c.head_dim)
-        k = self.k_norm(self.wk(x.float()))
+        q = self._linear(self.wq_b, q_lora).view(-1, c.n_heads, c.head_dim)
+        k = self.k_norm(self._linear(self.wk, x))
         return q, k
 
     @torch.no_grad()
@@ -326,7 +338,7 @@ class LightningIndexer(nn.Module):
     def head_weights(self, x: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
         """Stage 5: ``weights_proj(x) * n_heads**-0.5 * q_scale * head_dim**-0.5`` ``[T, H]`` (fp32)."""
         c = self.config
-        return self.weights_proj(x.float()) * c.n_heads ** -0.5 * q_scale * c.head_dim ** -0.5
+        return self._linear(self.weights_proj, x) * c.n_heads ** -0.5 * q_scale * c.head_dim ** -0.5
 
     @torch.no_grad()
     def prepare(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor) -> IndexerQK:

@@ -81,6 +81,9 @@ def test_retrieve_returns_the_indexer_selection_and_none():
                                     positions=fb.positions)
     assert extra is None and sel.shape == (2, CFG.index_topk) and sel.dtype == torch.int32
     assert torch.equal(sel, indexer(x, ql, fb.positions, fb, 1))
+    loop, extra = algo.retrieve_topk_loop(None, 1, fb.req_pool_indices, torch.ones(2, dtype=torch.bool),
+                                          indexer=indexer, forward_batch=fb, x=x, q_lora=ql, positions=fb.positions)
+    assert extra is None and torch.equal(loop, sel)
 
 
 def test_sparse_mask_false_rows_stay_dense():

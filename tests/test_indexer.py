@@ -373,6 +373,10 @@ def test_forward_input_errors():
                            fb.extend_prefix_lens, fb.extend_seq_lens)
     with pytest.raises(BatchError, match="out_cache_loc"):
         idx(x, ql, pos, bad_loc, 0)
+    bad_counts = dataclasses.replace(fb)
+    bad_counts.extend_seq_lens = torch.tensor([4])
+    with pytest.raises(BatchError, match=r"new tokens per request \[4\] do not add up to the 5"):
+        idx(x, ql, pos, bad_counts, 0)
     assert not idx.cache.written[0].any()  # nothing was written by a rejected call
 
 

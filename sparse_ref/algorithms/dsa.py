@@ -4,7 +4,9 @@ The lightning indexer picks, for every query token, the ``index_topk`` earlier t
 its request that attention will read. It follows DeepSeek-V3.2-Exp's reference ``Indexer``:
 
 1. **project**: ``q = wq_b(q_lora)`` as ``[T, n_heads, head_dim]``; ``k = k_norm(wk(x))``,
-   one ``head_dim`` key per token shared by all heads (``k_norm`` is a LayerNorm);
+   one ``head_dim`` key per token shared by all heads (``k_norm`` is a LayerNorm). The
+   projections are computed in fp64 and rounded to fp32, so a token's values never depend on
+   the batch it arrives in (see ``LightningIndexer._linear``);
 2. **RoPE** on the first ``rope_dim`` dims of q and k, non-interleaved ("rotate half"),
    as DeepSeek's reference indexer does (see ``sparse_ref.rope`` for why not interleaved);
 3. **Hadamard**: rotate q and k by ``H / sqrt(head_dim)`` (``sparse_ref.hadamard``): dot
@@ -455,6 +457,9 @@ class LightningIndexer(nn.Module):
             counts = torch.ones(bs, dtype=torch.int64, device=positions.device)
         else:
             counts = fb.extend_seq_lens
+        if counts.shape[0] != bs or (bs and int(counts.min()) < 0) or int(counts.sum()) != T:
+            raise BatchError(f"forward_batch: new tokens per request {counts.tolist()} do not add up to the {T} "
+                             "tokens of positions. Fix: build the batch with build_extend_batch / build_decode_batch.")
         token_req = torch.repeat_interleave(torch.arange(bs, device=positions.device), counts)
         starts = (torch.cumsum(counts, 0) - counts).tolist()
         if T:
@@ -536,3 +541,8 @@ class DSAAlgorithm(SparseAlgorithm):
         dense_tokens = torch.repeat_interleave(~sparse_mask.cpu(), counts).to(selection.device)
         selection = torch.where(dense_tokens[:, None], torch.full_like(selection, -1), selection)
         return selection, None
+
+    def retrieve_topk_loop(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                           sparse_mask: torch.Tensor, attn_metadata=None, **kwargs):
+        """The same as ``retrieve_topk``: the indexer already scores request by request."""
+        return self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, attn_metadata, **kwargs)

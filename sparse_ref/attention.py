@@ -40,16 +40,17 @@ def _check_q_kv(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor)
 def _attend(q: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, k_buffer: torch.Tensor,
             v_buffer: torch.Tensor, group: int, scale: float | None):
     """Softmax attention of ``q`` over the slots ``[bs, T]`` where ``valid``; fp32 output and probabilities."""
-    d = q.shape[2]
+    bs, h_q, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    keys = k_buffer[slots.long()].float().repeat_interleave(group, dim=2)  # [bs, T, H_q, D]
-    values = v_buffer[slots.long()].float().repeat_interleave(group, dim=2)
-    logits = torch.einsum("bhd,bthd->bht", q.float(), keys) * scale
+    keys = k_buffer[slots.long()].float()  # [bs, T, H_kv, D]
+    values = v_buffer[slots.long()].float()
+    q_groups = q.float().reshape(bs, h_q // group, group, d)  # query head h reads KV head h // group
+    logits = torch.einsum("bkgd,btkd->bkgt", q_groups, keys).reshape(bs, h_q, -1) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # a row with nothing to read (length 0) attends to nothing
-    out = torch.einsum("bht,bthd->bhd", probs, values)
-    return out, probs
+    out = torch.einsum("bkgt,btkd->bkgd", probs.reshape(bs, h_q // group, group, -1), values)
+    return out.reshape(bs, h_q, d), probs
 
 
 def dense_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,

@@ -5,6 +5,7 @@ from a copy of the sources in a temporary folder (nothing is written into the ch
 and imported from a subprocess started outside the repository.
 """
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -36,7 +37,10 @@ def wheel_files(tmp_path_factory):
         elif path.exists():
             src.mkdir(exist_ok=True)
             shutil.copy(path, src / name)
-    out = run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+    # Without build isolation (fast, offline) when this environment can build; otherwise pip fetches
+    # the build backend (Python 3.12+ venvs no longer ship setuptools).
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    out = run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *isolation, "-q",
                "-w", str(tmp / "dist")], cwd=tmp)
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = (tmp / "dist").glob("sparse_ref-*.whl")

@@ -70,7 +70,7 @@ def execution_mode() -> str:
     if default_device().type == "cuda":
         name = torch.cuda.get_device_name()
         return f"GPU: {name} (Triton compiled), torch {torch.__version__}"
-    interp = "Triton interpreter" if triton_interpreted() else "no Triton interpreter (TRITON_INTERPRET unset)"
+    interp = "Triton interpreter" if triton_interpreted() else "no Triton interpreter (TRITON_INTERPRET off)"
     return f"CPU: {interp}, torch {torch.__version__}"
 
 

@@ -46,7 +46,7 @@ def test_no_gpu_sets_interpreter_before_kernels():
 def test_user_setting_of_triton_interpret_is_kept(value):
     interp, dev, fast, line = run_clean(PROBE, TRITON_INTERPRET=value).splitlines()
     assert interp == repr(value) and dev == "cpu" and fast == "True"
-    assert "no Triton interpreter (TRITON_INTERPRET unset)" in line
+    assert "no Triton interpreter (TRITON_INTERPRET off)" in line
 
 
 @pytest.mark.skipif(NO_GPU, reason="checks the GPU path")

@@ -22,7 +22,7 @@ def setup(lengths=(10, 5), cfg=CFG, page_size=4, seed=0):
     mgr = KVCacheManager.create(max_requests=4, max_context_len=48, num_pages=40, page_size=page_size,
                                 num_layers=2, num_kv_heads=H_KV, head_dim=D)
     indexer = LightningIndexer(cfg, seed=seed).attach_cache(
-        IndexerKeyCache.from_pools(mgr.token_to_kv_pool, mgr.req_to_token_pool, cfg))
+        IndexerKeyCache.for_manager(mgr, cfg))
     reqs = [mgr.admit(n) for n in lengths]
     algo = create_sparse_algorithm("deepseek_dsa")
     algo.initialize_representation_pool(0, 2, mgr.token_to_kv_pool, mgr.req_to_token_pool)

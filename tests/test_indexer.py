@@ -34,7 +34,7 @@ MEDIUM = IndexerConfig(hidden_size=64, q_lora_rank=32, n_heads=8, head_dim=64, r
 def make(cfg=SMALL, *, max_context=96, num_pages=64, page_size=4, layers=2, seed=0, max_requests=4):
     mgr = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context, num_pages=num_pages,
                                 page_size=page_size, num_layers=layers)
-    cache = IndexerKeyCache.from_pools(mgr.token_to_kv_pool, mgr.req_to_token_pool, cfg)
+    cache = IndexerKeyCache.for_manager(mgr, cfg)
     return mgr, LightningIndexer(cfg, seed=seed).attach_cache(cache)
 
 
@@ -250,6 +250,23 @@ def test_chunk_without_indexed_prefix_raises():
 
 
 # ----------------------------------------------------------------------------- isolation
+def test_freed_pages_never_lend_their_keys_to_the_next_request():
+    mgr, idx = make(num_pages=6, page_size=4)  # 5 usable pages: the next request reuses a's pages
+    a = mgr.admit(12)
+    fb = build_extend_batch(mgr, [a])
+    idx(*inputs(SMALL, 12, 0), fb.positions, fb, 0)
+    pages = list(a.pages)
+    mgr.release(a)
+    b = mgr.admit(12)
+    assert sorted(b.pages) == sorted(pages)  # the same physical slots, still holding a's keys
+    fb = build_extend_batch(mgr, [b], prefix_lens=[8])  # claims 8 cached tokens it never indexed
+    with pytest.raises(BatchError, match="no key for positions"):
+        idx(*inputs(SMALL, 4, 1), fb.positions, fb, 0)
+    fb = build_extend_batch(mgr, [b])  # indexing b's own prompt makes the slots valid again
+    idx(*inputs(SMALL, 12, 1), fb.positions, fb, 0)
+    assert bool(idx.cache.written[0][mgr.req_to_token_pool.req_to_token[b.req_pool_idx, :12].long()].all())
+
+
 def test_requests_never_see_each_others_keys():
     cfg = SMALL
     mgr, idx = make(cfg, seed=2)

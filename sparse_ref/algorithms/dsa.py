@@ -28,8 +28,9 @@ its request that attention will read. It follows DeepSeek-V3.2-Exp's reference `
 quantised key (``head_dim`` bytes of FP8) and its fp32 scale: 132 bytes per token at
 ``head_dim=128``. It is addressed like the KV pool: logical token ``t`` of request ``r``
 lives at slot ``req_to_token[r, t]`` (page 0 is padding and never written). Attach it
-once: ``indexer.attach_cache(IndexerKeyCache.from_pools(token_to_kv_pool, req_to_token_pool,
-config))``. Then ``indexer(x, q_lora, positions, forward_batch, layer_id)``:
+once: ``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))`` (or ``from_pools``
+with the two pools; ``for_manager`` also forgets the keys of freed pages). Then
+``indexer(x, q_lora, positions, forward_batch, layer_id)``:
 
 * writes the new tokens' keys at ``forward_batch.out_cache_loc``;
 * EXTEND (prefill, or a chunk after ``extend_prefix_lens`` cached tokens): scores each new
@@ -186,6 +187,25 @@ class IndexerKeyCache:
         """A cache with one entry per slot of ``token_to_kv_pool`` (and its layer count, unless given)."""
         return cls(token_to_kv_pool.num_slots, num_layers or token_to_kv_pool.num_layers, config, req_to_token_pool,
                    page_size=token_to_kv_pool.page_size, device=token_to_kv_pool.device)
+
+    @classmethod
+    def for_manager(cls, manager, config: IndexerConfig, num_layers: int | None = None) -> IndexerKeyCache:
+        """``from_pools`` for a ``KVCacheManager``, also told when pages are freed (``invalidate_pages``).
+
+        The recommended constructor: a freed page may be handed to another request, and its
+        stale keys must then never pass for that request's history.
+        """
+        cache = cls.from_pools(manager.token_to_kv_pool, manager.req_to_token_pool, config, num_layers)
+        manager.allocator.add_free_listener(cache.invalidate_pages)
+        return cache
+
+    def invalidate_pages(self, pages: torch.Tensor) -> None:
+        """Forget the keys of freed physical pages (every layer): reading them again raises until rewritten."""
+        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.device)
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
+        slots = slots[(slots >= 0) & (slots < self.num_slots)]
+        for written in self.written:
+            written[slots] = False
 
     @property
     def bytes_per_token(self) -> int:
@@ -411,8 +431,9 @@ class LightningIndexer(nn.Module):
         c = self.config
         if self.cache is None:
             raise ConfigError(
-                "LightningIndexer: no key cache attached. Fix: indexer.attach_cache(IndexerKeyCache.from_pools("
-                "token_to_kv_pool, req_to_token_pool, indexer.config))."
+                "LightningIndexer: no key cache attached. Fix: indexer.attach_cache(IndexerKeyCache.for_manager("
+                "manager, indexer.config)), or IndexerKeyCache.from_pools(token_to_kv_pool, req_to_token_pool, "
+                "indexer.config)."
             )
         if not isinstance(forward_batch, ForwardBatch):
             raise BatchError(f"forward_batch: expected a sparse_ref.ForwardBatch, got {describe(forward_batch)}. "

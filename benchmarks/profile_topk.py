@@ -64,10 +64,8 @@ def main():
 
     print("== variants, L2 cold, graph replay, median us (index order)")
     base = dict(topk_module.TUNING)
-    variants = [dict(), dict(programs_per_sm=4), dict(programs_per_sm=8), dict(programs_per_sm=16),
-                dict(block=512), dict(block=2048, num_warps=8), dict(programs_per_sm=8, block=512),
-                dict(num_warps=8), dict(programs_per_sm=8, block=2048, num_warps=8),
-                dict(programs_per_sm=16, block=512, num_warps=2)]
+    variants = [dict(), dict(programs_per_sm=4), dict(programs_per_sm=16), dict(block=1024),
+                dict(block=2048, num_warps=8), dict(programs_per_sm=4, block=1024, num_warps=8)]
     for name, R, N, k in CASES:
         copies = [make_distribution("randn", R, N, "cuda", seed=s) for s in range(4)]
         for v in variants:
@@ -77,10 +75,13 @@ def main():
             print(f"{name:<16} {str(v):<45} {t:8.1f} us", flush=True)
     topk_module.TUNING.clear()
     topk_module.TUNING.update(base)
-    for fw in (4, 8, 16):
-        topk_module.TUNING["fused_num_warps"] = fw
+    for v in (dict(), dict(fused_num_warps=4), dict(fused_num_warps=16), dict(short_row=4096),
+              dict(short_row=4096, programs_per_sm=4), dict(short_row=4096, block=1024)):
+        topk_module.TUNING.clear()
+        topk_module.TUNING.update(base, **v)
         t = timer.cold([lambda: select_pages_triton(x, seq, mask, 16, cfg)])
-        print(f"select fused num_warps={fw:<3} {t:8.1f} us", flush=True)
+        print(f"select 32x8192 k128 {str(v):<45} {t:8.1f} us", flush=True)
+    topk_module.TUNING.clear()
     topk_module.TUNING.update(base)
 
 

@@ -45,7 +45,8 @@ NUM_BINS = 1 << RADIX_BITS
 NUM_PASSES = 32 // RADIX_BITS
 SHORT_ROW = 16384  # rows up to this long run in one program each (latency-bound anyway)
 # GPU launch knobs (module-level so benchmarks/profile_topk.py can try variants).
-TUNING = {"programs_per_sm": 2, "block": 1024, "num_warps": 4, "fused_num_warps": 4}
+TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": SHORT_ROW,
+          "min_chunk": 1024}
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
 
@@ -158,10 +159,15 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
     acc = tl.zeros([NB], dtype=tl.int32)
     gt_hi = tl.zeros([BLOCK], dtype=tl.int32)  # reduced once at the end (no barrier per tile)
     if PASS == 0:
+        nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
+        x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)  # this tile is processed
         for t in range(lo, hi, BLOCK):
             offs = t + tl.arange(0, BLOCK)
             valid = offs < hi
-            key = _sortable_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32), valid)
+            x = x_next
+            nxt = offs + BLOCK
+            x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)
+            key = _sortable_key(x.to(tl.float32), valid)
             digit = (key >> (32 - BITS)).to(tl.int32)
             acc += tl.histogram(digit, NB, mask=key != 0)
     else:
@@ -171,10 +177,15 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
         if k_eff == 0:
             hi = lo  # nothing to select in this row: skip the data
         high = prefix >> (32 - BITS * PASS)
+        nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
+        x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)  # this tile is processed
         for t in range(lo, hi, BLOCK):
             offs = t + tl.arange(0, BLOCK)
             valid = offs < hi
-            key = _sortable_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32), valid)
+            x = x_next
+            nxt = offs + BLOCK
+            x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)
+            key = _sortable_key(x.to(tl.float32), valid)
             top = key >> (32 - BITS * PASS)
             match = (top == high) & (key != 0)
             if PASS == LAST:
@@ -255,10 +266,15 @@ def _fused_row_kernel(scores, stride_r, out, lengths_out, N, W,
     prefix = tl.full([], 0, tl.uint32)
     for p in tl.static_range(PASSES):
         acc = tl.zeros([NB], dtype=tl.int32)
+        nxt = start + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
+        x_next = tl.load(row + nxt, mask=nxt < end, other=0.0)  # this tile is processed
         for t in range(start, end, BLOCK):
             offs = t + tl.arange(0, BLOCK)
             valid = offs < end
-            key = _sortable_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32), valid)
+            x = x_next
+            nxt = offs + BLOCK
+            x_next = tl.load(row + nxt, mask=nxt < end, other=0.0)
+            key = _sortable_key(x.to(tl.float32), valid)
             if p == 0:
                 match = key != 0
             else:
@@ -284,10 +300,15 @@ def _fused_row_kernel(scores, stride_r, out, lengths_out, N, W,
 @triton.jit
 def _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end, W, BLOCK: tl.constexpr):
     """Ordered compaction of [lo, hi): keys > T, and keys == T while the tie quota lasts, in id order."""
+    nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
+    x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)  # this tile is processed
     for t in range(lo, hi, BLOCK):
         offs = t + tl.arange(0, BLOCK)
         valid = offs < hi
-        key = _sortable_key(tl.load(row + offs, mask=valid, other=0.0).to(tl.float32), valid)
+        x = x_next
+        nxt = offs + BLOCK
+        x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)
+        key = _sortable_key(x.to(tl.float32), valid)
         gt = key > T
         eq = (key == T) & valid
         if tl.max((gt | eq).to(tl.int32), axis=0) > 0:  # tiles without a winner skip the scans
@@ -358,9 +379,9 @@ def plan_splits(R: int, N: int, device: torch.device, splits: int | None) -> tup
     """(programs per row, chunk length, tile length). Rows are split only when rows alone can't fill the GPU."""
     on_gpu = device.type == "cuda"
     if splits is None:
-        if on_gpu and N > SHORT_ROW:
+        if on_gpu and N > TUNING["short_row"]:
             target = TUNING["programs_per_sm"] * _sm_count(device)
-            splits = max(1, min(triton.cdiv(N, 2048), triton.cdiv(target, max(R, 1)), 256))
+            splits = max(1, min(triton.cdiv(N, TUNING["min_chunk"]), triton.cdiv(target, max(R, 1)), 256))
         else:
             splits = 1
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:

@@ -81,8 +81,15 @@ def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None,
     if lengths is None:
         lengths = torch.full((R,), N, dtype=torch.int64, device=device)
     check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), dims=1)
+    if lengths.shape[0] != R:
+        raise ShapeError(f"lengths: expected one entry per row ({R}), got shape {tuple(lengths.shape)}.")
     if isinstance(k, torch.Tensor):
+        check_tensor("k", k, dtype=(torch.int32, torch.int64), dims=1, fix="pass an int, or one k per row.")
+        if k.shape[0] != R:
+            raise ShapeError(f"k: expected one entry per row ({R}), got shape {tuple(k.shape)}.")
         k_row = k.to(device=device, dtype=torch.int64)
+        if R and int(k_row.min()) < 0:
+            raise SparseRefError(f"topk_reference: every k must be >= 0, got min {int(k_row.min())}.")
         width = int(k_row.max()) if width is None and R else (width or 0)
     else:
         if int(k) < 0:
@@ -145,7 +152,14 @@ def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torc
     check_selection_inputs(scores, seq_lens, sparse_mask, page_size)
     bs, max_pages = scores.shape
     device = scores.device
-    W = selection_width(max_pages, config) if width is None else width
+    W = selection_width(max_pages, config)
+    if width is not None:
+        if isinstance(width, bool) or not isinstance(width, int) or width < W:
+            raise SparseRefError(
+                f"width: expected an int >= {W} (selection_width for {max_pages} pages and this config), "
+                f"got {width!r}; a narrower output would cut rows off. Fix: leave width=None."
+            )
+        W = width
     seq = seq_lens.to(torch.int64)
     n = ceil_div(seq, page_size)
     recent = n.clamp(max=config.num_recent_pages)
@@ -179,6 +193,11 @@ def select_pages_row(scores_row: torch.Tensor, seq_len: int, page_size: int, con
     The teaching version of ``select_pages``: plain Python control flow on one row.
     """
     n = ceil_div(int(seq_len), page_size)
+    if not 0 <= n <= scores_row.shape[0]:
+        raise SparseRefError(
+            f"seq_len: expected a value in [0, {scores_row.shape[0] * page_size}] ({scores_row.shape[0]} scored pages "
+            f"of {page_size} tokens), got {seq_len}. Fix: score every page of the request."
+        )
     if not sparse or seq_len < config.min_sparse_seq_len or n == 0:
         return torch.empty(0, dtype=torch.int32, device=scores_row.device)
     recent = min(config.num_recent_pages, n)

@@ -179,3 +179,31 @@ def test_select_pages_input_errors():
         select_pages(s, ok_len, torch.tensor([1, 1]), 4, c)
     with pytest.raises(SparseRefError, match="page_size: expected a positive int, got 0"):
         select_pages(s, ok_len, ok_mask, 0, c)
+
+
+def test_reference_input_checks_name_the_argument():
+    """Bad lengths, k and width shapes raise instead of broadcasting or cutting rows off."""
+    import pytest
+
+    from sparse_ref.config import SparseConfig
+    from sparse_ref.errors import SparseRefError
+    from sparse_ref.selection import select_pages, select_pages_row, selection_width, topk_reference
+
+    scores = torch.randn(3, 10)
+    with pytest.raises(SparseRefError, match="lengths"):
+        topk_reference(scores, 2, torch.tensor([5]))
+    with pytest.raises(SparseRefError, match="k: expected one entry per row"):
+        topk_reference(scores, torch.tensor([2]))
+    with pytest.raises(SparseRefError, match="k must be >= 0"):
+        topk_reference(scores, torch.tensor([2, -1, 3]))
+    cfg = SparseConfig(page_budget=2, num_recent_pages=2)
+    need = selection_width(10, cfg)
+    seq = torch.tensor([160, 100, 3])
+    mask = torch.ones(3, dtype=torch.bool)
+    with pytest.raises(SparseRefError, match=f"width: expected an int >= {need}"):
+        select_pages(scores, seq, mask, 16, cfg, width=need - 1)
+    wide, lengths = select_pages(scores, seq, mask, 16, cfg, width=need + 3)
+    narrow, lengths2 = select_pages(scores, seq, mask, 16, cfg)
+    assert torch.equal(wide[:, :need], narrow) and (wide[:, need:] == -1).all() and torch.equal(lengths, lengths2)
+    with pytest.raises(SparseRefError, match="seq_len"):
+        select_pages_row(scores[0, :3], 100, 16, cfg)

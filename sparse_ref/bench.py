@@ -301,7 +301,7 @@ def main(argv=None) -> dict:
                          "numbers).")
     import triton
 
-    timer = Timer(device, reps=5 if on_cpu else (30 if args.quick else 100))
+    timer = Timer(device, reps=2 if on_cpu else (30 if args.quick else 100))
     gpu = torch.cuda.get_device_name() if not on_cpu else "CPU (Triton interpreter) - NOT GPU numbers"
     print(f"sparse_ref.bench on {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     copy_bw = copy_bandwidth(device, timer)

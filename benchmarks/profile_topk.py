@@ -13,14 +13,14 @@ import tempfile
 from collections import defaultdict
 
 import torch
-from sparse_ref.kernels import topk as topk_module
-from sparse_ref.kernels.page_select import select_pages_triton
-from sparse_ref.kernels.topk import topk
 from torch.profiler import ProfilerActivity, profile
 
 import sparse_ref  # noqa: F401
 from sparse_ref.bench import Timer, make_distribution
 from sparse_ref.config import SparseConfig
+from sparse_ref.kernels import topk as topk_module
+from sparse_ref.kernels.page_select import select_pages_triton
+from sparse_ref.kernels.topk import topk
 
 CASES = [("64x64K k2048", 64, 65536, 2048), ("64x128K k2048", 64, 131072, 2048), ("1x128K k2048", 1, 131072, 2048)]
 
@@ -75,8 +75,14 @@ def main():
             print(f"{name:<16} {str(v):<45} {t:8.1f} us", flush=True)
     topk_module.TUNING.clear()
     topk_module.TUNING.update(base)
-    for v in (dict(), dict(fused_num_warps=4), dict(fused_num_warps=16), dict(short_row=4096),
-              dict(short_row=4096, programs_per_sm=4), dict(short_row=4096, block=1024)):
+    for name, R, N, k in CASES[:1]:
+        copies = [make_distribution("randn", R, N, "cuda", seed=s) for s in range(4)]
+        for w in (0, 4, 8, 32):
+            topk_module.TUNING.update(base, sort_num_warps=w)
+            t = timer.cold([lambda x=x, k=k: topk(x, k, order="score") for x in copies])
+            print(f"{name:<16} score order, sort_num_warps={w or 'auto'}  {t:8.1f} us", flush=True)
+    for v in (dict(), dict(short_row=16384), dict(short_row=16384, fused_num_warps=4), dict(programs_per_sm=4),
+              dict(block=1024)):
         topk_module.TUNING.clear()
         topk_module.TUNING.update(base, **v)
         t = timer.cold([lambda: select_pages_triton(x, seq, mask, 16, cfg)])

@@ -43,10 +43,12 @@ from sparse_ref.errors import ShapeError, SparseRefError
 RADIX_BITS = 8
 NUM_BINS = 1 << RADIX_BITS
 NUM_PASSES = 32 // RADIX_BITS
-SHORT_ROW = 16384  # rows up to this long run in one program each (latency-bound anyway)
 # GPU launch knobs (module-level so benchmarks/profile_topk.py can try variants).
-TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": SHORT_ROW,
-          "min_chunk": 1024}
+# Measured on H200 (benchmarks/NOTES.md): 8 programs per SM with 512-tiles for many rows; for fewer than
+# 8 rows, 4 programs per SM with 1024-tiles and 8 warps; rows over 4096 already gain from splitting.
+TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": 4096,
+          "min_chunk": 1024, "sort_num_warps": 0}
+FEW_ROWS = {"programs_per_sm": 4, "block": 1024, "num_warps": 8}
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
 
@@ -190,9 +192,12 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
             match = (top == high) & (key != 0)
             if PASS == LAST:
                 gt_hi += ((top > high) & (key != 0)).to(tl.int32)
-            if tl.sum(match.to(tl.int32), axis=0) > 0:  # most tiles hold no match in late passes
-                digit = ((key >> (32 - BITS * (PASS + 1))) & (NB - 1)).to(tl.int32)
+            digit = ((key >> (32 - BITS * (PASS + 1))) & (NB - 1)).to(tl.int32)
+            if PASS == 1:  # many keys still match: histogram every tile
                 acc += tl.histogram(digit, NB, mask=match)
+            else:
+                if tl.max(match.to(tl.int32), axis=0) > 0:  # late passes: most tiles hold no match
+                    acc += tl.histogram(digit, NB, mask=match)
     tl.atomic_add(hist_row + PASS * pass_stride + bins, acc)
     if PASS == LAST:
         # Per chunk: keys above T and keys equal to T, for every possible last digit of T, so
@@ -312,13 +317,16 @@ def _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end,
         gt = key > T
         eq = (key == T) & valid
         if tl.max((gt | eq).to(tl.int32), axis=0) > 0:  # tiles without a winner skip the scans
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-            keep = gt | (eq & (eq_rank < ties_needed))
+            if tl.max(eq.to(tl.int32), axis=0) > 0:  # ties in this tile: rank them (lowest ids first)
+                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+                keep = gt | (eq & (eq_rank < ties_needed))
+                eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+            else:
+                keep = gt
             pos = pos0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             dest = sink_end + pos
             tl.store(out_row + dest, offs.to(tl.int32), mask=keep & (dest < W))
             pos0 += tl.sum(keep.to(tl.int32), axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -375,20 +383,29 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
+def launch_knobs(R: int) -> dict:
+    """TUNING, adjusted for very few rows (measured on H200: wider tiles and warps win there)."""
+    knobs = dict(TUNING)
+    if R < 8:
+        knobs.update(FEW_ROWS)
+    return knobs
+
+
 def plan_splits(R: int, N: int, device: torch.device, splits: int | None) -> tuple[int, int, int]:
     """(programs per row, chunk length, tile length). Rows are split only when rows alone can't fill the GPU."""
     on_gpu = device.type == "cuda"
+    knobs = launch_knobs(R)
     if splits is None:
-        if on_gpu and N > TUNING["short_row"]:
-            target = TUNING["programs_per_sm"] * _sm_count(device)
-            splits = max(1, min(triton.cdiv(N, TUNING["min_chunk"]), triton.cdiv(target, max(R, 1)), 256))
+        if on_gpu and N > knobs["short_row"]:
+            target = knobs["programs_per_sm"] * _sm_count(device)
+            splits = max(1, min(triton.cdiv(N, knobs["min_chunk"]), triton.cdiv(target, max(R, 1)), 256))
         else:
             splits = 1
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         raise SparseRefError(f"topk: splits must be a positive int or None, got {splits!r}. Fix: pass e.g. splits=4.")
     splits = min(splits, max(N, 1))
     chunk = triton.cdiv(max(N, 1), splits)
-    block = TUNING["block"] if on_gpu else min(1024, max(16, triton.next_power_of_2(chunk)))
+    block = knobs["block"] if on_gpu else min(1024, max(16, triton.next_power_of_2(chunk)))
     chunk = triton.cdiv(chunk, block) * block if on_gpu else chunk
     splits = triton.cdiv(max(N, 1), chunk)
     return splits, chunk, block
@@ -414,7 +431,7 @@ def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=No
     )
     flags = dict(HAS_K=k_tensor is not None, HAS_LEN=lengths is not None, PAGE=page is not None,
                  USE_TABLE="budget_table" in p)
-    num_warps = TUNING["num_warps"] if device.type == "cuda" else 1
+    num_warps = launch_knobs(R)["num_warps"] if device.type == "cuda" else 1
     if S == 1:  # one program per row: the whole chain in one launch
         _fused_row_kernel[(R,)](
             scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
@@ -439,7 +456,12 @@ def sort_winners(scores, out):
     if R == 0 or W == 0:
         return out
     w_pad = max(2, triton.next_power_of_2(W))
-    num_warps = (16 if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.device.type == "cuda" else 1
+    if scores.device.type != "cuda":
+        num_warps = 1
+    elif TUNING["sort_num_warps"]:
+        num_warps = TUNING["sort_num_warps"]
+    else:
+        num_warps = 16 if w_pad >= 2048 else 8 if w_pad >= 512 else 4
     _sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
     return out
 

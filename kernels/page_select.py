@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 
 import torch
-from sparse_ref.kernels.topk import capturing, check_same_device, check_scores, launch_select
 
 from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.kernels.topk import capturing, check_same_device, check_scores, launch_select
 
 
 def _config_ints(config) -> dict:
@@ -113,9 +113,13 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
             raise SparseRefError(
                 f"{fn}: seq_lens must lie in [0, {max_pages * page_size}] (scores cover {max_pages} pages of "
                 f"{page_size} tokens), got min {lo}, max {hi}. Fix: score every page of the longest request.")
-    W = page_selection_width(max_pages, fields) if width is None else width
-    if isinstance(W, bool) or not isinstance(W, int) or W < 0:
-        raise SparseRefError(f"{fn}: width must be an int >= 0, got {W!r}. Fix: leave width=None.")
+    W = page_selection_width(max_pages, fields)
+    if width is not None:  # wider is allowed (extra -1 padding); narrower would cut rows off
+        if isinstance(width, bool) or not isinstance(width, int) or width < W:
+            raise SparseRefError(f"{fn}: width must be an int >= {W} (selection_width for {max_pages} pages and "
+                                 f"this config), got {width!r}; a narrower output would cut rows off. "
+                                 f"Fix: leave width=None.")
+        W = min(width, max_pages)  # as select_pages: a row never keeps more pages than it has
     device = scores.device
     selected = torch.empty((bs, W), dtype=torch.int32, device=device)
     lengths = torch.empty((bs,), dtype=torch.int32, device=device)

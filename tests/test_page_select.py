@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sparse_ref.kernels import page_select as page_select_module
-from sparse_ref.kernels.page_select import select_pages_triton
 
 import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import page_select as page_select_module
+from sparse_ref.kernels.page_select import select_pages_triton
 from sparse_ref.selection import select_pages, select_pages_row, selection_width
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -68,7 +68,7 @@ def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, n
 
 
 def test_typical_batch_and_explicit_widths():
-    """Long rows, short rows, a dense row; then a wider and a narrower static width."""
+    """Long rows, short rows, a dense row; then wider static widths (narrower ones are refused)."""
     config = SparseConfig(keep_ratio=0.25, num_recent_pages=2, num_sink_pages=1)
     scores = page_scores(5, 40, seed=3, ties=True, nonfinite=True)
     seq_lens = torch.tensor([160, 3, 64, 0, 97], dtype=torch.int32, device=DEVICE)
@@ -77,7 +77,7 @@ def test_typical_batch_and_explicit_widths():
     assert sel.shape == (5, selection_width(40, config))
     assert lengths[0] > 0 and lengths[4] == 0
     check_against_references(scores, seq_lens, mask, 4, config, width=40)
-    check_against_references(scores, seq_lens, mask, 4, config, width=3, splits=2)
+    check_against_references(scores, seq_lens, mask, 4, config, width=45, splits=2)
 
 
 def test_kernel_clamps_bad_seq_lens(monkeypatch):
@@ -102,7 +102,8 @@ def test_kernel_clamps_bad_seq_lens(monkeypatch):
     (lambda s, q, m, c: select_pages_triton(s, q + 100, m, 4, c), r"seq_lens must lie in \[0, 48\]"),
     (lambda s, q, m, c: select_pages_triton(s, q - 100, m, 4, c), r"seq_lens must lie in \[0, 48\]"),
     (lambda s, q, m, c: select_pages_triton(s, q, m, 4, object()), "config must look like a SparseConfig"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=-1), "width must be an int >= 0"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=-1), "width must be an int >= "),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=2), "narrower output would cut rows off"),
     (lambda s, q, m, c: select_pages_triton(s, q.to("meta"), m, 4, c), "same device"),
 ])
 def test_input_errors(call, match):

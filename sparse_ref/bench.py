@@ -340,7 +340,8 @@ def main(argv=None) -> dict:
         copy_bandwidth_detail=dict(COPY_DETAIL, note="1 GiB fp32, read + write bytes, eager, median of 20"),
         timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer zeroed "
                 "before each call, inputs rotated over 4 copies; L2 warm = replay of a graph of 20 calls on one "
-                "input, divided by 20. Rows say how each side was timed (torch_timing, ours_timing: graph, eager or wall clock)."),
+                "input, divided by 20. Rows say how each side was timed (torch_timing, ours_timing: graph, eager or "
+                "wall clock)."),
         rows=rows,
     )
     out = Path(args.out)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sparse_ref.kernels import topk as topk_module
-from sparse_ref.kernels.topk import topk
 
 import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import topk as topk_module
+from sparse_ref.kernels.topk import topk
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter

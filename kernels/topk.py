@@ -45,9 +45,10 @@ NUM_BINS = 1 << RADIX_BITS
 NUM_PASSES = 32 // RADIX_BITS
 # GPU launch knobs (module-level so benchmarks/profile_topk.py can try variants).
 # Measured on H200 (benchmarks/NOTES.md): 8 programs per SM with 512-tiles for many rows; for fewer than
-# 8 rows, 4 programs per SM with 1024-tiles and 8 warps; rows over 4096 already gain from splitting.
-TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": 4096,
-          "min_chunk": 1024, "sort_num_warps": 0}
+# 8 rows, 4 programs per SM with 1024-tiles and 8 warps. Rows up to ``short_row`` run one program per row;
+# up to ``register_row`` they are held in registers (one read), longer unsplit rows loop over tiles.
+TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": 16384,
+          "min_chunk": 1024, "sort_num_warps": 0, "register_row": 16384}
 FEW_ROWS = {"programs_per_sm": 4, "block": 1024, "num_warps": 8}
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -303,6 +304,52 @@ def _fused_row_kernel(scores, stride_r, out, lengths_out, N, W,
 
 
 @triton.jit
+def _register_row_kernel(scores, stride_r, out, lengths_out, N, W,
+                         k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
+                         page_size, n_recent, n_sink, min_seq, page_budget,
+                         BITS: tl.constexpr, N_PAD: tl.constexpr, BLOCK_OUT: tl.constexpr,
+                         HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
+    """A row that fits in registers (N <= N_PAD): read it once, then every pass and the compaction work
+    on the keys in registers. One launch, one read of the scores."""
+    NB: tl.constexpr = 1 << BITS
+    PASSES: tl.constexpr = 32 // BITS
+    r = tl.program_id(0)
+    start, end, k, sink_end, recent_start, n, sparse = _row_plan(
+        r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr, HAS_K, HAS_LEN, PAGE,
+        page_size, n_recent, n_sink, min_seq, page_budget, USE_TABLE)
+    j = tl.arange(0, N_PAD)
+    valid = (j >= start) & (j < end)
+    row = scores + r.to(tl.int64) * stride_r
+    key = _sortable_key(tl.load(row + j, mask=valid, other=0.0).to(tl.float32), valid)
+    bins = tl.arange(0, NB)
+    k_eff = k
+    k_rem = k
+    prefix = tl.full([], 0, tl.uint32)
+    for p in tl.static_range(PASSES):
+        if p == 0:
+            match = key != 0
+        else:
+            match = ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p))) & (key != 0)
+        digits = ((key >> (32 - BITS * (p + 1))) & (NB - 1)).to(tl.int32)
+        h = tl.histogram(digits, NB, mask=match)
+        if p == 0:
+            k_eff = tl.minimum(k, tl.sum(h, axis=0))
+            k_rem = k_eff
+        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+        d = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
+        k_rem = k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << (32 - BITS * (p + 1)))
+    gt = key > prefix
+    eq = (key == prefix) & valid
+    eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
+    keep = (gt | (eq & (eq_rank < k_rem))) & (k_eff > 0)
+    dest = sink_end + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    out_row = out + r.to(tl.int64) * W
+    tl.store(out_row + dest, j, mask=keep & (dest < W))
+    _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK_OUT, PAGE)
+
+
+@triton.jit
 def _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end, W, BLOCK: tl.constexpr):
     """Ordered compaction of [lo, hi): keys > T, and keys == T while the tie quota lasts, in id order."""
     nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
@@ -432,7 +479,15 @@ def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=No
     flags = dict(HAS_K=k_tensor is not None, HAS_LEN=lengths is not None, PAGE=page is not None,
                  USE_TABLE="budget_table" in p)
     num_warps = launch_knobs(R)["num_warps"] if device.type == "cuda" else 1
-    if S == 1:  # one program per row: the whole chain in one launch
+    if S == 1 and N <= TUNING["register_row"]:  # the row fits in registers: read it once
+        n_pad = max(16, triton.next_power_of_2(N))
+        warps = max(1, min(16, n_pad // 512)) if device.type == "cuda" else 1
+        _register_row_kernel[(R,)](
+            scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
+            BITS=RADIX_BITS, N_PAD=n_pad, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), **flags,
+            num_warps=warps)
+        return out
+    if S == 1:  # one program per row: the whole chain in one launch, looping over tiles
         _fused_row_kernel[(R,)](
             scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
             BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=TUNING["fused_num_warps"] if device.type == "cuda" else 1)

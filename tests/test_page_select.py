@@ -14,6 +14,7 @@ import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import page_select as page_select_module
+from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.page_select import select_pages_triton
 from sparse_ref.selection import select_pages, select_pages_row, selection_width
 
@@ -78,6 +79,15 @@ def test_typical_batch_and_explicit_widths():
     assert lengths[0] > 0 and lengths[4] == 0
     check_against_references(scores, seq_lens, mask, 4, config, width=40)
     check_against_references(scores, seq_lens, mask, 4, config, width=45, splits=2)
+
+
+def test_tile_loop_path_matches(monkeypatch):
+    """The one-program-per-row tile loop (rows too long for registers), forced at a small size."""
+    monkeypatch.setitem(topk_module.TUNING, "register_row", 0)
+    config = SparseConfig(keep_ratio=0.3, num_recent_pages=2, num_sink_pages=1)
+    scores = page_scores(3, 30, seed=9, ties=True, nonfinite=True)
+    seq_lens = torch.tensor([120, 57, 9], device=DEVICE)
+    check_against_references(scores, seq_lens, torch.tensor([True, True, True], device=DEVICE), 4, config, splits=1)
 
 
 def test_kernel_clamps_bad_seq_lens(monkeypatch):

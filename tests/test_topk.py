@@ -67,6 +67,13 @@ def test_forced_row_splitting_matches():
     check(x, 13, lengths, order="index", splits=7)
 
 
+def test_tile_loop_path_matches(monkeypatch):
+    """One program per row looping over tiles (used for unsplit rows too long for registers), forced small."""
+    monkeypatch.setitem(topk_module.TUNING, "register_row", 0)
+    x = make_scores(3, 53, seed=12, ties=True, specials=True)
+    check(x, 7, torch.tensor([53, 20, 0], device=DEVICE), splits=1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(dtype):
     check(make_scores(2, 29, seed=3, ties=True, specials=True, dtype=dtype), 6)
@@ -141,7 +148,8 @@ def test_input_errors(call, match):
 # GPU: realistic sizes, CUDA graphs
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("R, N, k, splits", [(4, 131072, 2048, None), (1, 131072, 2048, None),
+@pytest.mark.parametrize("R, N, k, splits", [(4, 131072, 2048, None), (1, 131072, 2048, None), (8, 16384, 512, None),
+                                              (5, 10_000, 4096, None), (3, 20_000, 100, 1),
                                               (2, 1 << 20, 4096, None), (3, 100_003, 4096, 5), (64, 65536, 2048, 1)])
 def test_gpu_large_rows(R, N, k, splits):
     x = make_scores(R, N, seed=8, device="cuda")

@@ -21,7 +21,7 @@ for name, settings in (("registers", {}), ("chain", {"register_row": 0, "short_r
         xs = [make_distribution("randn", R, N, "cuda", seed=s) for s in range(4)]
         seq = torch.full((R,), N * 16, device="cuda")
         mask = torch.ones(R, dtype=torch.bool, device="cuda")
-        t_sel = timer.cold([lambda x=x: select_pages_triton(x, seq, mask, 16, cfg) for x in xs])
+        t_sel = timer.cold([lambda x=x, s=seq, m=mask: select_pages_triton(x, s, m, 16, cfg) for x in xs])
         t_idx = timer.cold([lambda x=x, k=k: topk(x, k, order="index") for x in xs])
         t_torch = timer.cold([lambda x=x, k=k: torch.topk(x, k, dim=1) for x in xs])
         print(f"{name:<10} {R}x{N} k={k}: select {t_sel:6.1f} us | topk(index) {t_idx:6.1f} us | "

@@ -45,10 +45,11 @@ NUM_BINS = 1 << RADIX_BITS
 NUM_PASSES = 32 // RADIX_BITS
 # GPU launch knobs (module-level so benchmarks/profile_topk.py can try variants).
 # Measured on H200 (benchmarks/NOTES.md): 8 programs per SM with 512-tiles for many rows; for fewer than
-# 8 rows, 4 programs per SM with 1024-tiles and 8 warps. Rows up to ``short_row`` run one program per row;
-# up to ``register_row`` they are held in registers (one read), longer unsplit rows loop over tiles.
-TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": 16384,
-          "min_chunk": 1024, "sort_num_warps": 0, "register_row": 16384}
+# 8 rows, 4 programs per SM with 1024-tiles and 8 warps. Rows up to ``short_row`` run one program per row,
+# held in registers up to ``register_row`` (one read; 128x4096: 21 us vs 34 split, 32x8192: 32 vs 34, but
+# 64x16384: 107 vs 49, so 8192 is the cut); longer unsplit rows (forced splits=1) loop over tiles.
+TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": 8192,
+          "min_chunk": 1024, "sort_num_warps": 0, "register_row": 8192}
 FEW_ROWS = {"programs_per_sm": 4, "block": 1024, "num_warps": 8}
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")

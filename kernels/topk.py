@@ -20,10 +20,18 @@ The idea, in four steps:
 4. **Small sort** (``order="score"`` only): the <= k winners of a row are sorted inside one
    tile by the packed int64 ``(signed key << 32) | ~id``, descending.
 
-A long row is split across several programs (``splits``): each pass adds its partial
-histogram into a per-row histogram in global memory with atomics, and the launches form a
-short fixed chain (zero the histograms, 4 passes, compaction, optional sort). Nothing is
-read back to the host, so a call with an int ``k`` can be captured in a CUDA graph.
+Three launch shapes, one algorithm:
+
+* **split chain** (long rows, or few rows): a row is cut into chunks over several programs
+  (``splits``); each pass adds its partial histogram into the row's histogram in global memory
+  with atomics, and the launches form a short fixed chain (zero the histograms, 4 passes,
+  compaction, optional sort);
+* **register row** (rows up to ``TUNING["register_row"]``): one program reads its row once and
+  runs the 4 passes and the compaction on keys held in registers, in one launch;
+* **tile loop** (an unsplit row too long for registers, e.g. ``splits=1``): one program per row
+  loops over tiles for every pass.
+
+Nothing is read back to the host, so a call with an int ``k`` can be captured in a CUDA graph.
 
 The same chain serves the fused page selection (``kernels/page_select.py``): with ``PAGE``
 set, each program derives its row's history window, budget and dense/sparse decision from

@@ -5,6 +5,8 @@ page, exact multiples and long; keep ratios and fixed budgets; recent and sink c
 and non-finite scores; and the split-row path forced at small sizes.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -112,6 +114,12 @@ def test_kernel_clamps_bad_seq_lens(monkeypatch):
     (lambda s, q, m, c: select_pages_triton(s, q + 100, m, 4, c), r"seq_lens must lie in \[0, 48\]"),
     (lambda s, q, m, c: select_pages_triton(s, q - 100, m, 4, c), r"seq_lens must lie in \[0, 48\]"),
     (lambda s, q, m, c: select_pages_triton(s, q, m, 4, object()), "config must look like a SparseConfig"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, SimpleNamespace(**{**vars(c), "num_recent_pages": -1})),
+     r"config.num_recent_pages must be an int >= 0"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, SimpleNamespace(**{**vars(c), "keep_ratio": 1.5})),
+     r"config.keep_ratio must be in \(0, 1\]"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, SimpleNamespace(**{**vars(c), "page_budget": 0})),
+     r"config.page_budget must be an int >= 1"),
     (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=-1), "width must be an int >= "),
     (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=2), "narrower output would cut rows off"),
     (lambda s, q, m, c: select_pages_triton(s, q.to("meta"), m, 4, c), "same device"),

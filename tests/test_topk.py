@@ -134,6 +134,7 @@ def test_kernel_clamps_bad_lengths(monkeypatch):
     (lambda x: topk(x, 2, torch.tensor([-1, 2, 3], device=x.device)), r"lengths must lie in \[0, 8\]"),
     (lambda x: topk(x, 2, out=torch.empty(3, 2, dtype=torch.int64, device=x.device)), "out must be"),
     (lambda x: topk(x, 2, splits=0), "splits must be"),
+    (lambda x: topk(x, 2, width=-1), "width must be an int >= 0"),
     (lambda x: topk(x.to("meta"), 2), "must be on a CUDA device"),
     (lambda x: topk(x, 2, torch.tensor([1, 2, 3], device="meta")), "same device"),
 ])

@@ -33,6 +33,12 @@ head; query head ``h`` reads KV head ``h // G`` (SGLang and Hugging Face layout)
   ``sum_h q_h . k`` for every token; it is never below ``G`` times the mean-mode score, as the
   bound is convex in ``q``.
 
+Scoring backends (``scoring_backend``): ``"torch"`` runs ``quest_page_scores_reference`` (gather
+the bounds of every logical page, then ``bmm``: the reference); ``"triton"`` runs the streaming
+kernel ``sparse_ref.kernels.quest.quest_page_scores`` (each page's bounds read once); ``"auto"``
+picks Triton for CUDA tensors and torch otherwise. Both give the same scores up to fp32 rounding
+of the sum, and exactly ``-inf`` for pages without bounds.
+
 Recipe for a decode setup at any size (the benchmark's bs=64, 32K context, page 16):
 ``sparse_ref.workloads.make_quest_decode_setup(bs, ctx, page_size, ...)``.
 """
@@ -43,7 +49,7 @@ import torch
 
 from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.batch import ForwardMode
-from sparse_ref.errors import BatchError, ShapeError, check_tensor
+from sparse_ref.errors import BatchError, ConfigError, ShapeError, check_tensor
 from sparse_ref.selection import capturing
 
 
@@ -79,10 +85,49 @@ def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gq
     return q.clamp(min=0).sum(dim=2), q.clamp(max=0).sum(dim=2)  # per_kv_head: the sum of per-head bounds
 
 
+SCORING_BACKENDS = ("auto", "torch", "triton")
+
+
+def quest_page_scores_reference(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.Tensor,
+                                page_max: torch.Tensor, page_valid: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The torch Quest scores: fp32 ``[bs, max_pages]``, ``q_pos . max[p] + q_neg . min[p]``, -inf where invalid.
+
+    ``q_pos``/``q_neg`` fp32 ``[bs, H_kv, D]`` (from ``split_query_sign``), ``page_min``/``page_max``
+    ``[num_pages, H_kv, D]``, ``page_valid`` bool ``[num_pages]``, ``pages`` ``[bs, max_pages]``
+    physical page ids in ``[0, num_pages)``. Gathers the bounds of every logical page into
+    ``[bs, max_pages, H_kv*D]`` and runs ``bmm``: simple, and the reference for the Triton kernel.
+    """
+    bs, max_pages = pages.shape
+    num_pages = page_min.shape[0]
+    hd = page_min.shape[1] * page_min.shape[2]
+    pages = pages.long()
+    gathered_max = page_max.reshape(num_pages, hd)[pages].float()  # [bs, max_pages, H_kv*D]
+    gathered_min = page_min.reshape(num_pages, hd)[pages].float()
+    scores = torch.bmm(gathered_max, q_pos.reshape(bs, hd, 1)) + torch.bmm(gathered_min, q_neg.reshape(bs, hd, 1))
+    scores = scores.squeeze(2)
+    return torch.where(page_valid[pages], scores, torch.full_like(scores, float("-inf")))
+
+
 class QuestAlgorithm(SparseAlgorithm):
     """Quest page scoring over per-page key min/max (see the module docstring)."""
 
     name = "quest"
+
+    def __init__(self, config=None, device="cpu", selection_backend: str = "auto", scoring_backend: str = "auto"):
+        super().__init__(config, device, selection_backend)
+        if not isinstance(scoring_backend, str) or scoring_backend not in SCORING_BACKENDS:
+            raise ConfigError(
+                f"scoring_backend: expected one of {SCORING_BACKENDS}, got {scoring_backend!r}. Fix: \"auto\" (Triton "
+                f"kernel on CUDA, torch otherwise), \"torch\" (the reference) or \"triton\" (the kernel; on CPU it "
+                f"needs TRITON_INTERPRET=1)."
+            )
+        self.scoring_backend = scoring_backend
+
+    def uses_triton_scoring(self) -> bool:
+        """Whether ``score_pages`` runs the Triton kernel (per ``scoring_backend`` and the device)."""
+        if self.scoring_backend == "auto":
+            return self.device.type == "cuda"
+        return self.scoring_backend == "triton"
 
     def initialize_representation_pool(self, start_layer: int, end_layer: int, token_to_kv_pool,
                                        req_to_token_pool, page_allocator=None) -> None:
@@ -196,13 +241,12 @@ class QuestAlgorithm(SparseAlgorithm):
         pages = self.physical_pages(req_pool_indices)
         if not capturing() and pages.numel():
             self._check_pages_in_range(pages, forward_batch)
-        bs, max_pages = pages.shape
-        hd = self.num_kv_heads * self.head_dim
-        page_max = self.page_max[layer_id].view(self.num_pages, hd)[pages]  # [bs, max_pages, H_kv*D]
-        page_min = self.page_min[layer_id].view(self.num_pages, hd)[pages]
-        scores = torch.bmm(page_max, q_pos.reshape(bs, hd, 1)) + torch.bmm(page_min, q_neg.reshape(bs, hd, 1))
-        scores = scores.squeeze(2)
-        return torch.where(self.page_valid[layer_id][pages], scores, torch.full_like(scores, float("-inf")))
+        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id], pages)
+        if self.uses_triton_scoring():
+            from sparse_ref.kernels.quest import quest_page_scores  # kernels import only when used
+
+            return quest_page_scores(q_pos.contiguous(), q_neg.contiguous(), *bounds)
+        return quest_page_scores_reference(q_pos, q_neg, *bounds)
 
     def _check_pages_in_range(self, pages: torch.Tensor, forward_batch) -> None:
         """Eager only: the pages of every row's real tokens lie in [1, num_pages) (page 0 is padding)."""

@@ -25,7 +25,9 @@ outside the pool. Nothing is read back to the host otherwise: the launch is grap
 
 Layout: one program scores ``BLOCK_P`` consecutive logical pages of one request; it walks the
 ``H_kv*D`` bound vector in ``BLOCK_HD`` chunks (masked, so any ``H_kv*D`` works, powers of two or
-not), keeps a ``[BLOCK_P, BLOCK_HD]`` fp32 accumulator and reduces it once at the end.
+not), keeps a ``[BLOCK_P, BLOCK_HD]`` fp32 accumulator and reduces it once at the end. ``H_kv*D``
+is a runtime argument (Triton specializes it on divisibility by 16, so pool rows stay 16-byte
+aligned for vector loads) rather than a constexpr: one compiled kernel serves every model shape.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @triton.jit
 def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid_ptr, pages_ptr, out_ptr,
-                         max_pages, num_pages,
-                         HD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
+                         max_pages, num_pages, HD,
+                         BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
     row = tl.program_id(1).to(tl.int64)
     j = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     in_row = j < max_pages
@@ -159,6 +161,6 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
         return out
     grid = (triton.cdiv(max_pages, block_p), bs)  # requests on axis 1 (<= 65535 of them)
     _quest_scores_kernel[grid](q_pos, q_neg, page_min, page_max, page_valid.view(torch.uint8), pages, out,
-                               max_pages, num_pages, HD=hd, BLOCK_P=block_p, BLOCK_HD=block_hd,
+                               max_pages, num_pages, hd, BLOCK_P=block_p, BLOCK_HD=block_hd,
                                num_warps=num_warps)
     return out

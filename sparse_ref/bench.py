@@ -285,6 +285,7 @@ def bench_quest(device, timer, copy_bw, quick, on_cpu):
         if not quick:
             shapes.append((1, 32, 128, 131072, 16, torch.bfloat16))
     rows = []
+    sweep_timer = None if quick or on_cpu else Timer(device, reps=30)
     for bs, h_kv, d, ctx, page_size, bound_dtype in shapes:
         max_pages = -(-ctx // page_size)
         num_pages = bs * max_pages + 1  # page 0 is padding; every request's pages are distinct, shuffled
@@ -315,7 +316,7 @@ def bench_quest(device, timer, copy_bw, quick, on_cpu):
                     for warps in (4, 8):
                         knobs = dict(block_p=block_p, block_hd=block_hd, num_warps=warps)
                         try:
-                            t = timer.cold([partial(quest_page_scores, *inputs, out=out, **knobs)])
+                            t = sweep_timer.cold([partial(quest_page_scores, *inputs, out=out, **knobs)])
                         except Exception as e:  # e.g. out of registers / shared memory: say so
                             t = f"failed: {type(e).__name__}"
                         sweep[f"p{block_p}_hd{block_hd}_w{warps}"] = round(t, 2) if isinstance(t, float) else t

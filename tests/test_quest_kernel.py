@@ -189,5 +189,6 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         want = quest_page_scores_reference(*fresh)
-        assert torch.equal(torch.isneginf(out), torch.isneginf(want))
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-3)
+        invalid = torch.isneginf(want)
+        assert torch.equal(torch.isneginf(out), invalid) and bool(invalid.any()) and bool((~invalid).any())
+        torch.testing.assert_close(out[~invalid], want[~invalid], rtol=1e-5, atol=1e-3)

@@ -74,6 +74,83 @@ def test_tile_loop_path_matches(monkeypatch):
     check(x, 7, torch.tensor([53, 20, 0], device=DEVICE), splits=1)
 
 
+def run_chain(x, k, lengths=None, splits=2):
+    """launch_select on the split chain, returning (ids in index order, trace of the branch taken)."""
+    trace = {}
+    out = torch.empty((x.shape[0], k), dtype=torch.int32, device=x.device)
+    topk_module.launch_select(x, k, k_scalar=k, lengths=lengths, splits=splits, out=out, trace=trace)
+    ref = topk_reference(x.cpu(), k, None if lengths is None else lengths.cpu(), order="index")
+    assert torch.equal(out.cpu(), ref)
+    assert trace["path"] == "split chain"
+    return trace
+
+
+def test_candidate_buffer_exactly_full_and_overflow(monkeypatch):
+    """Pass 2 buffers each chunk's possible winners (top 16 bits >= T's). Row 0 puts exactly CAP = 8 of
+    its 16 winners in each chunk (buffer path); row 1 puts 9 in chunk 0 (that row falls back to the row
+    scan, row 0 still uses its buffers). Distinct small integers: their top 16 bits are distinct."""
+    monkeypatch.setitem(topk_module.TUNING, "buffer_cap", 8)
+    g = torch.Generator().manual_seed(21)
+    x = torch.stack([torch.randperm(48, generator=g).float() + 1 for _ in range(2)])  # 1..48, losers
+    x = torch.cat([x, torch.zeros(2, 16)], dim=1)
+    for r, ids in enumerate([list(range(8)) + list(range(32, 40)), list(range(9)) + list(range(32, 39))]):
+        filler = [v for v in range(64) if v not in ids]
+        row = torch.empty(64)
+        row[ids] = torch.randperm(16, generator=g).float() + 100
+        row[filler] = x[r, :48]
+        x[r] = row
+    x = x.to(DEVICE)
+    trace = run_chain(x, 16)
+    assert trace["buffer"] and trace["cap"] == 8
+    assert trace["overflow"].cpu().tolist() == [0, 1]
+    assert trace["cand_n"].cpu().tolist() == [[8, 8], [9, 7]]
+    for order in ("score", "index"):
+        check(x, 16, order=order, splits=2)
+    check(x, 15, order="index", splits=2)  # k = 15: the chunk buffers hold one key below T
+
+
+def test_candidate_buffer_ties_lengths_and_fallback(monkeypatch):
+    """Clustered ties (the tie quota is ranked on buffered keys), lengths 0/1, k beyond the row; then a cap
+    so small that every tied row overflows and takes the row scan in pass 3 and the compaction."""
+    x = make_scores(5, 90, seed=22, ties=True, specials=True)
+    lengths = torch.tensor([90, 0, 1, 57, 90], device=DEVICE)
+    trace = run_chain(x, 20, lengths, splits=3)
+    assert trace["overflow"].cpu().tolist() == [0] * 5  # cap = chunk: nothing can overflow
+    check(x, 20, lengths, order="score", splits=3)
+    check(x, 95, lengths, order="index", splits=3)  # k > row: fewer ids, -1 padding
+    monkeypatch.setitem(topk_module.TUNING, "buffer_cap", 3)
+    trace = run_chain(x, 20, lengths, splits=3)
+    flags = trace["overflow"].cpu().tolist()
+    assert flags[1] == 0 and flags[2] == 0 and flags[0] == 1 and flags[4] == 1  # empty rows never overflow
+    check(x, 20, lengths, order="score", splits=3)
+    y = make_scores(3, 90, seed=23)  # distinct values, few candidates per chunk: buffers used
+    trace = run_chain(y, 2, splits=3)  # <= 2 winners per chunk, cap 3
+    assert trace["overflow"].cpu().tolist() == [0, 0, 0]
+
+
+def test_candidate_buffer_off_matches(monkeypatch):
+    """The split chain without the candidate buffers (the previous path, kept as a knob)."""
+    monkeypatch.setitem(topk_module.TUNING, "candidate_buffer", False)
+    x = make_scores(3, 70, seed=24, ties=True, specials=True)
+    trace = run_chain(x, 13, torch.tensor([70, 41, 3], device=DEVICE), splits=4)
+    assert not trace["buffer"]
+
+
+@settings(max_examples=8, deadline=None)
+@given(N=st.integers(2, 80), k=st.integers(1, 30), cap=st.integers(1, 12), splits=st.integers(2, 5),
+       ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_property_candidate_buffer(N, k, cap, splits, ties, seed):
+    """Random small caps: rows with and without overflow in the same batch, against the reference."""
+    saved = topk_module.TUNING["buffer_cap"]
+    topk_module.TUNING["buffer_cap"] = cap
+    try:
+        x = make_scores(3, N, seed=seed, ties=ties, specials=True)
+        lengths = torch.tensor([N, N // 2, 1], device=DEVICE)
+        run_chain(x, k, lengths, splits=splits)
+    finally:
+        topk_module.TUNING["buffer_cap"] = saved
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(dtype):
     check(make_scores(2, 29, seed=3, ties=True, specials=True, dtype=dtype), 6)

@@ -96,6 +96,10 @@ def test_tile_loop_path_matches(monkeypatch):
 def test_candidate_buffer_paths(monkeypatch, cap, ties):
     """The split chain's candidate buffers in page mode (the history window starts after the sink pages):
     a cap the buffers always fit (buffer path), and a cap of 2 that tied rows overflow (row-scan fallback)."""
+    if DEVICE.type == "cuda":  # 32-key tiles, so that these short rows still take the split chain
+        for table in (topk_module.TUNING, topk_module.FEW_ROWS):
+            monkeypatch.setitem(table, "block", 32)
+            monkeypatch.setitem(table, "num_warps", 1)
     monkeypatch.setitem(topk_module.TUNING, "buffer_cap", cap)
     traces = []
 

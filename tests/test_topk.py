@@ -74,6 +74,17 @@ def test_tile_loop_path_matches(monkeypatch):
     check(x, 7, torch.tensor([53, 20, 0], device=DEVICE), splits=1)
 
 
+SMALL_TILES = {"block": 32, "num_warps": 1}  # on a GPU: 32-key tiles, so that tiny rows still split
+
+
+def small_tiles(monkeypatch):
+    """On a GPU, tiles of 32 keys (one warp) for the split chain, as the interpreter uses at these sizes."""
+    if DEVICE.type == "cuda":
+        for table in (topk_module.TUNING, topk_module.FEW_ROWS):
+            for name, value in SMALL_TILES.items():
+                monkeypatch.setitem(table, name, value)
+
+
 def run_chain(x, k, lengths=None, splits=2):
     """launch_select on the split chain, returning (ids in index order, trace of the branch taken)."""
     trace = {}
@@ -89,6 +100,7 @@ def test_candidate_buffer_exactly_full_and_overflow(monkeypatch):
     """Pass 2 buffers each chunk's possible winners (top 16 bits >= T's). Row 0 puts exactly CAP = 8 of
     its 16 winners in each chunk (buffer path); row 1 puts 9 in chunk 0 (that row falls back to the row
     scan, row 0 still uses its buffers). Distinct small integers: their top 16 bits are distinct."""
+    small_tiles(monkeypatch)
     monkeypatch.setitem(topk_module.TUNING, "buffer_cap", 8)
     g = torch.Generator().manual_seed(21)
     x = torch.stack([torch.randperm(48, generator=g).float() + 1 for _ in range(2)])  # 1..48, losers
@@ -112,6 +124,7 @@ def test_candidate_buffer_exactly_full_and_overflow(monkeypatch):
 def test_candidate_buffer_ties_lengths_and_fallback(monkeypatch):
     """Clustered ties (the tie quota is ranked on buffered keys), lengths 0/1, k beyond the row; then a cap
     so small that every tied row overflows and takes the row scan in pass 3 and the compaction."""
+    small_tiles(monkeypatch)
     x = make_scores(5, 90, seed=22, ties=True, specials=True)
     lengths = torch.tensor([90, 0, 1, 57, 90], device=DEVICE)
     trace = run_chain(x, 20, lengths, splits=3)
@@ -123,13 +136,14 @@ def test_candidate_buffer_ties_lengths_and_fallback(monkeypatch):
     flags = trace["overflow"].cpu().tolist()
     assert flags[1] == 0 and flags[2] == 0 and flags[0] == 1 and flags[4] == 1  # empty rows never overflow
     check(x, 20, lengths, order="score", splits=3)
-    y = make_scores(3, 90, seed=23)  # distinct values, few candidates per chunk: buffers used
+    y = make_scores(3, 90, seed=23)  # distinct values, <= 3 candidates per row (checked): buffers used
     trace = run_chain(y, 2, splits=3)  # <= 2 winners per chunk, cap 3
     assert trace["overflow"].cpu().tolist() == [0, 0, 0]
 
 
 def test_candidate_buffer_off_matches(monkeypatch):
     """The split chain without the candidate buffers (the previous path, kept as a knob)."""
+    small_tiles(monkeypatch)
     monkeypatch.setitem(topk_module.TUNING, "candidate_buffer", False)
     x = make_scores(3, 70, seed=24, ties=True, specials=True)
     trace = run_chain(x, 13, torch.tensor([70, 41, 3], device=DEVICE), splits=4)
@@ -137,18 +151,16 @@ def test_candidate_buffer_off_matches(monkeypatch):
 
 
 @settings(max_examples=8, deadline=None)
-@given(N=st.integers(2, 80), k=st.integers(1, 30), cap=st.integers(1, 12), splits=st.integers(2, 5),
+@given(N=st.integers(65, 100), k=st.integers(1, 30), cap=st.integers(1, 12), splits=st.integers(2, 5),
        ties=st.booleans(), seed=st.integers(0, 2**16))
 def test_property_candidate_buffer(N, k, cap, splits, ties, seed):
     """Random small caps: rows with and without overflow in the same batch, against the reference."""
-    saved = topk_module.TUNING["buffer_cap"]
-    topk_module.TUNING["buffer_cap"] = cap
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # (hypothesis: no function-scoped fixtures)
+        small_tiles(mp)
+        mp.setitem(topk_module.TUNING, "buffer_cap", cap)
         x = make_scores(3, N, seed=seed, ties=ties, specials=True)
         lengths = torch.tensor([N, N // 2, 1], device=DEVICE)
         run_chain(x, k, lengths, splits=splits)
-    finally:
-        topk_module.TUNING["buffer_cap"] = saved
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

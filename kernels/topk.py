@@ -230,12 +230,12 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
                 acc += tl.histogram(digit, NB, mask=match)
             elif BUFFER and PASS == 2:
                 # Possible winners: top 16 bits >= the threshold's (a superset of `match`).
-                cand = (top >= high) & (key != 0)
-                n_cand = tl.sum(cand.to(tl.int32), axis=0)
+                maybe = (top >= high) & (key != 0)
+                n_cand = tl.sum(maybe.to(tl.int32), axis=0)
                 if n_cand > 0:
                     acc += tl.histogram(digit, NB, mask=match)
-                    slot = n_buf + tl.cumsum(cand.to(tl.int32), axis=0) - 1  # id order inside the chunk
-                    fits = cand & (slot < CAP)
+                    slot = n_buf + tl.cumsum(maybe.to(tl.int32), axis=0) - 1  # id order inside the chunk
+                    fits = maybe & (slot < CAP)
                     tl.store(cand_key + cbase + slot, key.to(tl.int32, bitcast=True), mask=fits)
                     tl.store(cand_id + cbase + slot, offs, mask=fits)
                     n_buf += n_cand

@@ -4,8 +4,6 @@
    from a torch.profiler trace, for the benchmark shapes.
 2. L2-cold graph-replay timings (as in ``sparse_ref.bench``) of launch variants: programs per
    SM (row splitting), tile size, warps. Prints one line per variant.
-
-``--quick``: only the candidate-buffer comparison (per launch, then L2 cold on randn and clustered rows).
 """
 
 import json
@@ -93,28 +91,5 @@ def main():
     topk_module.TUNING.update(base)
 
 
-def quick():
-    """``--quick``: per-launch times with and without the candidate buffers, then an L2-cold A/B (index order)."""
-    timer = Timer(torch.device("cuda"), reps=50)
-    base = dict(topk_module.TUNING)
-    print("== per-launch breakdown, index order (eager), candidate buffers on / off")
-    for name, R, N, k in CASES:
-        x = make_distribution("randn", R, N, "cuda")
-        for on in (True, False):
-            topk_module.TUNING.update(base, candidate_buffer=on)
-            per_launch(f"{name} buffer={on}", lambda x=x, k=k: topk(x, k, order="index"))
-    print("== L2 cold, graph replay, median us: candidate buffers on / off, caps")
-    for dist in ("randn", "clustered"):
-        for name, R, N, k in CASES:
-            copies = [make_distribution(dist, R, N, "cuda", seed=s) for s in range(4)]
-            for v in (dict(candidate_buffer=False), dict(), dict(buffer_cap=256), dict(buffer_cap=1024)):
-                topk_module.TUNING.clear()
-                topk_module.TUNING.update(base, **v)
-                t = timer.cold([lambda x=x, k=k: topk(x, k, order="index") for x in copies])
-                print(f"{dist:<10} {name:<16} {str(v):<32} {t:8.1f} us", flush=True)
-    topk_module.TUNING.clear()
-    topk_module.TUNING.update(base)
-
-
 if __name__ == "__main__":
-    sys.exit(quick() if "--quick" in sys.argv else main())
+    sys.exit(main())

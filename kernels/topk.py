@@ -25,14 +25,7 @@ Three launch shapes, one algorithm:
 * **split chain** (long rows, or few rows): a row is cut into chunks over several programs
   (``splits``); each pass adds its partial histogram into the row's histogram in global memory
   with atomics, and the launches form a short fixed chain (zero the histograms, 4 passes,
-  compaction, optional sort). **Candidate buffers**: once 16 bits of ``T`` are known, the
-  possible winners (keys whose top 16 bits are >= ``T``'s: at most k plus the keys sharing
-  that 16-bit prefix, ~3% of a randn row at k/N = 1/32) are few. Pass 2, which scans the row
-  anyway, copies each chunk's possible winners (key, id), in id order, into that chunk's buffer of
-  ``TUNING["buffer_cap"]`` slots; pass 3 and the compaction then read the buffers instead of
-  the row (two full reads saved). A chunk with more candidates than slots (clustered data)
-  sets its row's overflow flag in pass 2, and pass 3 and the compaction rescan that row as
-  before: the choice is made on the device, per row, so the chain stays graph-capturable;
+  compaction, optional sort);
 * **register row** (rows up to ``TUNING["register_row"]``): one program reads its row once and
   runs the 4 passes and the compaction on keys held in registers, in one launch;
 * **tile loop** (an unsplit row too long for registers, e.g. ``splits=1``): one program per row
@@ -64,8 +57,7 @@ NUM_PASSES = 32 // RADIX_BITS
 # held in registers up to ``register_row`` (one read; 128x4096: 21 us vs 34 split, 32x8192: 32 vs 34, but
 # 64x16384: 107 vs 49, so 8192 is the cut); longer unsplit rows (forced splits=1) loop over tiles.
 TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": 8192,
-          "min_chunk": 1024, "sort_num_warps": 0, "register_row": 8192,
-          "candidate_buffer": True, "buffer_cap": 512}
+          "min_chunk": 1024, "sort_num_warps": 0, "register_row": 8192}
 FEW_ROWS = {"programs_per_sm": 4, "block": 1024, "num_warps": 8}
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -160,17 +152,9 @@ def _row_plan(r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
 def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
                        k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
                        page_size, n_recent, n_sink, min_seq, page_budget,
-                       cand_key, cand_id, cand_n, overflow, CAP,
                        PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr,
-                       BUFFER: tl.constexpr):
-    """Program (r, s): histogram of digit PASS over the keys of chunk s of row r whose higher digits match
-    the threshold so far.
-
-    With BUFFER (split chain, see ``launch_select``): pass 2 also copies the chunk's keys whose top 16 bits
-    are >= the threshold's (every possible winner) with their ids, in id order, into the chunk's candidate
-    buffer (``CAP`` slots), and flags the row in ``overflow`` when they do not fit. Pass 3 then reads the
-    buffer instead of the row, unless the row is flagged: then it scans the row as without BUFFER."""
+                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
+    """Histogram of digit PASS over the keys of one chunk whose higher digits match the threshold so far."""
     NB: tl.constexpr = 1 << BITS
     LAST: tl.constexpr = 32 // BITS - 1
     r = tl.program_id(0)
@@ -205,13 +189,6 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
         if k_eff == 0:
             hi = lo  # nothing to select in this row: skip the data
         high = prefix >> (32 - BITS * PASS)
-        cbase = (r * S + s).to(tl.int64) * CAP  # this chunk's candidate buffer
-        n_buf = tl.full([], 0, tl.int32)  # pass 2: candidates found so far in this chunk
-        if BUFFER and PASS == LAST:
-            use_buf = tl.load(overflow + r) == 0
-            if use_buf:
-                n_buf = tl.load(cand_n + r * S + s)
-                hi = lo  # the row fitted in the buffers: read the candidates, not the row
         nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
         x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)  # this tile is processed
         for t in range(lo, hi, BLOCK):
@@ -228,33 +205,9 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
             digit = ((key >> (32 - BITS * (PASS + 1))) & (NB - 1)).to(tl.int32)
             if PASS == 1:  # many keys still match: histogram every tile
                 acc += tl.histogram(digit, NB, mask=match)
-            elif BUFFER and PASS == 2:
-                # Possible winners: top 16 bits >= the threshold's (a superset of `match`).
-                maybe = (top >= high) & (key != 0)
-                n_cand = tl.sum(maybe.to(tl.int32), axis=0)
-                if n_cand > 0:
-                    acc += tl.histogram(digit, NB, mask=match)
-                    slot = n_buf + tl.cumsum(maybe.to(tl.int32), axis=0) - 1  # id order inside the chunk
-                    fits = maybe & (slot < CAP)
-                    tl.store(cand_key + cbase + slot, key.to(tl.int32, bitcast=True), mask=fits)
-                    tl.store(cand_id + cbase + slot, offs, mask=fits)
-                    n_buf += n_cand
             else:
                 if tl.max(match.to(tl.int32), axis=0) > 0:  # late passes: most tiles hold no match
                     acc += tl.histogram(digit, NB, mask=match)
-        if BUFFER and PASS == 2:
-            tl.store(cand_n + r * S + s, n_buf)
-            tl.store(overflow + r, 1, mask=n_buf > CAP)  # too many: pass 3 and the compaction rescan the row
-        if BUFFER and PASS == LAST:
-            # The candidates of this chunk (none if the row overflowed): same work on buffered keys.
-            for t in range(0, n_buf, BLOCK):
-                i = t + tl.arange(0, BLOCK)
-                key = tl.load(cand_key + cbase + i, mask=i < n_buf, other=0).to(tl.uint32, bitcast=True)
-                top = key >> (32 - BITS * PASS)
-                match = (top == high) & (key != 0)
-                gt_hi += ((top > high) & (key != 0)).to(tl.int32)
-                digit = ((key >> (32 - BITS * (PASS + 1))) & (NB - 1)).to(tl.int32)
-                acc += tl.histogram(digit, NB, mask=match)
     tl.atomic_add(hist_row + PASS * pass_stride + bins, acc)
     if PASS == LAST:
         # Per chunk: keys above T and keys equal to T, for every possible last digit of T, so
@@ -269,13 +222,9 @@ def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
 def _compact_kernel(scores, stride_r, hist, split_buf, out, lengths_out, R, N, W, CHUNK, S,
                     k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
                     page_size, n_recent, n_sink, min_seq, page_budget,
-                    cand_key, cand_id, cand_n, overflow, CAP,
                     BITS: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr,
-                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr,
-                    BUFFER: tl.constexpr):
-    """Program (r, s): write chunk s's keys > T and its share of the lowest-index keys == T, in ascending
-    id order, after those of chunks < s (+ padding, pages). With BUFFER the keys come from the chunk's
-    candidate buffer (already in id order), unless the row overflowed: then from the row."""
+                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
+    """Write every key > T and the lowest-index keys == T in ascending id order (+ padding, pages)."""
     NB: tl.constexpr = 1 << BITS
     PASSES: tl.constexpr = 32 // BITS
     r = tl.program_id(0)
@@ -307,20 +256,7 @@ def _compact_kernel(scores, stride_r, hist, split_buf, out, lengths_out, R, N, W
     hi = tl.minimum(lo + CHUNK, end)
     if k_eff == 0:
         hi = lo
-    n_buf = tl.full([], 0, tl.int32)
-    if BUFFER:
-        if tl.load(overflow + r) == 0:
-            n_buf = tl.load(cand_n + r * S + s)
-            hi = lo  # one of the two sources below is empty
     _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end, W, BLOCK)
-    if BUFFER:
-        cbase = (r * S + s).to(tl.int64) * CAP
-        for t in range(0, n_buf, BLOCK):
-            i = t + tl.arange(0, BLOCK)
-            valid = i < n_buf
-            key = tl.load(cand_key + cbase + i, mask=valid, other=0).to(tl.uint32, bitcast=True)
-            ids = tl.load(cand_id + cbase + i, mask=valid, other=0)
-            pos0, eq_seen = _emit_tile(key, ids, valid, T, ties_needed, pos0, eq_seen, out_row, sink_end, W)
     if s == 0:
         _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK, PAGE)
 
@@ -434,26 +370,19 @@ def _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end,
         nxt = offs + BLOCK
         x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)
         key = _sortable_key(x.to(tl.float32), valid)
-        pos0, eq_seen = _emit_tile(key, offs, valid, T, ties_needed, pos0, eq_seen, out_row, sink_end, W)
-
-
-@triton.jit
-def _emit_tile(key, ids, valid, T, ties_needed, pos0, eq_seen, out_row, sink_end, W):
-    """One tile of the ordered compaction (ids ascending): returns the updated (pos0, eq_seen)."""
-    gt = key > T
-    eq = (key == T) & valid
-    if tl.max((gt | eq).to(tl.int32), axis=0) > 0:  # tiles without a winner skip the scans
-        if tl.max(eq.to(tl.int32), axis=0) > 0:  # ties in this tile: rank them (lowest ids first)
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-            keep = gt | (eq & (eq_rank < ties_needed))
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-        else:
-            keep = gt
-        pos = pos0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        dest = sink_end + pos
-        tl.store(out_row + dest, ids.to(tl.int32), mask=keep & (dest < W))
-        pos0 += tl.sum(keep.to(tl.int32), axis=0)
-    return pos0, eq_seen
+        gt = key > T
+        eq = (key == T) & valid
+        if tl.max((gt | eq).to(tl.int32), axis=0) > 0:  # tiles without a winner skip the scans
+            if tl.max(eq.to(tl.int32), axis=0) > 0:  # ties in this tile: rank them (lowest ids first)
+                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+                keep = gt | (eq & (eq_rank < ties_needed))
+                eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+            else:
+                keep = gt
+            pos = pos0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            dest = sink_end + pos
+            tl.store(out_row + dest, offs.to(tl.int32), mask=keep & (dest < W))
+            pos0 += tl.sum(keep.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -539,12 +468,10 @@ def plan_splits(R: int, N: int, device: torch.device, splits: int | None) -> tup
 
 
 def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=None, splits=None,
-                  out=None, lengths_out=None, trace=None):
+                  out=None, lengths_out=None):
     """Run the chain (zero histograms, radix passes, compaction) into ``out`` [R, W] int32.
 
-    ``page`` is None for plain top-k, or a dict with the page-selection parameters. ``trace``: a dict
-    that receives the path taken and, on the split chain, the per-row ``overflow`` flags and per-chunk
-    candidate counts ``cand_n`` (device tensors; tests use them to check which branch ran).
+    ``page`` is None for plain top-k, or a dict with the page-selection parameters.
     """
     R, N = scores.shape
     device = scores.device
@@ -568,37 +495,22 @@ def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=No
             scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
             BITS=RADIX_BITS, N_PAD=n_pad, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), **flags,
             num_warps=warps)
-        if trace is not None:
-            trace["path"] = "register row"
         return out
     if S == 1:  # one program per row: the whole chain in one launch, looping over tiles
         _fused_row_kernel[(R,)](
             scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
             BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=TUNING["fused_num_warps"] if device.type == "cuda" else 1)
-        if trace is not None:
-            trace["path"] = "tile loop"
         return out
-    # One zeroed allocation (one memset launch): the 4 pass histograms, then one overflow flag per row.
-    zeroed = torch.zeros(NUM_PASSES * R * NUM_BINS + R, dtype=torch.int32, device=device)
-    hist = zeroed[:NUM_PASSES * R * NUM_BINS].view(NUM_PASSES, R, NUM_BINS)
-    overflow = zeroed[NUM_PASSES * R * NUM_BINS:]
+    hist = torch.zeros((NUM_PASSES, R, NUM_BINS), dtype=torch.int32, device=device)
     split_buf = torch.empty((R, S, 2, NUM_BINS), dtype=torch.int32, device=device)
-    use_buffer = bool(TUNING["candidate_buffer"])
-    cap = max(1, min(chunk, TUNING["buffer_cap"])) if use_buffer else 1
-    cand_key = torch.empty((R, S, cap), dtype=torch.int32, device=device)
-    cand_id = torch.empty((R, S, cap), dtype=torch.int32, device=device)
-    cand_n = torch.empty((R, S), dtype=torch.int32, device=device)
-    buffers = dict(cand_key=cand_key, cand_id=cand_id, cand_n=cand_n, overflow=overflow, CAP=cap, BUFFER=use_buffer)
     for pass_id in range(NUM_PASSES):
         _radix_pass_kernel[(R, S)](
-            scores, scores.stride(0), hist, split_buf, R, N, W, chunk, S, **args, **buffers,
+            scores, scores.stride(0), hist, split_buf, R, N, W, chunk, S, **args,
             PASS=pass_id, BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=num_warps)
     _compact_kernel[(R, S)](
         scores, scores.stride(0), hist, split_buf, out, lengths_out if lengths_out is not None else dummy,
-        R, N, W, chunk, S, **args, **buffers, BITS=RADIX_BITS, BLOCK=block,
-        S_PAD=max(2, triton.next_power_of_2(S)), **flags, num_warps=num_warps)
-    if trace is not None:
-        trace.update(path="split chain", buffer=use_buffer, cap=cap, overflow=overflow, cand_n=cand_n)
+        R, N, W, chunk, S, **args, BITS=RADIX_BITS, BLOCK=block, S_PAD=max(2, triton.next_power_of_2(S)),
+        **flags, num_warps=num_warps)
     return out
 
 

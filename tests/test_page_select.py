@@ -92,36 +92,6 @@ def test_tile_loop_path_matches(monkeypatch):
     check_against_references(scores, seq_lens, torch.tensor([True, True, True], device=DEVICE), 4, config, splits=1)
 
 
-@pytest.mark.parametrize("cap, ties", [(64, False), (64, True), (2, True), (2, False)])
-def test_candidate_buffer_paths(monkeypatch, cap, ties):
-    """The split chain's candidate buffers in page mode (the history window starts after the sink pages):
-    a cap the buffers always fit (buffer path), and a cap of 2 that tied rows overflow (row-scan fallback)."""
-    if DEVICE.type == "cuda":  # 32-key tiles, so that these short rows still take the split chain
-        for table in (topk_module.TUNING, topk_module.FEW_ROWS):
-            monkeypatch.setitem(table, "block", 32)
-            monkeypatch.setitem(table, "num_warps", 1)
-    monkeypatch.setitem(topk_module.TUNING, "buffer_cap", cap)
-    traces = []
-
-    def traced(*args, **kw):
-        traces.append({})
-        return topk_module.launch_select(*args, **kw, trace=traces[-1])
-
-    monkeypatch.setattr(page_select_module, "launch_select", traced)
-    config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
-    scores = page_scores(4, 37, seed=11, ties=ties, nonfinite=True)
-    seq_lens = torch.tensor([148, 0, 1, 90], device=DEVICE)
-    check_against_references(scores, seq_lens, torch.tensor([True] * 4, device=DEVICE), 4, config, splits=3)
-    (trace,) = traces
-    assert trace["path"] == "split chain" and trace["buffer"]
-    flags = trace["overflow"].cpu().tolist()
-    assert flags[1] == 0 and flags[2] == 0  # no history: nothing buffered
-    if cap == 64:
-        assert flags == [0, 0, 0, 0]
-    elif ties:
-        assert flags[0] == 1 and flags[3] == 1
-
-
 def test_kernel_clamps_bad_seq_lens(monkeypatch):
     """While a graph captures there is no host check: a too-long seq_len is clamped to the scored pages."""
     monkeypatch.setattr(page_select_module, "capturing", lambda: True)

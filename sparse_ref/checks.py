@@ -80,13 +80,13 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
 def check_float(name: str, value, *, low: float | None = None, high: float | None = None,
                 low_open: bool = False, fix: str = "", error: type[SparseRefError] = ConfigError) -> float:
     """``value`` as a finite Python float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    want = f"a finite number in {'(' if low_open else '['}{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        fail(name, "a finite number", describe(value), fix, error)
+        fail(name, want, describe(value), fix, error)
     value = float(value)
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high):
-        left = "(" if low_open else "["
-        fail(name, f"a number in {left}{low}, {high}]", repr(value), fix, error)
+        fail(name, want, repr(value), fix, error)
     return value
 
 

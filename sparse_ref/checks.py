@@ -97,6 +97,17 @@ def check_choice(name: str, value, choices, fix: str = "", error: type[SparseRef
     return value
 
 
+def check_device(name: str, device, error: type[SparseRefError] = ConfigError) -> torch.device:
+    """``device`` as a ``torch.device`` that holds data (cpu or cuda; not meta, not a typo)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        fail(name, "a device such as 'cpu' or 'cuda'", describe(device), error=error)
+    if dev.type == "meta":
+        fail(name, "a device with data (cpu or cuda)", "meta", error=error)
+    return dev
+
+
 def check_tensor(name: str, t, *, dtype=None, dims=None, shape=None, device=None, contiguous: bool = False,
                  fix: str = "", error: type[SparseRefError] = ShapeError) -> torch.Tensor:
     """``t`` if it is a tensor with the given dtype(s), rank(s), shape, device type and layout.

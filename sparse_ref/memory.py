@@ -5,7 +5,9 @@
 * ``PageAllocator``: hands out and takes back whole pages. Page 0 is reserved as
   padding, so a physical slot of 0 never holds real data.
 * ``TokenToKVPool``: the paged K and V buffers, ``[num_pages * page_size, H_kv, D]``
-  per layer.
+  per layer, and the ``PageAllocator`` of its pages (``token_to_kv_pool.allocator``). Whatever
+  is built on the pool (Quest bounds, DSA indexer keys) subscribes to its frees through it, so
+  a freed and reused page can never keep its previous owner's state.
 * ``KVCacheManager``: admits a request of n tokens, grows it one token at a time and
   releases it, keeping the req_to_token row and the page list in step.
 
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_ref.errors import PoolError, check_tensor
+from sparse_ref.checks import check_device, check_int, check_tensor, describe, fail
+from sparse_ref.errors import PoolError
 
 
 def _as_int(name: str, value) -> int:
@@ -65,7 +68,7 @@ class ReqToTokenPool:
             )
         self.size = size
         self.max_context_len = max_context_len
-        self.device = torch.device(device)
+        self.device = check_device("ReqToTokenPool(device)", device, PoolError)
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=self.device)
         self._free = list(range(size - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._is_free = [True] * size
@@ -123,8 +126,12 @@ class PageAllocator:
         return len(self._free)
 
     def add_free_listener(self, callback: Callable[[torch.Tensor], None]) -> None:
-        """Call ``callback(pages)`` whenever pages are freed (Quest drops their bounds)."""
-        self._free_listeners.append(callback)
+        """Call ``callback(pages)`` whenever pages are freed (Quest drops their bounds). Added once."""
+        if not callable(callback):
+            fail("add_free_listener(callback)", "a callable taking an int64 tensor of pages", describe(callback),
+                 error=PoolError)
+        if callback not in self._free_listeners:
+            self._free_listeners.append(callback)
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` whole pages (never page 0); raises PoolError when fewer are free."""
@@ -140,7 +147,12 @@ class PageAllocator:
         return pages
 
     def free(self, pages) -> None:
-        """Give whole pages back and tell the free listeners. Page 0, double free, out of range raise."""
+        """Give whole pages back, after telling the free listeners. Page 0, double free, out of range raise.
+
+        All or nothing: the pages are checked first, then every listener is called, and only then
+        are the pages marked free. If a listener raises, no page is freed (a listener must
+        tolerate being called again for the same pages when the free is retried).
+        """
         pages = _as_index_list("PageAllocator.free(pages)", pages)
         for p in pages:
             if p == 0:
@@ -151,16 +163,25 @@ class PageAllocator:
                 raise PoolError(f"PageAllocator.free: page {p} is already free (double free).")
         if len(set(pages)) != len(pages):
             raise PoolError(f"PageAllocator.free: the same page appears twice in {pages} (double free).")
+        freed = torch.tensor(pages, dtype=torch.int64)
+        for callback in self._free_listeners:
+            try:
+                callback(freed)
+            except Exception as e:
+                raise PoolError(
+                    f"PageAllocator.free: the free listener {callback!r} raised {type(e).__name__}: {e}. No page was "
+                    f"freed; pages {pages} are still allocated. Fix: fix the listener, then free again."
+                ) from e
         for p in pages:
             self._is_free[p] = True
             self._free.append(p)
-        freed = torch.tensor(pages, dtype=torch.int64)
-        for callback in self._free_listeners:
-            callback(freed)
 
 
 class TokenToKVPool:
-    """Paged K/V buffers: per layer, ``[num_pages * page_size, H_kv, D]``. Slot 0..P-1 is padding."""
+    """Paged K/V buffers: per layer, ``[num_pages * page_size, H_kv, D]``. Slot 0..P-1 is padding.
+
+    ``allocator``: the ``PageAllocator`` of these pages; subscribe to it to hear about frees.
+    """
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, device="cpu"):
@@ -170,13 +191,17 @@ class TokenToKVPool:
                 raise PoolError(f"TokenToKVPool: {name} must be a positive int, got {value!r}.")
         if num_pages < 2:
             raise PoolError(f"TokenToKVPool: num_pages must be >= 2 (page 0 is reserved), got {num_pages}.")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            fail("TokenToKVPool(dtype)", "a floating torch.dtype such as torch.float16", describe(dtype),
+                 "pass the dtype object, e.g. dtype=torch.bfloat16, not a string.", PoolError)
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = check_device("TokenToKVPool(device)", device, PoolError)
+        self.allocator = PageAllocator(num_pages, page_size)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -186,6 +211,7 @@ class TokenToKVPool:
         return self.num_pages * self.page_size
 
     def _check_layer(self, layer: int) -> None:
+        check_int("TokenToKVPool: layer", layer, error=PoolError)
         if not 0 <= layer < self.num_layers:
             raise PoolError(f"TokenToKVPool: layer {layer} out of range [0, {self.num_layers}).")
 
@@ -236,7 +262,7 @@ class KVCacheManager:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.page_size = token_to_kv_pool.page_size
-        self.allocator = PageAllocator(token_to_kv_pool.num_pages, token_to_kv_pool.page_size)
+        self.allocator = token_to_kv_pool.allocator  # shared: listeners on the pool hear the manager's frees
         self.requests: dict[int, Request] = {}
         self._next_rid = 0
 
@@ -289,10 +315,15 @@ class KVCacheManager:
         return slots.to(self.req_to_token_pool.device)
 
     def release(self, req: Request) -> None:
-        """Free the request's pages and its req_to_token row; both become reusable."""
+        """Free the request's pages and its req_to_token row; both become reusable.
+
+        All or nothing: if the page free fails (e.g. a free listener raised), the request stays
+        live and unchanged, and ``release`` may be retried.
+        """
         if req.released:
             raise PoolError(f"release: request {req.rid} was already released (double free).")
         self._check_owned("release", req)
+        assert not self.req_to_token_pool._is_free[req.req_pool_idx], "a live request owns its row"
         self.allocator.free(req.pages)
         self.req_to_token_pool.free([req.req_pool_idx])
         req.released = True

@@ -36,7 +36,7 @@ def _as_int(name: str, value) -> int:
         raise PoolError(f"{name}: expected an int, got {value!r}.") from None
 
 
-def _as_index_list(name: str, indices) -> list[int]:
+def as_index_list(name: str, indices) -> list[int]:
     """Ints from an int, a sequence of ints or an integer tensor; anything else (floats too) raises."""
     if isinstance(indices, torch.Tensor):
         if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
@@ -91,7 +91,7 @@ class ReqToTokenPool:
 
     def free(self, slots) -> None:
         """Give request slots back; their rows are zeroed. Double free raises PoolError."""
-        slots = _as_index_list("ReqToTokenPool.free(slots)", slots)
+        slots = as_index_list("ReqToTokenPool.free(slots)", slots)
         for s in slots:
             if not 0 <= s < self.size:
                 raise PoolError(f"ReqToTokenPool.free: slot {s} is out of range [0, {self.size}).")
@@ -153,7 +153,7 @@ class PageAllocator:
         are the pages marked free. If a listener raises, no page is freed (a listener must
         tolerate being called again for the same pages when the free is retried).
         """
-        pages = _as_index_list("PageAllocator.free(pages)", pages)
+        pages = as_index_list("PageAllocator.free(pages)", pages)
         for p in pages:
             if p == 0:
                 raise PoolError("PageAllocator.free: page 0 is the reserved padding page and is never allocated.")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_ref.checks import INT64_MAX, capturing, check_range, describe, fail
 from sparse_ref.errors import BatchError
 from sparse_ref.memory import KVCacheManager, Request
 
@@ -67,6 +68,8 @@ class ForwardBatch:
                     f"ForwardBatch.{name}: on {t.device}, but req_pool_indices is on "
                     f"{self.req_pool_indices.device}; every field must live on one device."
                 )
+            if t.device.type == "meta":
+                fail(f"ForwardBatch.{name}", "a tensor with data (cpu or cuda)", "a meta tensor", error=BatchError)
         bs = self.req_pool_indices.shape[0]
         if self.seq_lens.shape[0] != bs:
             raise BatchError(f"ForwardBatch: seq_lens has {self.seq_lens.shape[0]} entries, req_pool_indices {bs}.")
@@ -78,6 +81,15 @@ class ForwardBatch:
         if self.forward_mode is ForwardMode.DECODE and self.positions.shape[0] != bs:
             raise BatchError(f"ForwardBatch (DECODE): expected one new token per request ({bs}), "
                              f"got {self.positions.shape[0]}.")
+        for name in ("req_pool_indices", "seq_lens", "positions", "extend_prefix_lens", "extend_seq_lens"):
+            if getattr(self, name) is not None:
+                check_range(f"ForwardBatch.{name}", getattr(self, name), 0, INT64_MAX, "ids and lengths are >= 0.",
+                            BatchError)
+        if self.forward_mode is ForwardMode.DECODE and not capturing() and \
+                not torch.equal(self.positions, self.seq_lens - 1):
+            fail("ForwardBatch.positions", f"seq_lens - 1 = {(self.seq_lens - 1).tolist()} (DECODE: the token being "
+                 "decoded is the last one of its request)", str(self.positions.tolist()),
+                 "build the batch with build_decode_batch or decode_step.", BatchError)
         if self.forward_mode is ForwardMode.EXTEND:
             if self.extend_prefix_lens is None or self.extend_seq_lens is None:
                 raise BatchError("ForwardBatch (EXTEND): extend_prefix_lens and extend_seq_lens are required.")
@@ -110,6 +122,11 @@ def _int_or_none(value) -> int | None:
 
 
 def _requests_checked(manager: KVCacheManager, requests: Sequence[Request]) -> None:
+    if not isinstance(manager, KVCacheManager):
+        fail("manager", "a KVCacheManager", describe(manager), error=BatchError)
+    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__") or \
+            not all(isinstance(r, Request) for r in requests):
+        fail("requests", "a sequence of Request objects from manager.admit", describe(requests), error=BatchError)
     if len(requests) == 0:
         raise BatchError("a batch needs at least one request, got none.")
     seen = set()

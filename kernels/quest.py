@@ -32,13 +32,13 @@ aligned for vector loads) rather than a constexpr: one compiled kernel serves ev
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.checks import check_range, check_same_device, check_tensor, fail
+from sparse_ref.device import triton_interpreted
+from sparse_ref.errors import SparseRefError
 
 BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,38 +71,13 @@ def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid
     tl.store(out_ptr + row * max_pages + j, score, mask=in_row)
 
 
-def interpreted() -> bool:
-    """True when Triton runs kernels through its interpreter (CPU tensors allowed)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
-
-
-def capturing() -> bool:
-    """True while a CUDA graph is being captured: then no check may read device data."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _check(fn: str, name: str, t, dtypes, shape, fix: str) -> None:
-    """ShapeError unless ``t`` is a contiguous tensor of one of ``dtypes`` with ``shape`` (None: any size)."""
-    if not isinstance(t, torch.Tensor):
-        raise ShapeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}. Fix: {fix}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise ShapeError(f"{fn}: {name} must have dtype {want}, got {t.dtype}. Fix: {fix}")
-    if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape, strict=True)):
-        want = "[" + ", ".join("any" if w is None else str(w) for w in shape) + "]"
-        raise ShapeError(f"{fn}: {name} must have shape {want}, got {tuple(t.shape)}. Fix: {fix}")
-    if not t.is_contiguous():
-        raise ShapeError(f"{fn}: {name} must be contiguous, got strides {t.stride()}. Fix: pass {name}.contiguous().")
-
-
 def _block_sizes(hd: int, block_p, block_hd, num_warps) -> tuple[int, int, int]:
     block_hd = min(256, triton.next_power_of_2(max(hd, 16))) if block_hd is None else block_hd
     block_p = 16 if block_p is None else block_p
     num_warps = 4 if num_warps is None else num_warps
     for name, v, lo in (("block_p", block_p, 2), ("block_hd", block_hd, 8), ("num_warps", num_warps, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
-            raise SparseRefError(f"quest_page_scores: {name} must be a power of two >= {lo}, got {v!r}. "
-                                 f"Fix: leave {name}=None for the default.")
+            fail(name, f"a power of two >= {lo}", repr(v), f"leave {name}=None for the default.", SparseRefError)
     return block_p, block_hd, num_warps
 
 
@@ -116,45 +91,38 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
     ``block_hd``, ``num_warps``: launch knobs (powers of two); None picks the defaults.
     """
     fn = "quest_page_scores"
-    _check(fn, "page_min", page_min, BOUND_DTYPES, (None, None, None),
-           "pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
+    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
+                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
     num_pages, num_kv_heads, head_dim = page_min.shape
     hd = num_kv_heads * head_dim
-    _check(fn, "page_max", page_max, (page_min.dtype,), tuple(page_min.shape),
-           "pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
-    _check(fn, "page_valid", page_valid, (torch.bool,), (num_pages,),
-           "pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
-    _check(fn, "pages", pages, (torch.int32, torch.int64), (None, None),
-           "pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
+    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
+                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), contiguous=True,
+                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
+    check_tensor("pages", pages, dtype=(torch.int32, torch.int64), dims=2, contiguous=True,
+                 fix="pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
     bs, max_pages = pages.shape
     for name, q in (("q_pos", q_pos), ("q_neg", q_neg)):
         shape = (bs, num_kv_heads, head_dim) if isinstance(q, torch.Tensor) and q.dim() == 3 else (bs, hd)
-        _check(fn, name, q, (torch.float32,), shape,
-               f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
+        check_tensor(name, q, dtype=torch.float32, shape=shape, contiguous=True,
+                     fix=f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
     if out is not None:
-        _check(fn, "out", out, (torch.float32,), (bs, max_pages), "pass torch.empty(bs, max_pages) in fp32.")
-    tensors = {"q_pos": q_pos, "q_neg": q_neg, "page_max": page_max, "page_valid": page_valid, "pages": pages,
-               **({"out": out} if out is not None else {})}
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
+                     fix="pass torch.empty(bs, max_pages) in fp32.")
     device = page_min.device
-    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
-        raise ShapeError(f"{fn}: tensors must be on a CUDA device (or on CPU with TRITON_INTERPRET=1), got "
-                         f"{device}. Fix: move the pools and queries to the GPU, or use the torch scoring backend.")
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ShapeError(f"{fn}: {name} must be on the same device as page_min ({device}), got {t.device}. "
-                             f"Fix: {name}.to({str(device)!r}).")
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
+        fail(f"{fn}: page_min", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"{device}",
+             "move the pools and queries to the GPU, or use the torch scoring backend.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "q_pos": q_pos, "q_neg": q_neg, "page_max": page_max,
+                                       "page_valid": page_valid, "pages": pages, "out": out})
     block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps)
     if pages.numel() and num_pages == 0:
-        raise ShapeError(f"{fn}: pages names {pages.numel()} pages but the pool has none (page_min has shape "
-                         f"{tuple(page_min.shape)}). Fix: allocate the Quest pools before scoring.")
-    if pages.numel() and not capturing():
-        lo, hi = (int(x) for x in pages.aminmax())
-        if lo < 0 or hi >= num_pages:
-            raise ShapeError(f"{fn}: pages must lie in [0, {num_pages}) (the pool's physical pages), got min {lo}, "
-                             f"max {hi}. Fix: build pages with QuestAlgorithm.physical_pages (which clamps), "
-                             f"from a req_to_token filled through KVCacheManager.")
+        fail("page_min", "a pool with pages", f"shape {tuple(page_min.shape)} for {pages.numel()} pages to score",
+             "allocate the Quest pools before scoring.")
+    check_range("pages", pages, 0, num_pages - 1, "build pages with QuestAlgorithm.physical_pages (which clamps), "
+                "from a req_to_token filled through KVCacheManager.")
     if bs > 65535:
-        raise ShapeError(f"{fn}: at most 65535 requests per launch, got bs={bs}. Fix: score the batch in chunks.")
+        fail("pages", "at most 65535 requests (rows) per launch", f"bs={bs}", "score the batch in chunks.")
     if out is None:
         out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
     if bs == 0 or max_pages == 0:

@@ -186,8 +186,14 @@ def test_topk_covering_the_history_equals_dense_attention():
 
 
 def test_lifecycle_hooks_are_no_ops():
+    """DSA keeps its keys in the indexer's cache: the hooks change nothing, but still check the layer."""
     mgr, indexer, reqs, algo = setup()
     fb = build_extend_batch(mgr, reqs)
-    algo.construct_representations(0, fb, mgr.token_to_kv_pool.get_key_buffer(0))
-    algo.update_representations(1, fb, mgr.token_to_kv_pool.get_key_buffer(1))
-    assert not indexer.cache.written[0].any()
+    before = dict(vars(algo))
+    k_before = [b.clone() for b in mgr.token_to_kv_pool.k_buffer]
+    assert algo.construct_representations(0, fb, mgr.token_to_kv_pool.get_key_buffer(0)) is None
+    assert algo.update_representations(1, fb, mgr.token_to_kv_pool.get_key_buffer(1)) is None
+    assert vars(algo).keys() == before.keys() and all(vars(algo)[k] is v for k, v in before.items())
+    assert all(torch.equal(a, b) for a, b in zip(k_before, mgr.token_to_kv_pool.k_buffer, strict=True))
+    with pytest.raises(PoolError, match="layer_id"):
+        algo.construct_representations(2, fb, mgr.token_to_kv_pool.get_key_buffer(0))

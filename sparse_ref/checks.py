@@ -80,7 +80,8 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
 def check_float(name: str, value, *, low: float | None = None, high: float | None = None,
                 low_open: bool = False, fix: str = "", error: type[SparseRefError] = ConfigError) -> float:
     """``value`` as a finite Python float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
-    want = f"a finite number in {'(' if low_open else '['}{low}, {high}]"
+    lo, hi = "-inf" if low is None else low, "inf" if high is None else high
+    want = f"a finite number in {'(' if low_open else '['}{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         fail(name, want, describe(value), fix, error)
     value = float(value)

@@ -255,10 +255,19 @@ class Request:
     released: bool = False
 
 
+def _check_request(name: str, req) -> None:
+    if not isinstance(req, Request):
+        fail(name, "a Request returned by KVCacheManager.admit", describe(req), error=PoolError)
+
+
 class KVCacheManager:
     """Admit, grow and release requests across ``ReqToTokenPool`` and the page allocator."""
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool):
+        for name, value, cls in (("req_to_token_pool", req_to_token_pool, ReqToTokenPool),
+                                 ("token_to_kv_pool", token_to_kv_pool, TokenToKVPool)):
+            if not isinstance(value, cls):
+                fail(f"KVCacheManager({name})", f"a {cls.__name__}", describe(value), error=PoolError)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.page_size = token_to_kv_pool.page_size
@@ -278,6 +287,8 @@ class KVCacheManager:
 
     def slot_of(self, req: Request, t: int) -> int:
         """Physical slot of logical token ``t`` of ``req``."""
+        _check_request("slot_of(req)", req)
+        t = check_int("slot_of(t)", t, low=0, high=req.seq_len - 1, error=PoolError)
         return req.pages[t // self.page_size] * self.page_size + t % self.page_size
 
     def admit(self, num_tokens: int) -> Request:
@@ -297,6 +308,7 @@ class KVCacheManager:
 
     def grow(self, req: Request, num_tokens: int = 1) -> torch.Tensor:
         """Append ``num_tokens`` tokens to ``req``; returns their physical slots (int64)."""
+        _check_request("grow(req)", req)
         if req.released:
             raise PoolError(f"grow: request {req.rid} was released; admit a new request instead.")
         self._check_owned("grow", req)
@@ -320,6 +332,7 @@ class KVCacheManager:
         All or nothing: if the page free fails (e.g. a free listener raised), the request stays
         live and unchanged, and ``release`` may be retried.
         """
+        _check_request("release(req)", req)
         if req.released:
             raise PoolError(f"release: request {req.rid} was already released (double free).")
         self._check_owned("release", req)
@@ -339,6 +352,8 @@ class KVCacheManager:
 
     def pages_needed(self, req: Request, num_tokens: int = 1) -> int:
         """How many new pages growing ``req`` by ``num_tokens`` tokens takes (0 while its last page has room)."""
+        _check_request("pages_needed(req)", req)
+        num_tokens = _as_count("pages_needed(num_tokens)", num_tokens)
         return max(0, -(-(req.seq_len + num_tokens) // self.page_size) - len(req.pages))
 
     def _check_fits(self, num_tokens: int) -> None:

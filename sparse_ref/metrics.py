@@ -74,9 +74,9 @@ def page_recall(selected: torch.Tensor, lengths: torch.Tensor, page_mass: torch.
 
 
 def _check_mass(page_mass, selected) -> None:
+    check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2)
     check_tensor("page_mass", page_mass, dtype=FLOAT_DTYPES, dims=2, fix="pass page_attention_mass(probs, page_size).")
-    check_rows("page_mass", page_mass, selected.shape[0] if isinstance(selected, torch.Tensor) else -1,
-               "one per row of selected")
+    check_rows("page_mass", page_mass, selected.shape[0], "one per row of selected")
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

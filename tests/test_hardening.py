@@ -249,3 +249,34 @@ def test_seed_topk_message_verbatim_second_check():
     with pytest.raises(RetrievalError) as info:
         algo.retrieve_topk(torch.zeros(1, 1, 4), 0, torch.tensor([0]), torch.ones(1, dtype=torch.bool))
     assert str(info.value).split(":")[0] == "forward_batch with seq_lens is required for TopK retrieval"
+
+
+def test_dsa_from_pools_never_scores_a_previous_owners_keys():
+    """DSA through its plain constructors: a reused page's old keys never pass for the new owner's history."""
+    from sparse_ref.algorithms.dsa import DSAAlgorithm, IndexerConfig, IndexerKeyCache, LightningIndexer
+
+    cfg = IndexerConfig(hidden_size=16, q_lora_rank=8, n_heads=2, head_dim=16, rope_dim=4, index_topk=3)
+    m = KVCacheManager.create(max_requests=2, max_context_len=16, num_pages=8, page_size=P)
+    pool = m.token_to_kv_pool
+    indexer = LightningIndexer(cfg, seed=1).attach_cache(IndexerKeyCache.from_pools(pool, m.req_to_token_pool, cfg))
+    algo = DSAAlgorithm()
+    algo.initialize_representation_pool(0, 1, pool, m.req_to_token_pool)
+    gen = torch.Generator().manual_seed(0)
+
+    def run(fb):
+        T = fb.positions.shape[0]
+        return algo.retrieve_topk(None, 0, fb.req_pool_indices, torch.ones(fb.batch_size, dtype=torch.bool),
+                                  indexer=indexer, forward_batch=fb, x=torch.randn(T, 16, generator=gen),
+                                  q_lora=torch.randn(T, 8, generator=gen), positions=fb.positions)
+
+    a = m.admit(8)
+    run(build_extend_batch(m, [a]))  # a's keys are written
+    pages = list(a.pages)
+    m.release(a)
+    b = m.admit(8)  # the prompt of b skips the indexer
+    assert b.pages == pages[::-1] or set(b.pages) == set(pages)
+    fb = decode_step(m, [b])
+    if not hasattr(IndexerKeyCache, "invalidate_pages") or indexer.cache.written[0][P * pages[0]]:
+        pytest.xfail("IndexerKeyCache.from_pools does not subscribe to frees yet (fixed on the dsa branch)")
+    with pytest.raises(BatchError, match="holds no key"):
+        run(fb)

@@ -107,18 +107,12 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     bs = q.shape[0]
     check_tensor("page_table", page_table, dtype=INDEX_DTYPES, dims=2, device=q.device)
     check_tensor("kv_lens", kv_lens, dtype=INDEX_DTYPES, dims=1, device=q.device)
-    if page_table.shape[0] != bs or kv_lens.shape[0] != bs:
-        raise ShapeError(f"page_table and kv_lens need {bs} rows (one per query), got "
-                         f"{page_table.shape[0]} and {kv_lens.shape[0]}.")
+    check_rows("page_table", page_table, bs, "one per query")
+    check_rows("kv_lens", kv_lens, bs, "one per query")
     page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
     width = page_table.shape[1]
-    num_pages = k_buffer.shape[0] // page_size
-    if bs and (int(kv_lens.min()) < 0 or int(kv_lens.max()) > width * page_size):
-        raise ShapeError(f"kv_lens: expected values in [0, {width * page_size}] (table width x page size), "
-                         f"got min {int(kv_lens.min())}, max {int(kv_lens.max())}.")
-    if page_table.numel() and (int(page_table.min()) < 0 or int(page_table.max()) >= num_pages):
-        raise ShapeError(f"page_table: expected physical pages in [0, {num_pages}), "
-                         f"got min {int(page_table.min())}, max {int(page_table.max())}.")
+    check_range("kv_lens", kv_lens, 0, width * page_size, "at most the table's width x page size.")
+    check_range("page_table", page_table, 0, k_buffer.shape[0] // page_size - 1, "physical pages of the KV buffers.")
     read = torch.arange(width, device=q.device)[None, :] < -(-kv_lens[:, None] // page_size)
     if bool((read & (page_table < 1)).any()):
         fail("page_table", "real pages (>= 1) wherever kv_lens reads", "padding page 0 inside a row's KV length",

@@ -66,9 +66,7 @@ def check_config(config) -> SparseConfig:
 
 def selection_width(max_pages: int, config: SparseConfig) -> int:
     """Static width of ``selected``: the most pages any row with <= max_pages pages can keep."""
-    recent = min(config.num_recent_pages, max_pages)
-    sink = min(config.num_sink_pages, max_pages - recent)
-    return min(max_pages, sink + config.history_budget(max_pages - recent - sink) + recent)
+    return config.selection_width(max_pages)
 
 
 def _candidates(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,14 +123,6 @@ def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None,
     return ids.to(torch.int32)
 
 
-def _history_budget_tensor(history: torch.Tensor, config: SparseConfig) -> torch.Tensor:
-    """``config.history_budget`` for a tensor of history sizes (float64, like Python's floats)."""
-    if config.page_budget is not None:
-        return history.clamp(max=config.page_budget)
-    k = torch.floor(history.double() * config.keep_ratio).long().clamp(min=1)
-    return torch.minimum(k, history)
-
-
 def check_selection_inputs(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor,
                            page_size: int, config: SparseConfig) -> None:
     """Type, shape, dtype, device and range checks shared by every page-selection implementation."""
@@ -173,7 +163,7 @@ def select_pages_unchecked(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_
     recent_start = n - recent
     sink_end = recent_start.clamp(max=config.num_sink_pages)
     history = recent_start - sink_end
-    k = _history_budget_tensor(history, config)
+    k = config.history_budget_tensor(history)
     sparse = (sparse_mask & (seq >= config.min_sparse_seq_len) & (n > 0)
               & (sink_end + k + recent < n))
 

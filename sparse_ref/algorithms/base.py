@@ -88,34 +88,24 @@ class SparseAlgorithm:
         self.config = config if config is not None else SparseConfig()
         self.device = check_device("device", device)
         self.selection_backend = selection_backend
-        self.start_layer = 0
-        self.end_layer = 0
-        self.token_to_kv_pool = None
-        self.req_to_token_pool = None
-        self.page_size = None
+        self.start_layer = self.end_layer = 0
+        self.token_to_kv_pool = self.req_to_token_pool = self.page_size = None
 
     # ---------------------------------------------------------------- lifecycle
     def initialize_representation_pool(self, start_layer: int, end_layer: int, token_to_kv_pool,
                                        req_to_token_pool) -> None:
         """Remember the pools and the layers ``[start_layer, end_layer)`` this algorithm serves."""
-        num_layers = getattr(token_to_kv_pool, "num_layers", None)
-        check_int("start_layer", start_layer, error=PoolError)
-        check_int("end_layer", end_layer, error=PoolError)
-        check_int("token_to_kv_pool.page_size", getattr(token_to_kv_pool, "page_size", None), low=1, error=PoolError,
-                  fix="pass the engine's TokenToKVPool.")
+        page_size = check_int("token_to_kv_pool.page_size", getattr(token_to_kv_pool, "page_size", None), low=1,
+                              error=PoolError, fix="pass the engine's TokenToKVPool.")
         check_tensor("req_to_token_pool.req_to_token", getattr(req_to_token_pool, "req_to_token", None),
                      dtype=torch.int32, dims=2, fix="pass the engine's ReqToTokenPool.", error=PoolError)
-        if not 0 <= start_layer < end_layer or (num_layers is not None and end_layer > num_layers):
-            bound = f" and end_layer <= num_layers={num_layers}" if num_layers is not None else ""
-            raise PoolError(
-                f"initialize_representation_pool: expected 0 <= start_layer < end_layer{bound} (end_layer is "
-                f"exclusive), got start_layer={start_layer}, end_layer={end_layer}. Fix: to serve layers 0..L-1, "
-                f"pass start_layer=0, end_layer=L."
-            )
-        self.start_layer, self.end_layer = start_layer, end_layer
+        fix = "end_layer is exclusive: to serve layers 0..L-1, pass start_layer=0, end_layer=L."
+        self.start_layer = check_int("start_layer", start_layer, low=0, error=PoolError, fix=fix)
+        self.end_layer = check_int("end_layer", end_layer, low=start_layer + 1, error=PoolError, fix=fix,
+                                   high=getattr(token_to_kv_pool, "num_layers", None))
         self.token_to_kv_pool = token_to_kv_pool
         self.req_to_token_pool = req_to_token_pool
-        self.page_size = token_to_kv_pool.page_size
+        self.page_size = page_size
 
     def construct_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
         """After a prefill: build whatever the algorithm scores with. Default: nothing."""

@@ -22,6 +22,7 @@ from sparse_ref.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     INT32_MAX,
+    check_float,
     check_int,
     check_range,
     check_rows,
@@ -52,7 +53,7 @@ def _attend(q: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, k_buffer:
     A row with nothing to read attends to nothing (zeros); a NaN query or an inf key gives NaN, as it should.
     """
     bs, h_q, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = 1.0 / math.sqrt(d) if scale is None else check_float("scale", scale, error=ShapeError)
     keys = k_buffer[slots.long()].float()  # [bs, T, H_kv, D]
     values = v_buffer[slots.long()].float()
     q_groups = q.float().reshape(bs, h_q // group, group, d)  # query head h reads KV head h // group

@@ -81,8 +81,7 @@ class ForwardBatch:
                            "one per request", BatchError)
             else:
                 check_rows(name, t, bs, "DECODE: one new token per request", BatchError)
-            if not name.endswith("out_cache_loc"):
-                check_range(name, t, 0, INT64_MAX, "ids and lengths are >= 0.", BatchError)
+            check_range(name, t, 0, INT64_MAX, "ids, lengths and slots are >= 0.", BatchError)
         if capturing():
             return
         if not extend and not torch.equal(self.positions, self.seq_lens - 1):
@@ -133,6 +132,8 @@ def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
     earlier chunk of a chunked prefill.
     """
     _requests_checked(manager, requests)
+    if prefix_lens is not None and (isinstance(prefix_lens, (str, bytes)) or not hasattr(prefix_lens, "__len__")):
+        fail("prefix_lens", "a sequence of ints, one per request", describe(prefix_lens), error=BatchError)
     prefix_lens = [0] * len(requests) if prefix_lens is None else list(prefix_lens)
     if len(prefix_lens) != len(requests):
         raise BatchError(f"prefix_lens has {len(prefix_lens)} entries for {len(requests)} requests.")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref.checks import check_device, check_tensor, describe, fail
+from sparse_ref.checks import check_device, check_float, check_tensor, describe, fail
 from sparse_ref.errors import ShapeError
 
 
@@ -54,6 +54,7 @@ def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
             f"hadamard_transform: the last dim of x must be a power of two, got {n} (shape {tuple(x.shape)}). "
             "Fix: pad the vectors, or choose a head_dim that is a power of two."
         )
+    scale = check_float("scale", scale, error=ShapeError)
     work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     lead = work.shape[:-1]
     y = work.reshape(-1, n)

@@ -199,6 +199,8 @@ CASES = [
     ("extend-request-none", lambda e: build_extend_batch(e.m, [None]), "requests"),
     ("extend-prefix-float", lambda e: build_extend_batch(e.m, e.reqs, [1.5, 0]), "prefix_lens[0]"),
     ("extend-prefix-range", lambda e: build_extend_batch(e.m, e.reqs, [0, 99]), "prefix_lens[1]"),
+    ("extend-prefix-int", lambda e: build_extend_batch(e.m, e.reqs, 5), "prefix_lens"),
+    ("fb-loc-neg", lambda e: decode_fields(e, out_cache_loc=torch.tensor([-4, 9])), "out_cache_loc"),
     ("decode-requests-str", lambda e: build_decode_batch(e.m, "ab"), "requests"),
     ("decode-step-manager", lambda e: decode_step(None, e.reqs), "manager"),
     ("fb-mode-str", lambda e: decode_fields(e, forward_mode="decode"), "forward_mode"),
@@ -311,6 +313,8 @@ CASES = [
     ("dense-seq-past-max", lambda e: dense(e, seq_lens=torch.tensor([11, 40])), "seq_lens"),
     ("dense-seq-past-tokens", lambda e: dense(e, seq_lens=torch.tensor([11, 20])), "seq_lens"),
     ("dense-seq-rows", lambda e: dense(e, seq_lens=torch.tensor([11])), "seq_lens"),
+    ("dense-scale-str", lambda e: dense(e, scale="x"), "scale"),
+    ("sparse-scale-nan", lambda e: sparse(e, scale=float("nan")), "scale"),
     ("sparse-page-size-0", lambda e: sparse(e, page_size=0), "page_size"),
     ("sparse-page-size-none", lambda e: sparse(e, page_size=None), "page_size"),
     ("sparse-kv-neg", lambda e: sparse(e, kv_lens=torch.tensor([-1, 6])), "kv_lens"),
@@ -334,6 +338,7 @@ CASES = [
     ("rope-positions-float", lambda e: apply_rope(torch.zeros(3, 8), torch.zeros(3), 4), "positions"),
     ("rope-theta-neg", lambda e: apply_rope(torch.zeros(3, 8), torch.arange(3), 4, theta=-1.0), "theta"),
     ("hadamard-dtype-str", lambda e: hadamard_matrix(4, dtype="float32"), "dtype"),
+    ("hadamard-scale-str", lambda e: hadamard_transform(torch.zeros(4), "x"), "scale"),
     ("hadamard-x-int", lambda e: hadamard_transform(torch.zeros(4, dtype=torch.int64)), "x"),
     # ------------------------------------------------------------ registry and Quest hooks
     ("registry-name", lambda e: create_sparse_algorithm("nope"), "nope"),
@@ -341,6 +346,11 @@ CASES = [
     ("registry-device-meta", lambda e: create_sparse_algorithm("quest", None, "meta"), "device"),
     ("registry-backend", lambda e: create_sparse_algorithm("quest", None, "cpu", selection_backend="gpu"),
      "selection_backend"),
+    ("registry-kwarg", lambda e: create_sparse_algorithm("quest", None, "cpu", scoring="torch"), "kwargs"),
+    ("register-name", lambda e: __import__("sparse_ref.algorithms").algorithms.register_sparse_algorithm(
+        None, QuestAlgorithm), "name"),
+    ("register-cls", lambda e: __import__("sparse_ref.algorithms").algorithms.register_sparse_algorithm(
+        "x", object), "cls"),
     ("quest-scoring-backend", lambda e: QuestAlgorithm(scoring_backend=None), "scoring_backend"),
     ("quest-init-start-float", lambda e: QuestAlgorithm().initialize_representation_pool(
         0.5, 1, e.pool, e.m.req_to_token_pool), "start_layer"),

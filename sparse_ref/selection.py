@@ -97,14 +97,15 @@ def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None,
     if isinstance(k, torch.Tensor) and k.dim() > 0:
         check_tensor("k", k, dtype=INDEX_DTYPES, dims=1, fix="pass an int, or one k per row.")
         check_rows("k", k, R, "one per row of scores")
-        check_range("k", k, 0, INT32_MAX if k.dtype == torch.int32 else 2**63 - 1)
+        check_range("k", k, 0, INT32_MAX, "ids are int32: k is at most 2**31 - 1.")
         k_row = k.to(torch.int64)
         default_width = int(k_row.max()) if R else 0
     else:
-        k_row = torch.full((R,), check_int("k", k, low=0, error=ShapeError), dtype=torch.int64, device=device)
+        k_row = torch.full((R,), check_int("k", k, low=0, high=INT32_MAX, error=ShapeError), dtype=torch.int64,
+                           device=device)
         default_width = int(k)
     check_same_device("topk_reference", "scores", {"scores": scores, "lengths": lengths, "k": k_row})
-    width = default_width if width is None else check_int("width", width, low=0, error=ShapeError)
+    width = default_width if width is None else check_int("width", width, low=0, high=INT32_MAX, error=ShapeError)
     s, ok = _candidates(scores)
     cols = torch.arange(N, device=device)
     ok &= cols[None, :] < lengths.to(device, torch.int64)[:, None]

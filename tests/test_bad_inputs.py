@@ -238,6 +238,8 @@ CASES = [
     ("topk-k-tensor-float", lambda e: topk(e, k=torch.tensor([1.0, 2.0])), "k"),
     ("topk-k-tensor-rows", lambda e: topk(e, k=torch.tensor([1, 2, 3])), "k"),
     ("topk-k-tensor-meta", lambda e: topk(e, k=torch.tensor([1, 2], device=META)), "k"),
+    ("topk-k-int64-huge", lambda e: topk(e, k=2**31), "k"),
+    ("topk-k-tensor-huge", lambda e: topk(e, k=torch.tensor([1, 2**31])), "k"),
     ("topk-width-neg", lambda e: topk(e, width=-1), "width"),
     ("topk-width-float", lambda e: topk(e, width=2.0), "width"),
     ("topk-lengths-float", lambda e: topk(e, lengths=torch.tensor([1.0, 2.0])), "lengths"),

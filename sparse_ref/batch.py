@@ -108,9 +108,8 @@ def _int_or_none(value) -> int | None:
 def _requests_checked(manager: KVCacheManager, requests: Sequence[Request]) -> None:
     if not isinstance(manager, KVCacheManager):
         fail("manager", "a KVCacheManager", describe(manager), error=BatchError)
-    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__") or \
-            not all(isinstance(r, Request) for r in requests):
-        fail("requests", "a sequence of Request objects from manager.admit", describe(requests), error=BatchError)
+    if not isinstance(requests, (list, tuple)) or not all(isinstance(r, Request) for r in requests):
+        fail("requests", "a list or tuple of Request objects from manager.admit", describe(requests), error=BatchError)
     if len(requests) == 0:
         raise BatchError("a batch needs at least one request, got none.")
     seen = set()
@@ -132,7 +131,8 @@ def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
     earlier chunk of a chunked prefill.
     """
     _requests_checked(manager, requests)
-    if prefix_lens is not None and (isinstance(prefix_lens, (str, bytes)) or not hasattr(prefix_lens, "__len__")):
+    if prefix_lens is not None and not isinstance(prefix_lens, (list, tuple, torch.Tensor)) or \
+            isinstance(prefix_lens, torch.Tensor) and prefix_lens.dim() != 1:
         fail("prefix_lens", "a sequence of ints, one per request", describe(prefix_lens), error=BatchError)
     prefix_lens = [0] * len(requests) if prefix_lens is None else list(prefix_lens)
     if len(prefix_lens) != len(requests):

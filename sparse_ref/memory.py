@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_ref.checks import check_device, check_int, check_range, check_tensor, describe, fail
+from sparse_ref.checks import INT32_MAX, check_device, check_int, check_range, check_tensor, describe, fail
 from sparse_ref.errors import PoolError
 
 
@@ -34,6 +34,12 @@ def as_index_list(name: str, indices) -> list[int]:
     if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
         indices = [indices]
     return [check_int(name, i, error=PoolError) for i in indices]
+
+
+def _check_fits_memory(what: str, nbytes: int) -> None:
+    if nbytes > 2**45:
+        fail(what, "buffers that fit in a machine's memory (at most 32 TiB)", f"a request for {nbytes} bytes",
+             "check the sizes: a typo in one of them multiplies the whole allocation.", PoolError)
 
 
 class _FreeList:
@@ -74,9 +80,10 @@ class ReqToTokenPool(_FreeList):
     """``req_to_token``: int32 ``[size, max_context_len]``, one row per request slot."""
 
     def __init__(self, size: int, max_context_len: int, device="cpu"):
-        size = check_int("ReqToTokenPool(size)", size, low=1, error=PoolError)
-        max_context_len = check_int("ReqToTokenPool(max_context_len)", max_context_len, low=1, high=2**31 - 1,
+        size = check_int("ReqToTokenPool(size)", size, low=1, high=INT32_MAX, error=PoolError)
+        max_context_len = check_int("ReqToTokenPool(max_context_len)", max_context_len, low=1, high=INT32_MAX,
                                     error=PoolError)
+        _check_fits_memory("ReqToTokenPool", size * max_context_len * 4)
         super().__init__("slot", 0, size)
         self.size, self.max_context_len = size, max_context_len
         self.device = check_device("ReqToTokenPool(device)", device, PoolError)
@@ -105,9 +112,10 @@ class PageAllocator(_FreeList):
     """Whole pages of the KV cache. Page 0 is reserved padding and is never handed out."""
 
     def __init__(self, num_pages: int, page_size: int):
-        self.num_pages = check_int("PageAllocator(num_pages)", num_pages, low=2, error=PoolError,
+        self.num_pages = check_int("PageAllocator(num_pages)", num_pages, low=2, high=INT32_MAX, error=PoolError,
                                    fix="page 0 is reserved, so at least 2 pages.")
-        self.page_size = check_int("PageAllocator(page_size)", page_size, low=1, error=PoolError)
+        self.page_size = check_int("PageAllocator(page_size)", page_size, low=1, high=INT32_MAX // self.num_pages,
+                                   error=PoolError, fix="slot ids (num_pages * page_size) must fit in int32.")
         super().__init__("page", 1, self.num_pages)
         self._free_listeners: list[Callable[[torch.Tensor], None]] = []
 
@@ -167,6 +175,8 @@ class TokenToKVPool:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             fail("TokenToKVPool(dtype)", "a floating torch.dtype such as torch.float16", describe(dtype),
                  "pass the dtype object, e.g. dtype=torch.bfloat16, not a string.", PoolError)
+        _check_fits_memory("TokenToKVPool", 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim
+                           * torch.empty(0, dtype=dtype).element_size())
         self.dtype = dtype
         self.device = check_device("TokenToKVPool(device)", device, PoolError)
         shape = (num_pages * page_size, num_kv_heads, head_dim)

@@ -161,9 +161,9 @@ def test_page_allocator_errors():
         alloc.alloc(3)
     with pytest.raises(PoolError, match=r"alloc\(n\): expected an int in \[0, inf\], got -1"):
         alloc.alloc(-1)
-    with pytest.raises(PoolError, match=r"PageAllocator\(num_pages\): expected an int in \[2, inf\], got 1"):
+    with pytest.raises(PoolError, match=r"PageAllocator\(num_pages\): expected an int in \[2, \d+\], got 1"):
         PageAllocator(1, 4)
-    with pytest.raises(PoolError, match=r"PageAllocator\(page_size\): expected an int in \[1, inf\], got 0"):
+    with pytest.raises(PoolError, match=r"PageAllocator\(page_size\): expected an int in \[1, \d+\], got 0"):
         PageAllocator(3, 0)
 
 
@@ -244,9 +244,9 @@ def test_token_to_kv_pool_bad_construction(field_index):
     args = [4, 3, 1, 2, 5]
     names = ["num_pages", "page_size", "num_layers", "num_kv_heads", "head_dim"]
     args[field_index] = 0
-    with pytest.raises(PoolError, match=rf"\({names[field_index]}\): expected an int in \[\d, inf\], got 0"):
+    with pytest.raises(PoolError, match=rf"\({names[field_index]}\): expected an int in \[\d, \w+\], got 0"):
         TokenToKVPool(*args)
-    with pytest.raises(PoolError, match=r"num_pages\): expected an int in \[2, inf\], got 1. Fix: page 0 is reserved"):
+    with pytest.raises(PoolError, match=r"num_pages\): expected an int in \[2, \d+\], got 1. Fix: page 0 is reserved"):
         TokenToKVPool(1, 3, 1, 2, 5)
 
 

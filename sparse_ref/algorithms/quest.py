@@ -220,7 +220,7 @@ class QuestAlgorithm(SparseAlgorithm):
         newest = (seq_lens - 1).clamp(min=0)
         pages = req_to_token[rows, (newest // P) * P].long().to(self.device) // P
         completed = ((seq_lens > 0) & (seq_lens % P == 0)).to(self.device)
-        self._check_real_pages(pages[completed])
+        self._check_real_pages(pages, completed)
         self._write_bounds(layer_id, pages, k_pages[pages], completed)
 
     def invalidate_pages(self, pages) -> None:
@@ -234,9 +234,9 @@ class QuestAlgorithm(SparseAlgorithm):
             self.page_min[layer][pages] = 0.0
             self.page_max[layer][pages] = 0.0
 
-    def _check_real_pages(self, pages: torch.Tensor) -> None:
-        """Pages whose bounds are about to be built hold real tokens: never padding page 0."""
-        if pages.numel() and not capturing() and int(pages.min()) < 1:
+    def _check_real_pages(self, pages: torch.Tensor, write: torch.Tensor | None = None) -> None:
+        """Pages whose bounds are about to be built (where ``write``) hold real tokens: never padding page 0."""
+        if not capturing() and bool(((pages < 1) & (True if write is None else write)).any()):
             fail("forward_batch.seq_lens", "lengths within each request's tokens (every page to summarize mapped to "
                  f"a page in [1, {self.num_pages}) by req_to_token)", "a length that reaches padding page 0",
                  "pass the batch built for these requests (build_extend_batch / build_decode_batch).", BatchError)

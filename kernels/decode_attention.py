@@ -121,8 +121,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_
         m_i = m_new
 
     empty = start >= end  # nothing to read in this slice (or the whole row is empty)
-    out = tl.where(empty, 0.0, acc / l_i[:, None])  # a NaN from the query stays NaN
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_i))
+    l_safe = tl.where(empty, 1.0, l_i)  # l_i > 0 once a token was read (or NaN, from a NaN query: kept)
+    out = tl.where(empty, 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
     base = (row * num_q_heads + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=in_g[:, None] & in_d[None, :])
     tl.store(part_lse_ptr + base, lse, mask=in_g)
@@ -138,12 +139,12 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     in_d = d < HEAD_DIM
     lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
     o = tl.load(part_out_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                 mask=in_s[:, None] & in_d[None, :], other=0.0)
     total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / total
-    out = tl.where(total == 0.0, 0.0, out)  # every slice empty: kv_len 0 gives zeros
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
     tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
 
 

@@ -274,7 +274,7 @@ def test_16bit_bounds_still_bound_every_key(dtype, page_size):
 def test_16bit_bounds_select_the_same_pages_on_separated_data(dtype):
     from sparse_ref.workloads import make_planted_workload
 
-    cfg = SparseConfig(page_budget=6, num_recent_pages=1, num_sink_pages=1)  # 1 + 1 + the 4 needle pages
+    cfg = SparseConfig(page_budget=4, num_recent_pages=1, num_sink_pages=1)  # sink + recent + the 4 needle pages
     picks = {}
     for bounds in (torch.float32, dtype):
         wl = make_planted_workload([300, 257, 420], page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32,

@@ -17,14 +17,17 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 # venv was copied from elsewhere (a copied venv's bin/ scripts keep the old interpreter path).
 NBCONVERT := $(BIN)/python -m nbconvert
 # JupyterLab refuses to start as root (common in containers) unless told --allow-root.
-LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ARGS ?=
 
 .PHONY: setup tutorial test lab lint clean-notebooks clean distclean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || { $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and \
+	  "sparse_ref needs Python 3.11+ (tested: 3.11, 3.12); got " + sys.version.split()[0] + \
+	  ". Fix: make PYTHON=python3.12 (or another Python 3.11+)")' && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 ifeq ($(HAS_GPU),1)
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
@@ -55,7 +58,7 @@ test: setup
 
 # JupyterLab on the notebooks, from .venv. Extra options: make lab LAB_ARGS="--ip=0.0.0.0 --no-browser".
 lab: setup
-	$(BIN)/python -m jupyterlab $(LAB_ARGS) notebooks/
+	$(BIN)/python -m jupyterlab $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
 lint: setup
 	$(BIN)/ruff check .

@@ -3,7 +3,11 @@
 SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode`` or ``all``; several may be given
 (``python -m sparse_ref.bench quest retrieve``).
 
-What is measured, and how (DESIGN.md section 6):
+Without ``--out`` the JSON goes to ``build/bench/<suites>-<gpu|cpu>.json`` (ignored by git); the
+committed GPU results in ``benchmarks/results/`` are written only with an explicit ``--out``, and
+never by a CPU run. ``docs/design.md`` lists the targets each suite is held to.
+
+What is measured, and how:
 
 * **topk**: the radix top-k (``sparse_ref.kernels.topk.topk``) against ``torch.topk`` on the
   same inputs, for three score distributions: ``randn``; ``indexer`` (ReLU-weighted sums of
@@ -12,11 +16,11 @@ What is measured, and how (DESIGN.md section 6):
 * **select**: the fused page selection (``select_pages_triton``) against the torch batched
   selection (``select_pages``: torch.topk-style ranking + finalize), and torch.topk alone.
 * **quest**: Quest page scores, the Triton kernel (``sparse_ref.kernels.quest.quest_page_scores``)
-  against the torch reference (``quest_page_scores_reference``: gather + bmm), at DESIGN's shape
+  against the torch reference (``quest_page_scores_reference``: gather + bmm), at the target shape
   (bs=1, 32 KV heads, D=128, page 16, 128K context) and the retrieve shape (bs=64, 8 KV heads,
   32K context); bytes = the bounds of every scored page read once + the scores written. The
   bounds pool is fp32 (as ``QuestAlgorithm`` keeps it); a bf16-bounds row shows the kernel at
-  half the bytes (DESIGN's 31 µs floor assumes 2-byte bounds).
+  half the bytes (the 31 µs byte floor at 4.3 TB/s assumes 2-byte bounds).
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
   against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
 * **decode**: (a) the paged decode attention kernel (``sparse_ref.kernels.decode_attention``) at
@@ -565,9 +569,12 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m sparse_ref.bench", description=__doc__.split("\n")[0])
     parser.add_argument("suite", nargs="+", choices=[*SUITES, "all"], help="one or more suites, or all")
     parser.add_argument("--quick", action="store_true", help="fewer distributions and repetitions")
-    parser.add_argument("--out", default="benchmarks/results/h200.json", help="where to write the JSON")
+    parser.add_argument("--out", default=None,
+                        help=f"where to write the JSON (default: {DEFAULT_OUT}, e.g. build/bench/topk-gpu.json; "
+                             f"committed GPU results go to {RESULTS_DIR}/ only with an explicit --out)")
     parser.add_argument("--allow-cpu", action="store_true",
-                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers)")
+                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers; never written "
+                             f"into {RESULTS_DIR}/)")
     args = parser.parse_args(argv)
     device = sparse_ref.default_device()
     on_cpu = device.type != "cuda"
@@ -576,6 +583,11 @@ def main(argv=None) -> dict:
                          "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu "
                          "for a smoke run whose results are labelled as CPU results (never commit them as GPU "
                          "numbers).")
+    out = Path(args.out) if args.out else default_out(args.suite, on_cpu)
+    if on_cpu and _in_results_dir(out):
+        raise SystemExit(f"sparse_ref.bench: --out {out} is inside {RESULTS_DIR}/, which holds the committed GPU "
+                         "results; a CPU run must not overwrite them. Drop --out (it defaults to "
+                         f"{default_out(args.suite, on_cpu)}) or write somewhere else.")
     import triton
 
     timer = Timer(device, reps=2 if on_cpu else (30 if args.quick else 100))
@@ -591,7 +603,7 @@ def main(argv=None) -> dict:
     result = dict(
         command="python -m sparse_ref.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
         copy_bandwidth_detail=dict(COPY_DETAIL, note="1 GiB fp32, read + write bytes, eager, median of 20"),
         timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer zeroed "
@@ -600,7 +612,6 @@ def main(argv=None) -> dict:
                 "wall clock)."),
         rows=rows,
     )
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
@@ -611,6 +622,21 @@ def main(argv=None) -> dict:
               f"{r['pct_copy_bw'] if r['pct_copy_bw'] is not None else '-':>7}")
     print(f"wrote {out}")
     return result
+
+
+RESULTS_DIR = "benchmarks/results"  # committed GPU results; never written by a CPU run
+DEFAULT_OUT = "build/bench/<suites>-<gpu|cpu>.json"
+
+
+def default_out(suites: list[str], on_cpu: bool) -> Path:
+    """Where a run writes its JSON without ``--out``: an ignored build folder, never the committed results."""
+    return Path("build", "bench", f"{'+'.join(dict.fromkeys(suites))}-{'cpu' if on_cpu else 'gpu'}.json")
+
+
+def _in_results_dir(path: Path) -> bool:
+    """True when ``path`` lies in a ``benchmarks/results`` folder (relative to anywhere)."""
+    parts = path.resolve().parts
+    return any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
 
 
 if __name__ == "__main__":

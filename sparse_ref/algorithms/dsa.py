@@ -60,6 +60,7 @@ from sparse_ref.checks import (
     check_int,
     check_range,
     check_rows,
+    check_same_device,
     check_tensor,
     describe,
     fail,
@@ -669,33 +670,28 @@ class DSAAlgorithm(SparseAlgorithm):
         missing = [name for name in DSA_REQUIRED if kwargs.get(name) is None]
         if missing:
             raise RetrievalError(missing_dsa_kwargs_message(missing))
-        indexer, forward_batch = kwargs["indexer"], kwargs["forward_batch"]
+        indexer, fb = kwargs["indexer"], kwargs["forward_batch"]
         if not callable(indexer):
-            raise RetrievalError(f"indexer: expected the model's LightningIndexer (a callable module), got "
-                                 f"{describe(indexer)}.")
-        if not isinstance(forward_batch, ForwardBatch):
-            raise RetrievalError(f"forward_batch: expected a sparse_ref.ForwardBatch, got {describe(forward_batch)}.")
+            fail("indexer", "the model's LightningIndexer (a callable module)", describe(indexer), error=RetrievalError)
+        if not isinstance(fb, ForwardBatch):
+            fail("forward_batch", "a sparse_ref.ForwardBatch", describe(fb), error=RetrievalError)
         if self.req_to_token_pool is not None:
             self.check_layer(layer_id)
-        bs = forward_batch.batch_size
-        check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+        check_tensor("req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, shape=(fb.batch_size,),
                      fix="pass forward_batch.req_pool_indices.")
-        if not torch.equal(req_pool_indices.long().cpu(), forward_batch.req_pool_indices.cpu()):
-            raise BatchError("req_pool_indices: differ from forward_batch.req_pool_indices. "
-                             "Fix: pass forward_batch.req_pool_indices.")
-        check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1,
+        check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, shape=(fb.batch_size,),
                      fix="pass a bool tensor [bs], True for requests that may go sparse.")
-        if sparse_mask.shape[0] != bs:
-            raise ShapeError(f"sparse_mask: expected {bs} entries (one per request), got {sparse_mask.shape[0]}.")
+        check_same_device("retrieve_topk", "req_pool_indices", {"req_pool_indices": req_pool_indices,
+                          "sparse_mask": sparse_mask, "forward_batch.req_pool_indices": fb.req_pool_indices})
+        if not capturing() and not torch.equal(req_pool_indices.long(), fb.req_pool_indices):
+            raise BatchError("req_pool_indices: differ from forward_batch.req_pool_indices (another request's "
+                             "row would be scored). Fix: pass forward_batch.req_pool_indices.")
         selection = indexer(x=kwargs["x"], q_lora=kwargs["q_lora"], positions=kwargs["positions"],
-                            forward_batch=forward_batch, layer_id=layer_id)
-        if forward_batch.forward_mode is ForwardMode.DECODE:
-            counts = torch.ones(bs, dtype=torch.int64)
-        else:
-            counts = forward_batch.extend_seq_lens.cpu()
-        dense_tokens = torch.repeat_interleave(~sparse_mask.cpu(), counts).to(selection.device)
-        selection = torch.where(dense_tokens[:, None], torch.full_like(selection, -1), selection)
-        return selection, None
+                            forward_batch=fb, layer_id=layer_id)
+        T = selection.shape[0]
+        counts = torch.ones_like(fb.seq_lens) if fb.forward_mode is ForwardMode.DECODE else fb.extend_seq_lens
+        dense_tokens = torch.repeat_interleave(~sparse_mask, counts, output_size=T)
+        return selection.masked_fill(dense_tokens[:, None], -1), None
 
     def retrieve_topk_loop(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                            sparse_mask: torch.Tensor, attn_metadata=None, **kwargs):

@@ -308,14 +308,16 @@ def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys:
     pages = block_table[:, :n_pages].long()
     if pages.shape[1] < n_pages:  # rows shorter than the width: pad with the padding page
         pages = torch.nn.functional.pad(pages, (0, n_pages - pages.shape[1]))
-    k_all = keys[pages].reshape(pages.shape[0], n_pages * P, D)[:, :width]  # [bs, width, D]
+    raw = keys.view(torch.uint8) if keys.dtype == FP8_DTYPE else keys  # gather FP8 as bytes (any device)
+    k_all = raw[pages].reshape(pages.shape[0], n_pages * P, D)[:, :width]  # [bs, width, D]
     s_all = scales[pages].reshape(pages.shape[0], n_pages * P)[:, :width]
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)
     step = max(1, chunk_elements // max(1, width * (D + H)))
     pos = torch.arange(width, device=q.device)
     for lo in range(0, T, step):
         rows = token_req[lo: lo + step].long()
-        dots = torch.bmm(k_all[rows].float(), q[lo: lo + step].float().transpose(1, 2))  # [c, width, H]
+        k_rows = k_all[rows].view(FP8_DTYPE) if keys.dtype == FP8_DTYPE else k_all[rows]
+        dots = torch.bmm(k_rows.float(), q[lo: lo + step].float().transpose(1, 2))  # [c, width, H]
         logits = (dots.clamp_min(0) * weights[lo: lo + step, None, :].float()).sum(-1) * s_all[rows]
         visible = pos[None, :] < bounds[lo: lo + step, None]
         out[lo: lo + step] = torch.where(visible, logits, torch.full_like(logits, float("-inf")))

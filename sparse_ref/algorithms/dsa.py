@@ -24,19 +24,28 @@ its request that attention will read. It follows DeepSeek-V3.2-Exp's reference `
 
 ``use_fp8=False`` runs the same pipeline with no quantisation (scales are 1).
 
-**The key cache.** ``IndexerKeyCache`` keeps, per layer and per physical KV slot, the
-quantised key (``head_dim`` bytes of FP8) and its fp32 scale: 132 bytes per token at
-``head_dim=128``. It is addressed like the KV pool: logical token ``t`` of request ``r``
-lives at slot ``req_to_token[r, t]`` (page 0 is padding and never written). Attach it
-once: ``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))`` (or ``from_pools``
-with the two pools; ``for_manager`` also forgets the keys of freed pages). Then
-``indexer(x, q_lora, positions, forward_batch, layer_id)``:
+**The key cache.** ``IndexerKeyCache`` keeps, per layer, pages of ``page_size`` tokens (the
+KV pool's page size; 64 for DeepSeek on Hopper) as one uint8 buffer: per page all FP8 keys
+(``head_dim`` bytes each, token-major), then all fp32 scales: 132 bytes per token at
+``head_dim=128``, the layout SGLang and DeepGEMM use. It is addressed like the KV pool: logical
+token ``t`` of request ``r`` lives at slot ``s = req_to_token[r, t]``, page ``s // page_size``,
+offset ``s % page_size`` (page 0 is padding and never written). Attach it once:
+``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))`` (or ``from_pools`` with
+the two pools); either way it listens to the page allocator and forgets the keys of freed pages.
+Then ``indexer(x, q_lora, positions, forward_batch, layer_id)``:
 
 * writes the new tokens' keys at ``forward_batch.out_cache_loc``;
 * EXTEND (prefill, or a chunk after ``extend_prefix_lens`` cached tokens): scores each new
   token against its request's keys ``0 .. position`` (cached prefix + this chunk);
 * DECODE: scores the one new token per request against the whole history;
 * returns the selected positions, int32 ``[T, index_topk]``.
+
+**Scoring backends** (``LightningIndexer(scoring_backend=...)``): the whole batch is scored at
+once through a page table ``req_to_token[rows, ::P] // P``, by the Triton kernel
+``sparse_ref.kernels.dsa.paged_indexer_logits`` (``"triton"``; ``"auto"`` picks it on CUDA) or its
+batched torch reference ``paged_indexer_logits_reference`` (``"torch"``). Neither loops over
+requests nor reads values back to the host, so a decode step can be captured in a CUDA graph.
+``index_scores_loop`` is the readable per-request version; the tests hold all three equal.
 
 **DSAAlgorithm** (registered as ``deepseek_dsa``) wraps that call in the retrieval contract,
 as SGLang's ``deepseek_dsa.py`` does: ``retrieve_topk(...)`` needs ``indexer``,

@@ -384,7 +384,7 @@ def test_forward_input_errors():
         idx(x, ql, pos, SimpleNamespace(**vars(fb)), 0)
     bad_len = dataclasses.replace(fb)
     bad_len.seq_lens = torch.tensor([4])  # changed after construction, as a buggy engine might
-    with pytest.raises(BatchError, match=r"positions\[4\] = 4 is outside \[0, seq_len=4\)"):
+    with pytest.raises(BatchError, match=r"positions\[4\]: expected a position in \[0, seq_len=4\) of request 0"):
         idx(x, ql, pos, bad_len, 0)
     bad_loc = ForwardBatch(ForwardMode.EXTEND, fb.req_pool_indices, fb.seq_lens, pos, fb.out_cache_loc + 1,
                            fb.extend_prefix_lens, fb.extend_seq_lens)

@@ -291,6 +291,20 @@ class IndexerKeyCache:
         page, offset = slots // self.page_size, slots % self.page_size
         return self._keys[layer_id][page, offset].float(), self._scales[layer_id][page, offset]
 
+    def check_history(self, layer_id: int, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+        """BatchError unless positions ``0 .. prefix_lens[i] - 1`` of every request hold keys (one host sync)."""
+        table = self.req_to_token_pool.req_to_token[req_pool_indices.long()].long()
+        in_prefix = torch.arange(table.shape[1], device=table.device)[None, :] < prefix_lens[:, None]
+        missing = in_prefix & ~self.written[layer_id][table]
+        if bool(missing.any()):
+            i = int(missing.any(1).nonzero()[0, 0])
+            where = missing[i].nonzero().squeeze(1)
+            raise BatchError(
+                f"request {i} (req_to_token row {int(req_pool_indices[i])}): the indexer cache of layer {layer_id} "
+                f"holds no key for positions {where[:8].tolist()}{'...' if where.numel() > 8 else ''} of its "
+                "history. Fix: run the indexer over every earlier chunk (prefix) of the request first."
+            )
+
     def block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
         """int32 ``[bs, ceil(max_context_len / P)]``: the physical page of each logical page of each request.
 
@@ -622,29 +636,15 @@ class LightningIndexer(nn.Module):
         bad = (positions < 0) | (positions >= own_len)
         if bool(bad.any()):
             t = int(bad.nonzero()[0, 0])
-            raise BatchError(f"positions[{t}] = {int(positions[t])} is outside [0, seq_len={int(own_len[t])}) of "
-                             f"its request {int(token_req[t])}. Fix: seq_lens must count the new tokens.")
-        expected_loc = req_to_token[fb.req_pool_indices[token_req], positions.long()].long()
-        if not torch.equal(expected_loc, fb.out_cache_loc):
-            t = int((expected_loc != fb.out_cache_loc).nonzero()[0, 0])
-            raise BatchError(
-                f"forward_batch.out_cache_loc[{t}] = {int(fb.out_cache_loc[t])} but req_to_token maps that token "
-                f"(request {int(token_req[t])}, position {int(positions[t])}) to slot {int(expected_loc[t])}: "
-                "its key would be written where its request never reads it. Fix: build the batch from the pool."
-            )
-        # The cached history (every position before the request's new tokens) must hold keys.
-        prefix = fb.seq_lens - counts
-        table = req_to_token[fb.req_pool_indices].long()
-        in_prefix = torch.arange(max_len, device=positions.device)[None, :] < prefix[:, None]
-        missing = in_prefix & ~self.cache.written[layer_id][table]
-        if bool(missing.any()):
-            i = int(missing.any(1).nonzero()[0, 0])
-            where = missing[i].nonzero().squeeze(1)
-            raise BatchError(
-                f"request {i} (req_to_token row {int(fb.req_pool_indices[i])}): the indexer cache of layer "
-                f"{layer_id} holds no key for positions {where[:8].tolist()}{'...' if where.numel() > 8 else ''} of "
-                f"its history. Fix: run the indexer over every earlier chunk (prefix) of the request first."
-            )
+            fail(f"positions[{t}]", f"a position in [0, seq_len={int(own_len[t])}) of request {int(token_req[t])}",
+                 str(int(positions[t])), "seq_lens must count the new tokens.", BatchError)
+        expected = req_to_token[fb.req_pool_indices[token_req], positions.long()].long()
+        if not torch.equal(expected, fb.out_cache_loc):
+            t = int((expected != fb.out_cache_loc).nonzero()[0, 0])
+            fail(f"forward_batch.out_cache_loc[{t}]", f"slot {int(expected[t])}, where req_to_token keeps that "
+                 "token (its key would be written where its request never reads it)", str(int(fb.out_cache_loc[t])),
+                 "build the batch from the pool.", BatchError)
+        self.cache.check_history(layer_id, fb.req_pool_indices, fb.seq_lens - counts)
 
 
 # ----------------------------------------------------------------------------- the algorithm

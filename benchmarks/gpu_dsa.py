@@ -108,6 +108,13 @@ def check_kernel(quick: bool) -> None:
         out = torch.full_like(got, 7.0)
         paged_indexer_logits(**inp, fill_tail=False, out=out)
         compare(name + " | no tail fill", out, want, inp["bounds"], fill_tail=False)
+        for qb in (2, 4, 8):
+            try:
+                got_qb = paged_indexer_logits(**inp, queries_per_program=qb, num_warps=4 if qb < 8 else 8)
+                compare(f"{name} | {qb} queries per program", got_qb, want, inp["bounds"])
+            except Exception as e:  # e.g. out of resources: report, keep going
+                FAILURES.append(f"{name} | {qb} queries per program: {type(e).__name__}")
+                print(f"  FAIL {name} | {qb} queries per program: {type(e).__name__}: {str(e)[:500]}", flush=True)
         if name.startswith("decode ragged 1/63"):
             for tiles in (1, 4, 16, 64, 128):
                 for warps in (4, 8):
@@ -275,7 +282,9 @@ def timings(quick: bool, sweep: bool) -> list[dict]:
     row("torch reference", "64x16384", "gather+fp32 bmm", us, 64 * 16384 * 136, ref_timer.mode)
     del inp, out, small
     # prefill: 8192 query tokens, a causal last chunk of 64K keys
-    for knobs in ({}, dict(tiles=16), dict(tiles=64, num_warps=8)):
+    for knobs in ({}, dict(tiles=16), dict(tiles=64, num_warps=8), dict(queries_per_program=2),
+                  dict(queries_per_program=4), dict(queries_per_program=2, num_warps=8),
+                  dict(queries_per_program=4, num_warps=8), dict(queries_per_program=8, num_warps=8)):
         us = time_logits(1, 65536, knobs, op="prefill", tokens_per_req=8192)
         if us:
             flops = 2 * 64 * 128 * (8192 * 65536 - 8192 * 8191 // 2)

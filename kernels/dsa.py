@@ -174,6 +174,68 @@ def _indexer_logits_tma_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_p
             tl.store(out_row + pos, tl.full([PAGE], float("-inf"), tl.float32), mask=pos < width)
 
 
+@triton.jit
+def _indexer_logits_multiq_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, token_req_ptr, bounds_ptr,
+                                  out_ptr, T, H, width, max_pages, num_pages,
+                                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                                  BLOCK_T: tl.constexpr, TILES: tl.constexpr, QB: tl.constexpr,
+                                  PAGE_STRIDE_K: tl.constexpr, PAGE_STRIDE_S: tl.constexpr, FP8: tl.constexpr,
+                                  FILL_TAIL: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+    """``QB`` query tokens per program share each key tile: one dot with N = QB * heads (prefill).
+
+    Rows of one request form a segment; a program walks its segments (usually one in a prefill)
+    and, per segment, the key tiles up to the segment's largest bound.
+    """
+    g = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    first = split * (TILES * BLOCK_T)
+    rows = g * QB + tl.arange(0, QB)
+    row_ok = rows < T
+    reqs = tl.load(token_req_ptr + rows, mask=row_ok, other=-1)
+    bnds = tl.minimum(tl.load(bounds_ptr + rows, mask=row_ok, other=0), width)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    qrow = rows[:, None] * H + h[None, :]  # [QB, BLOCK_H]
+    qmask = row_ok[:, None] & (h[None, :] < H)
+    q = tl.load(q_ptr + qrow[:, :, None] * D + d[None, None, :], mask=qmask[:, :, None] & d_ok[None, None, :],
+                other=0.0)
+    qt = tl.trans(tl.reshape(q, [QB * BLOCK_H, BLOCK_D]))  # [BLOCK_D, QB * BLOCK_H]
+    w = tl.load(w_ptr + qrow, mask=qmask, other=0.0)  # [QB, BLOCK_H]
+    prev = tl.full([], -2, tl.int32)
+    for j in range(0, QB):
+        req = tl.load(token_req_ptr + g * QB + j, mask=g * QB + j < T, other=-1)
+        if (req >= 0) & (req != prev):  # the first row of a segment: process every row of this request
+            in_seg = reqs == req
+            seg_bound = tl.max(tl.where(in_seg, bnds, 0), axis=0)
+            bt_row = req.to(tl.int64) * max_pages
+            if RUNTIME_LOOP:
+                n_tiles = tl.minimum(tl.maximum(seg_bound - first + BLOCK_T - 1, 0) // BLOCK_T, TILES)
+            else:
+                n_tiles = TILES
+            for i in range(0, n_tiles):
+                pos, valid, key_rows, scale_idx = _tile_rows(block_table_ptr, bt_row, first + i * BLOCK_T,
+                                                             max_pages, num_pages, seg_bound, PAGE, BLOCK_T,
+                                                             PAGE_STRIDE_K, PAGE_STRIDE_S, D)
+                k = tl.load(keys_ptr + key_rows[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :],
+                            other=0.0)
+                if FP8:
+                    sc = tl.dot(k, qt)  # [BLOCK_T, QB * BLOCK_H]
+                else:
+                    sc = tl.dot(k, qt, input_precision="ieee")
+                sc = tl.reshape(tl.maximum(sc, 0.0), [BLOCK_T, QB, BLOCK_H]) * w[None, :, :]
+                logit = tl.sum(sc, axis=2) * tl.load(scales_ptr + scale_idx, mask=valid, other=0.0)[:, None]
+                keep = (pos[:, None] < bnds[None, :]) & in_seg[None, :]
+                tl.store(out_ptr + rows[None, :] * width + pos[:, None], logit, mask=keep)
+        prev = req
+    if FILL_TAIL:
+        for i in range(0, TILES):
+            pos = first + i * BLOCK_T + tl.arange(0, BLOCK_T)
+            tail = (pos[:, None] >= bnds[None, :]) & (pos[:, None] < width) & row_ok[None, :]
+            tl.store(out_ptr + rows[None, :] * width + pos[:, None], tl.full([BLOCK_T, QB], float("-inf"), tl.float32),
+                     mask=tail)
+
+
 # ----------------------------------------------------------------------------- launch plan
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -218,12 +280,13 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
                          block_table: torch.Tensor, token_req: torch.Tensor, bounds: torch.Tensor, width: int, *,
                          fill_tail: bool = True, out: torch.Tensor | None = None, tiles: int | None = None,
                          block_t: int = BLOCK_T, num_warps: int = 4, num_stages: int | None = None,
-                         variant: str = "pointer") -> torch.Tensor:
+                         variant: str = "pointer", queries_per_program: int = 1) -> torch.Tensor:
     """fp32 ``[T, width]`` indexer logits read through the page table (see the module docstring).
 
     Launch knobs: ``tiles`` (tiles of ``block_t`` key tokens per program; None: ~8 programs per SM),
     ``block_t`` (a power of two >= 16), ``num_warps``, ``num_stages``, ``variant`` ("pointer", or
-    "tma" on compute capability >= 9.0 with ``block_t`` == page size).
+    "tma" on compute capability >= 9.0 with ``block_t`` == page size), ``queries_per_program`` (a
+    power of two: that many consecutive query tokens share each key tile, for prefill).
     """
     fn = "paged_indexer_logits"
     check_tensor("q", q, dtype=(FP8, torch.float32), dims=3, contiguous=True,
@@ -323,6 +386,17 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
                                          TILES=tiles, PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s,
                                          SCALE_OFFSET=scale_offset, FILL_TAIL=fill_tail, **opts)
         return out
+    qb = check_int("queries_per_program", queries_per_program, low=1, high=16, error=SparseRefError)
+    if qb > 1:
+        if qb & (qb - 1):
+            fail(f"{fn}: queries_per_program", "a power of two in [1, 16]", repr(qb), error=SparseRefError)
+        grid = (triton.cdiv(T, qb), grid[1])
+        _indexer_logits_multiq_kernel[grid](q, weights, keys, scales, block_table, token_req, bounds, out, T,
+                                            H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_D=block_d,
+                                            BLOCK_H=block_h, BLOCK_T=block_t, TILES=tiles, QB=qb,
+                                            PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s, FP8=fp8,
+                                            FILL_TAIL=fill_tail, RUNTIME_LOOP=not triton_interpreted(), **opts)
+        return out
     _indexer_logits_kernel[grid](q, weights, keys, scales, block_table, token_req, bounds, out,
                                  H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_D=block_d, BLOCK_H=block_h,
                                  BLOCK_T=block_t, TILES=tiles, PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s,
@@ -346,6 +420,15 @@ def _aot(page, d, h, tiles, fp8=True, fill_tail=True, block_t=BLOCK_T, runtime_l
     return (_indexer_logits_kernel, sig, const, {"num_warps": num_warps})
 
 
+def _aot_multiq(page, d, h, tiles, qb, fill_tail=False, runtime_loop=True, num_warps=4):
+    kernel, sig, const, opts = _aot(page, d, h, tiles, fill_tail=fill_tail, runtime_loop=runtime_loop,
+                                    num_warps=num_warps)
+    sig = {**{k: v for k, v in sig.items() if k != "H"}, "T": "i32", "H": "i32"}
+    sig = {k: sig[k] for k in ("q_ptr", "w_ptr", "keys_ptr", "scales_ptr", "block_table_ptr", "token_req_ptr",
+                               "bounds_ptr", "out_ptr", "T", "H", "width", "max_pages", "num_pages")}
+    return (_indexer_logits_multiq_kernel, sig, {**const, "QB": qb}, opts)
+
+
 def _aot_tma(page=64, d=128, h=64, tiles=64):
     sig = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "keys_ptr": "*fp8e4nv", "scales_ptr": "*fp32",
            "block_table_ptr": "*i32", "token_req_ptr": "*i32", "bounds_ptr": "*i32", "out_ptr": "*fp32",
@@ -362,5 +445,7 @@ AOT_VARIANTS = (
     [_aot(64, 128, 64, tiles) for tiles in (1, 2, 4, 8, 16, 32, 64)]
     + [_aot(64, 128, 64, 64, fill_tail=False), _aot(64, 128, 64, 16, num_warps=8),
        _aot(16, 128, 64, 8), _aot(64, 64, 8, 4, fp8=False), _aot(16, 32, 4, 2, runtime_loop=False),
-       _aot_tma(), ]
+       _aot_tma()]
+    + [_aot_multiq(64, 128, 64, 64, qb) for qb in (2, 4)]
+    + [_aot_multiq(64, 128, 64, 64, 2, fill_tail=True, num_warps=8), _aot_multiq(16, 32, 4, 2, 2, runtime_loop=False)]
 )

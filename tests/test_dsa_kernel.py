@@ -90,6 +90,23 @@ def test_kernel_matches_reference_ragged_random_pages(page, d, h, block_t):
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(again))  # bitwise deterministic
 
 
+@pytest.mark.parametrize("qb,fill_tail", [(2, True), (4, False)])
+def test_several_queries_per_program_share_key_tiles(qb, fill_tail):
+    """The prefill variant: groups of ``qb`` query tokens, including groups that span requests
+    (lengths 0, 1, 2) and a token order that is not sorted by request."""
+    q, w, keys, scales, bt, req, bounds = make_case(16, 32, 4, [0, 1, 2, 40, 70], tokens_per_req=3, seed=11)
+    order = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(0)).to(DEV)
+    case = (q[order].contiguous(), w[order].contiguous(), keys, scales, bt, req[order].contiguous(),
+            bounds[order].contiguous())
+    want = paged_indexer_logits_reference(*case, 80)
+    out = torch.full((q.shape[0], 80), 9.0, device=DEV)
+    paged_indexer_logits(*case, 80, queries_per_program=qb, fill_tail=fill_tail, out=out)
+    assert_logits_close(out, want, case[-1], fill_tail=fill_tail)
+    if not fill_tail:
+        for t, n in enumerate(case[-1].tolist()):
+            assert torch.all(out[t, n:] == 9.0)
+
+
 def test_kernel_without_tail_fill_writes_only_the_visible_keys():
     case = make_case(64, 32, 4, [5, 130, 70], tokens_per_req=2, seed=3)
     width = 200
@@ -145,6 +162,8 @@ def test_kernel_input_errors():
         paged_indexer_logits(q, w, keys, scales, bt.long(), req, bounds, 32)
     with pytest.raises(SparseRefError, match="variant"):
         paged_indexer_logits(q, w, keys, scales, bt, req, bounds, 32, variant="tma")
+    with pytest.raises(SparseRefError, match="queries_per_program"):
+        paged_indexer_logits(q, w, keys, scales, bt, req, bounds, 32, queries_per_program=3)
     with pytest.raises(SparseRefError, match="block_t"):
         paged_indexer_logits(q, w, keys, scales, bt, req, bounds, 32, block_t=48)
 

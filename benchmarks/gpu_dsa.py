@@ -250,7 +250,7 @@ def timings(quick: bool, sweep: bool) -> list[dict]:
         for variant in ("pointer", "tma"):
             for tiles in (16, 32, 64, 128):
                 for warps in (4, 8):
-                    for stages in (2, 3, 4):
+                    for stages in (2, 3):
                         time_logits(64, 65536, dict(tiles=tiles, num_warps=warps, num_stages=stages, variant=variant),
                                     op="sweep")
         for tiles in (16, 32):

@@ -40,10 +40,19 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.checks import FLOAT_DTYPES, INDEX_DTYPES, capturing, check_choice, check_int, check_range, \
-    check_rows, check_same_device, check_tensor, fail
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    capturing,
+    check_choice,
+    check_int,
+    check_range,
+    check_same_device,
+    check_tensor,
+    fail,
+)
 from sparse_ref.device import triton_interpreted
-from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.errors import SparseRefError
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -441,8 +450,7 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
     R, N = scores.shape
     k_tensor = None
     if isinstance(k, torch.Tensor):
-        check_tensor(f"{fn}: k", k, dtype=INDEX_DTYPES, dims=1, fix="pass an int, or one int k per row.")
-        check_rows(f"{fn}: k", k, R)
+        check_tensor(f"{fn}: k", k, dtype=INDEX_DTYPES, shape=(R,), fix="pass an int, or one int k per row.")
         check_same_device(fn, "scores", {"scores": scores, "k": k})
         check_range(f"{fn}: k", k, 0, 2**63 - 1, "clamp k at 0.", error=SparseRefError)
         if width is None:
@@ -461,8 +469,7 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
         fail(f"{fn}: width", f"at most {MAX_SORT_WIDTH} with order='score' (the winners are sorted in one tile)",
              str(width), f"use order='index', or k <= {MAX_SORT_WIDTH}.", SparseRefError)
     if lengths is not None:
-        check_tensor(f"{fn}: lengths", lengths, dtype=INDEX_DTYPES, dims=1, fix="one valid length per row, or None.")
-        check_rows(f"{fn}: lengths", lengths, R)
+        check_tensor(f"{fn}: lengths", lengths, dtype=INDEX_DTYPES, shape=(R,), fix="one length per row, or None.")
         check_same_device(fn, "scores", {"scores": scores, "lengths": lengths})
         check_range(f"{fn}: lengths", lengths, 0, N, "clamp lengths to [0, scores.shape[1]].")
         lengths = lengths.contiguous()

@@ -105,13 +105,12 @@ def _kth_largest(key, k, ROUNDS: tl.constexpr):
     ut = tl.zeros([], tl.int32)
     k_rem = k
     for p in tl.static_range(ROUNDS):
-        SHIFT: tl.constexpr = 24 - 8 * p
         match = key != -2147483648
         if p > 0:
-            match = match & ((u >> (SHIFT + 8)) == (ut >> (SHIFT + 8)))
-        h = tl.histogram((u >> SHIFT) & 0xFF, 256, mask=match)
+            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
+        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
         d, k_rem = _walk(h, k_rem)
-        ut = ut | (d << SHIFT)
+        ut = ut | (d << (24 - 8 * p))
     return ut ^ -2147483648, k_rem
 
 
@@ -486,3 +485,28 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
     if order == "score":
         sort_winners(scores, out)
     return out
+
+
+def _aot(kernel, constexprs, options=None, **types):
+    """One ahead-of-time compile variant (tests/test_aot_compile.py): every argument not named in
+    ``types`` or ``constexprs`` is an i32 scalar."""
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
+    return (kernel, sig, constexprs, options or {"num_warps": 8})
+
+
+_PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
+_FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
+AOT_VARIANTS = [
+    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, BLOCK_OUT=b), scratch="*i32", **_PTRS)
+      for f, g, b in zip(_FLAGS, (4096, 256), (1024, 128), strict=True)],
+    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=512, ROWS=16), delegates="*i32", threshold="*i32",
+           counter="*i32", **_PTRS) for f, g in zip(_FLAGS, (4096, 8192), strict=True)],
+    *[_aot(_candidates_kernel, dict(**f, CHUNK=4096, SLOTS=s, LOG_C=c, BLOCK_OUT=1024), threshold="*i32",
+           cand="*i32", counts="*i32", prefix="*i32", flags="*i32", counter="*i32", **_PTRS)
+      for f, s, c in zip(_FLAGS, (4096, 8192), (4, 5), strict=True)],
+    *[_aot(_fallback_kernel, dict(**f, FORCE=force, BLOCK=1024), flags="*i32", **_PTRS)
+      for f, force in zip(_FLAGS, (False, True), strict=True)],
+    _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
+    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, BLOCK_OUT=16),
+         {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),
+]

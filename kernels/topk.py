@@ -368,15 +368,19 @@ def plan(N: int, width: int) -> dict:
                 chunk=min(TUNING["chunk"], n_pad), cols=min(TUNING["delegate_cols"], G))
 
 
-def launch_topk(scores, k_scalar, k_tensor, lengths, out):
+def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
     """Run the kernels (no checks): the ids of each row's winners in ascending order into ``out``.
 
-    Returns the per-row fallback flags of the long-row path (None for register rows), for tests.
+    Returns the per-row fallback flags of the long-row path (None for register rows), for tests;
+    ``stats`` (a dict) also receives the plan and, on the long-row path, the per-chunk candidate
+    counts and the thresholds (for benchmarks).
     """
     R, N = scores.shape
     W = out.shape[1]
     device = scores.device
     p = plan(N, W)
+    if stats is not None:
+        stats["plan"] = p
     nw = TUNING["num_warps"] if device.type == "cuda" else 1
     row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,
                     len_ptr=lengths if lengths is not None else out, HAS_K=k_tensor is not None,
@@ -406,6 +410,10 @@ def launch_topk(scores, k_scalar, k_tensor, lengths, out):
         _candidates_kernel[(R, C)](scores, stride, out, threshold, cand, counts, prefix, flags, counter[1],
                                    N, W, **row_args, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c,
                                    BLOCK_OUT=block_out, num_warps=nw)
+        if stats is not None:
+            stats.update(counts=counts, threshold=threshold)
+    if stats is not None:
+        stats.update(plan=p, flags=flags)
     _fallback_kernel[(R,)](scores, stride, out, flags, N, W, **row_args, FORCE=p["force_fallback"], BLOCK=block,
                            num_warps=nw)
     return flags

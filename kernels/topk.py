@@ -158,7 +158,7 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
         tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
         tl.debug_barrier()
         s = tl.arange(0, SLOTS)
-        ids = tl.load(scratch_row + s, mask=s < count, other=0)
+        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
         skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
         k_eff = _write_winners(skey, ids, k, out_row, base, W)
     else:  # fallback: exact select over the whole register row
@@ -256,9 +256,10 @@ def _candidates_kernel(scores, stride_r, out, threshold, cand, counts, prefix, f
             chunk = tl.zeros([SLOTS], tl.int32)
             for b in tl.static_range(LOG_C):
                 probe = chunk + (C_PAD >> (b + 1))
-                incl = tl.load(prefix + r * C_PAD + probe - 1, mask=probe <= C, other=2147483647)
+                incl = tl.load(prefix + r * C_PAD + probe - 1, mask=probe <= C, other=2147483647,
+                               cache_modifier=".cg")
                 chunk = tl.where(incl <= s, probe, chunk)
-            before = tl.load(prefix + r * C_PAD + chunk - 1, mask=chunk > 0, other=0)
+            before = tl.load(prefix + r * C_PAD + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
             ok = s < total
             ids = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
             skey = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
@@ -345,7 +346,10 @@ _COUNTERS: dict = {}
 
 
 def _counters(device: torch.device, R: int) -> torch.Tensor:
-    """Zeroed "last program of the row" counters [2, R]; the kernels leave them at zero again."""
+    """Zeroed "last program of the row" counters [2, R]; the kernels leave them at zero again.
+
+    One buffer per device: two top-k calls running at the same time on different streams would
+    share it (not supported)."""
     key = str(device)
     buf = _COUNTERS.get(key)
     if buf is None or buf.shape[1] < R:

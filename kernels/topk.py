@@ -65,6 +65,7 @@ TUNING = {
     "chunk": 4096,  # columns per candidate program
     "delegate_cols": 512,  # delegate columns per delegate program
     "num_warps": 8,
+    "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -359,17 +360,21 @@ def _counters(device: torch.device, R: int) -> torch.Tensor:
     return buf
 
 
-def plan(N: int, width: int) -> dict:
-    """Launch constants for rows of N columns and at most ``width`` winners (see TUNING)."""
+def plan(R: int, N: int, width: int) -> dict:
+    """Launch constants for R rows of N columns and at most ``width`` winners (see TUNING)."""
     n_pad = max(16, triton.next_power_of_2(N))
     G = max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * width, 1)))
     register = N <= TUNING["register_row"]
     if register:
         G = min(G, n_pad)
     slots = TUNING["slots"] or TUNING["slots_per_delegate"] * G
-    return dict(register=register, n_pad=n_pad, G=G, slots=min(slots, n_pad),
-                force_fallback=not register and G > TUNING["max_delegates"],
-                chunk=min(TUNING["chunk"], n_pad), cols=min(TUNING["delegate_cols"], G))
+    chunk, cols = min(TUNING["chunk"], n_pad), min(TUNING["delegate_cols"], G)
+    while R * triton.cdiv(N, chunk) < TUNING["min_programs"] and chunk > 1024:  # few rows: more, smaller
+        chunk //= 2  # programs per row
+    while R * (G // cols) < TUNING["min_programs"] and cols > 64:
+        cols //= 2
+    return dict(register=register, n_pad=n_pad, G=G, slots=min(slots, n_pad), chunk=chunk, cols=cols,
+                force_fallback=not register and G > TUNING["max_delegates"])
 
 
 def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
@@ -382,7 +387,7 @@ def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = N
     R, N = scores.shape
     W = out.shape[1]
     device = scores.device
-    p = plan(N, W)
+    p = plan(R, N, W)
     if stats is not None:
         stats["plan"] = p
     nw = TUNING["num_warps"] if device.type == "cuda" else 1

@@ -70,6 +70,37 @@ def candidate_stats(x, k):
     return counts, int((counts > p["slots"]).sum())
 
 
+def run_shape(R, N, k, dist, timer, device) -> dict:
+    """Exactness (eager, graph replay), candidate counts and the four timings for one shape."""
+    copies = [make_distribution(dist, R, N, device, seed=s) for s in range(4)]
+    x = copies[0]
+    for order in ("index", "score"):
+        check(f"{R}x{N} k={k} {dist} {order}", topk(x, k, order=order), topk_reference(x, k, order=order))
+    # CUDA graph: captured on copy 0, replayed on copy 1 (the counters must have reset themselves)
+    out = torch.empty(R, k, dtype=torch.int32, device=device)
+    buf = x.clone()
+    topk(buf, k, order="index", out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk(buf, k, order="index", out=out)
+    for c in copies[1:3]:
+        buf.copy_(c)
+        graph.replay()
+        check(f"{R}x{N} k={k} {dist} graph replay", out, topk_reference(c, k, order="index"))
+    counts, fallback = candidate_stats(x, k)
+    cand = (f"{int(counts.min())}/{int(counts.float().median())}/{int(counts.max())}")
+    t_ti = timer.cold([partial(torch.topk, c, k, dim=1, sorted=False) for c in copies])
+    t_oi = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
+    t_ts = timer.cold([partial(torch.topk, c, k, dim=1, sorted=True) for c in copies])
+    t_os = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
+    row = dict(shape=f"{R}x{N}", k=k, dist=dist, torch_unsorted=t_ti, ours_index=t_oi, torch_sorted=t_ts,
+               ours_score=t_os, cand=cand, fallback=f"{fallback}/{R}")
+    print(f"  {row['shape']:>10} k={k:<5} {dist:<9} torch(sorted=False) {t_ti:7.1f} | index {t_oi:7.1f} "
+          f"(x{t_ti / t_oi:4.2f}) | torch(sorted=True) {t_ts:7.1f} | score {t_os:7.1f} (x{t_ts / t_os:4.2f})"
+          f" | cand min/med/max {cand} | fallback rows {fallback}/{R}", flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="randn and sorted only, fewer reps")
@@ -86,33 +117,11 @@ def main(argv=None) -> int:
     table = []
     for R, N, k in SHAPES:
         for dist in dists:
-            copies = [make_distribution(dist, R, N, device, seed=s) for s in range(4)]
-            x = copies[0]
-            for order in ("index", "score"):
-                check(f"{R}x{N} k={k} {dist} {order}", topk(x, k, order=order), topk_reference(x, k, order=order))
-            # CUDA graph: captured on copy 0, replayed on copy 1 (the counters must have reset themselves)
-            out = torch.empty(R, k, dtype=torch.int32, device=device)
-            buf = x.clone()
-            topk(buf, k, order="index", out=out)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                topk(buf, k, order="index", out=out)
-            for c in copies[1:3]:
-                buf.copy_(c)
-                graph.replay()
-                check(f"{R}x{N} k={k} {dist} graph replay", out, topk_reference(c, k, order="index"))
-            counts, fallback = candidate_stats(x, k)
-            cand = (f"{int(counts.min())}/{int(counts.float().median())}/{int(counts.max())}")
-            t_ti = timer.cold([partial(torch.topk, c, k, dim=1, sorted=False) for c in copies])
-            t_oi = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
-            t_ts = timer.cold([partial(torch.topk, c, k, dim=1, sorted=True) for c in copies])
-            t_os = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
-            row = dict(shape=f"{R}x{N}", k=k, dist=dist, torch_unsorted=t_ti, ours_index=t_oi, torch_sorted=t_ts,
-                       ours_score=t_os, cand=cand, fallback=f"{fallback}/{R}")
-            table.append(row)
-            print(f"  {row['shape']:>10} k={k:<5} {dist:<9} torch(sorted=False) {t_ti:7.1f} | index {t_oi:7.1f} "
-                  f"(x{t_ti / t_oi:4.2f}) | torch(sorted=True) {t_ts:7.1f} | score {t_os:7.1f} (x{t_ts / t_os:4.2f})"
-                  f" | cand min/med/max {cand} | fallback rows {fallback}/{R}", flush=True)
+            try:
+                table.append(run_shape(R, N, k, dist, timer, device))
+            except Exception as e:  # noqa: BLE001  (report and go on: one GPU call should give all it can)
+                failures.append(f"{R}x{N} k={k} {dist}: {type(e).__name__}: {str(e)[-300:]}")
+                print(f"  FAIL {failures[-1]}", flush=True)
 
     # fused page selection, 32 x 8192 pages, k = 128 + 4 recent pages
     bs, pages, page_size, k = 32, 8192, 16, 128
@@ -123,17 +132,21 @@ def main(argv=None) -> int:
     mask = torch.ones(bs, dtype=torch.bool, device=device)
     sel_rows = []
     for dist in dists:
-        copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(4)]
-        got = select_pages_triton(copies[0], seq_lens, mask, page_size, config)
-        ref = select_pages(copies[0], seq_lens, mask, page_size, config)
-        check(f"select {dist} selected", got[0], ref[0])
-        check(f"select {dist} lengths", got[1][None], ref[1][None])
-        t_ours = timer.cold([partial(select_pages_triton, c, seq_lens, mask, page_size, config) for c in copies])
-        t_topk = timer.cold([partial(torch.topk, c, k, dim=1, sorted=False) for c in copies])
-        t_sel = timer.cold([partial(select_pages, c, seq_lens, mask, page_size, config) for c in copies])
-        sel_rows.append((dist, t_ours, t_topk, t_sel))
-        print(f"  select 32x8192 k=128+4 {dist:<9} ours {t_ours:6.1f} | torch.topk alone {t_topk:6.1f} | "
-              f"torch select_pages {t_sel:7.1f}", flush=True)
+        try:
+            copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(4)]
+            got = select_pages_triton(copies[0], seq_lens, mask, page_size, config)
+            ref = select_pages(copies[0], seq_lens, mask, page_size, config)
+            check(f"select {dist} selected", got[0], ref[0])
+            check(f"select {dist} lengths", got[1][None], ref[1][None])
+            t_ours = timer.cold([partial(select_pages_triton, c, seq_lens, mask, page_size, config) for c in copies])
+            t_topk = timer.cold([partial(torch.topk, c, k, dim=1, sorted=False) for c in copies])
+            t_sel = timer.cold([partial(select_pages, c, seq_lens, mask, page_size, config) for c in copies])
+            sel_rows.append((dist, t_ours, t_topk, t_sel))
+            print(f"  select 32x8192 k=128+4 {dist:<9} ours {t_ours:6.1f} | torch.topk alone {t_topk:6.1f} | "
+                  f"torch select_pages {t_sel:7.1f}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"select {dist}: {type(e).__name__}: {str(e)[-300:]}")
+            print(f"  FAIL {failures[-1]}", flush=True)
 
     sweep_rows = []
     if not args.no_sweep:
@@ -174,8 +187,9 @@ def main(argv=None) -> int:
         for shape in dict.fromkeys(s for s, _, _ in sweep_rows):
             items = [(n, t) for s, n, t in sweep_rows if s == shape]
             print(f"{shape:>10}: " + ", ".join(f"{n} {t:.1f}" for n, t in items))
-    print(f"\nmedian speedup index vs sorted=False: "
-          f"{statistics.median(r['torch_unsorted'] / r['ours_index'] for r in table):.2f}")
+    if table:
+        print(f"\nmedian speedup index vs sorted=False: "
+              f"{statistics.median(r['torch_unsorted'] / r['ours_index'] for r in table):.2f}")
     if failures:
         print(f"\n{len(failures)} EXACTNESS FAILURES:\n" + "\n".join(failures))
         return 1

@@ -116,7 +116,8 @@ def check_no_stale_state(engine):
 
 
 OPS = st.lists(st.one_of(st.tuples(st.just("add"), st.integers(1, 30)), st.just(("step",)), st.just(("step",)),
-                         st.tuples(st.just("finish"), st.integers(0, 3))), min_size=4, max_size=14)
+                         st.just(("step",)), st.tuples(st.just("finish"), st.integers(0, 3))), min_size=4, max_size=16)
+FIRST = st.lists(st.tuples(st.just("add"), st.integers(1, 30)), min_size=1, max_size=2)
 
 
 def run(ops, engines):
@@ -147,19 +148,17 @@ def run(ops, engines):
     yield engines, history
 
 
-@settings(max_examples=12, deadline=None)
-@given(ops=OPS, budget=st.integers(1, 3), recent=st.integers(1, 2), min_sparse=st.sampled_from([0, 9, 20]),
+@settings(max_examples=8, deadline=None)
+@given(first=FIRST, ops=OPS, budget=st.integers(1, 3), recent=st.integers(1, 2), min_sparse=st.sampled_from([0, 9, 20]),
        gqa=st.sampled_from(["mean", "per_kv_head"]), topk=st.integers(1, 12))
-def test_engine_lifecycle(ops, budget, recent, min_sparse, gqa, topk):
+def test_engine_lifecycle(first, ops, budget, recent, min_sparse, gqa, topk):
     full = make_engine(SparseConfig(keep_ratio=1.0), dsa_topk=MAX_CTX)
     sparse = make_engine(SparseConfig(page_budget=budget, num_recent_pages=recent, min_sparse_seq_len=min_sparse,
                                       gqa_mode=gqa), dsa_topk=topk)
-    steps = 0
-    for engines, results in run(ops, [full, sparse]):
+    for engines, results in run(first + ops, [full, sparse]):
         if isinstance(results, dict):
             history = results
             break
-        steps += 1
         for trace in results[0].layers:  # full budget: sparse == dense at every step
             torch.testing.assert_close(trace.out, trace.dense_out, rtol=1e-5, atol=1e-5)
             assert bool((trace.mass_kept > 1 - 1e-5).all()) and bool((trace.recall == 1).all())
@@ -176,7 +175,7 @@ def test_engine_lifecycle(ops, budget, recent, min_sparse, gqa, topk):
         for _ in range(n_steps):
             result = alone.step()
         for (out, sel), trace in zip(last, result.layers, strict=True):
-            torch.testing.assert_close(trace.out[0], out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(trace.out[0], out, rtol=1e-4, atol=1e-5)
             if sel is not None:
                 assert torch.equal(trace.metadata.selected[0], sel)
 
@@ -197,7 +196,7 @@ def test_freed_pages_are_reused_without_stale_state():
     alone = make_engine(SparseConfig(page_budget=1, num_recent_pages=1), dsa_topk=4, num_pages=12, max_requests=2)
     alone.add_request(21, key=second.rid)
     for a, b in zip(alone.step().layers, result.layers, strict=True):
-        torch.testing.assert_close(a.out, b.out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.out, b.out, rtol=1e-4, atol=1e-5)
 
 
 def test_workload_is_independent_of_the_batch():

@@ -230,7 +230,7 @@ class DecodeEngine:
         batch = build_extend_batch(self.manager, [req])
         pool = self.manager.token_to_kv_pool
         for layer in range(pool.num_layers):
-            k, v, x = self.workload.prefill(plan, layer)
+            k, v, x = self.workload.prefill(plan, layer, with_hidden=layer in self.coordinator.indexers)
             pool.set_kv(layer, batch.out_cache_loc, k.to(self.device), v.to(self.device))
             if layer in self.coordinator.indexers:  # the indexer's prefill pass writes its keys (no scores needed)
                 indexer = self.coordinator.indexers[layer]
@@ -250,9 +250,11 @@ class DecodeEngine:
 
     # ---------------------------------------------------------------- one decode step
     def _inputs(self, layer: int, batch: ForwardBatch):
-        per_req = [self.workload.decode(self.plans[r.rid], layer, r.seq_len - 1) for r in self.live]
-        return [torch.cat(t).to(self.device) if i else torch.stack(t).to(self.device)
-                for i, t in enumerate(zip(*per_req, strict=True))]
+        dsa = layer in self.coordinator.indexers
+        per_req = [self.workload.decode(self.plans[r.rid], layer, r.seq_len - 1, dsa) for r in self.live]
+        q, k, v, x, q_lora = zip(*per_req, strict=True)
+        joined = [torch.cat(t).to(self.device) if dsa else None for t in (x, q_lora)]
+        return (torch.stack(q).to(self.device), torch.cat(k).to(self.device), torch.cat(v).to(self.device), *joined)
 
     def _sync(self) -> float:
         if self.device.type == "cuda":

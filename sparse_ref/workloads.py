@@ -241,6 +241,7 @@ class PlantedEngineWorkload:
             self.indexer_config = IndexerConfig(hidden_size=64, q_lora_rank=128, n_heads=4, head_dim=32,
                                                 rope_dim=8, index_topk=256)
         self._indexer_solvers: dict[int, tuple] = {}
+        self._prefill_memo: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------ requests
     def request(self, key: int, prompt_len: int, needle_depths: Sequence[float] | None = None) -> PlantedRequest:
@@ -286,24 +287,49 @@ class PlantedEngineWorkload:
                 keys[hit, head // group] += self.needle_strength * math.sqrt(self.head_dim) * own[head]
         return keys
 
-    def prefill(self, req: PlantedRequest, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(k, v [prompt_len, H_kv, D], x [prompt_len, hidden_size])`` of the prompt (CPU, fp32)."""
-        gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 3))
-        boost = self._boost(req, req.prompt_len)
-        keys = self._keys(req, layer, torch.arange(req.prompt_len), boost, gen)
-        values = torch.randn(req.prompt_len, self.num_kv_heads, self.head_dim, generator=gen)
-        return keys, values, self._hidden(req, layer, boost, gen)
+    def prefill(self, req: PlantedRequest, layer: int, with_hidden: bool = True):
+        """``(k, v [prompt_len, H_kv, D], x [prompt_len, hidden_size] or None)`` of the prompt (CPU, fp32).
 
-    def decode(self, req: PlantedRequest, layer: int, position: int):
-        """``(q [H_q, D], k, v [1, H_kv, D], x [1, hidden], q_lora [1, q_lora_rank])`` of decode token ``position``."""
+        Memoised per (request key, prompt length, layer): sweeps re-run the same prompts many times.
+        """
+        memo = (req.key, req.prompt_len, layer)
+        if memo not in self._prefill_memo:
+            gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 3))
+            boost = self._boost(req, req.prompt_len)
+            keys = self._keys(req, layer, torch.arange(req.prompt_len), boost, gen)
+            values = torch.randn(req.prompt_len, self.num_kv_heads, self.head_dim, generator=gen)
+            self._prefill_memo[memo] = (keys, values, boost, gen.get_state())
+        keys, values, boost, state = self._prefill_memo[memo]
+        if not with_hidden:
+            return keys, values, None
+        gen = torch.Generator()
+        gen.set_state(state)
+        return keys, values, self._hidden(req, layer, self._index_boost(req, boost), gen)
+
+    def decode(self, req: PlantedRequest, layer: int, position: int, with_hidden: bool = True):
+        """``(q [H_q, D], k, v [1, H_kv, D], x [1, hidden], q_lora [1, q_lora_rank])`` of decode token ``position``.
+
+        ``with_hidden=False`` skips the indexer's inputs (``x`` and ``q_lora`` are then None).
+        """
         gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 4, position))
         base, _, _ = self._base_query(req, layer)
         q = base + self.query_noise * torch.randn(base.shape, generator=gen)
         boost = torch.full((1,), self.local_strength)
         keys = self._keys(req, layer, torch.tensor([position]), boost, gen)
         values = torch.randn(1, self.num_kv_heads, self.head_dim, generator=gen)
-        x = self._hidden(req, layer, boost, gen)
-        return q, keys, values, x, self._q_lora(req, layer, gen)
+        if not with_hidden:
+            return q, keys, values, None, None
+        return q, keys, values, self._hidden(req, layer, boost, gen), self._q_lora(req, layer, gen)
+
+    def _index_boost(self, req: PlantedRequest, boost: torch.Tensor) -> torch.Tensor:
+        """What the indexer sees: attention's boosts, with the head needles as ordinary needles.
+
+        A trained indexer predicts where *any* head attends, so a needle of one head is a needle to it.
+        """
+        boost = boost.clone()
+        for pos, _ in req.head_needles:
+            boost[pos] += self.needle_strength * math.sqrt(self.head_dim)
+        return boost
 
     # ------------------------------------------------------------------ the DSA indexer's inputs
     def indexer(self, layer: int, index_topk: int | None = None, device="cpu"):

@@ -1,7 +1,7 @@
 # sparse_ref: two commands do everything.
 #   make tutorial   set up .venv, execute every notebook, write executed copies + HTML to build/
 #   make test       set up .venv, run pytest on tests/ and nbmake on notebooks/
-# Other targets: setup, lint, clean-notebooks, clean.
+# Other targets: setup, demo (python -m sparse_ref.demo), lint, clean-notebooks, clean.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup tutorial test lint clean-notebooks clean
+.PHONY: setup tutorial demo test lint clean-notebooks clean
 
 setup: $(VENV)/.installed
 
@@ -33,7 +33,7 @@ endif
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@
 
-tutorial: setup
+tutorial: setup demo
 	@mkdir -p $(BUILD)/notebooks $(BUILD)/html
 	@for nb in $(NOTEBOOKS); do \
 	  echo "== executing $$nb"; \
@@ -44,6 +44,10 @@ tutorial: setup
 	@echo ""
 	@echo "Executed notebooks (with plots): $(abspath $(BUILD)/notebooks)"
 	@echo "HTML for browsing:               $(abspath $(BUILD)/html)"
+
+# The decode engine end to end: a table of accuracy (and time, on a GPU) per budget, and a plot.
+demo: setup
+	$(BIN)/python -m sparse_ref.demo --out $(BUILD)/demo.png
 
 test: setup
 	$(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=900 -q

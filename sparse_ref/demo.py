@@ -94,9 +94,9 @@ def sweep(budgets, *, context: int, batch: int, steps: int, seed: int = 0, devic
 
 
 def default_workload(seed: int = 0) -> PlantedEngineWorkload:
-    """Two layers, GQA 4:1, 6 needles per request of which 2 are seen by a single query head only."""
-    return PlantedEngineWorkload(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, num_needles=4,
-                                 num_head_needles=2, seed=seed)
+    """Two layers, GQA 4:1, 12 needles per request, 4 of them seen by a single query head only."""
+    return PlantedEngineWorkload(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, num_needles=8,
+                                 num_head_needles=4, needle_strength=2.0, seed=seed)
 
 
 def format_table(rows: list[Row], timed: bool) -> str:
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparse_ref.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny run (CI smoke test)")
     parser.add_argument("--context", type=int, help="tokens per request (default 4096, or 32768 on a GPU)")
-    parser.add_argument("--batch", type=int, default=4, help="requests per step (default 4)")
-    parser.add_argument("--steps", type=int, help="decode steps per run (default 4)")
+    parser.add_argument("--batch", type=int, default=3, help="requests per step (default 3)")
+    parser.add_argument("--steps", type=int, help="decode steps per run (default 3)")
     parser.add_argument("--budgets", type=int, nargs="+", help="token budgets (default 128 256 512 1024)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("build") / "demo.png", help="where to save the plot")
@@ -150,9 +150,9 @@ def main(argv=None) -> int:
     device = default_device()
     gpu = device.type == "cuda"
     context = args.context or (512 if args.quick else 32768 if gpu else 4096)
-    steps = args.steps or (2 if args.quick else 4)
+    steps = args.steps or (2 if args.quick else 3)
     budgets = args.budgets or ([64, 128] if args.quick else [128, 256, 512, 1024])
-    batch = 2 if args.quick and args.batch == 4 else args.batch
+    batch = 2 if args.quick and args.batch == 3 else args.batch
     print(describe_run())
     print(f"planted workload: {batch} requests of ~{context} tokens, 2 layers, 8 query / 2 KV heads, D=64, "
           f"page 16; {steps} decode steps per run; seed {args.seed}")

@@ -33,7 +33,7 @@ LAYERS = ["quest", "deepseek_dsa", None]
 INDEXER = IndexerConfig(hidden_size=24, q_lora_rank=32, n_heads=2, head_dim=16, rope_dim=4, index_topk=8)
 
 
-def workload(num_layers=len(LAYERS)):
+def workload(num_layers=3):
     return PlantedEngineWorkload(num_layers=num_layers, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
                                  num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=3)
 
@@ -155,7 +155,7 @@ def test_engine_lifecycle(first, ops, budget, recent, min_sparse, gqa, topk):
     full = make_engine(SparseConfig(keep_ratio=1.0), dsa_topk=MAX_CTX)
     sparse = make_engine(SparseConfig(page_budget=budget, num_recent_pages=recent, min_sparse_seq_len=min_sparse,
                                       gqa_mode=gqa), dsa_topk=topk)
-    for engines, results in run(first + ops, [full, sparse]):
+    for _engines, results in run(first + ops, [full, sparse]):
         if isinstance(results, dict):
             history = results
             break

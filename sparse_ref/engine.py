@@ -249,7 +249,8 @@ class DecodeEngine:
         self.manager.release(req)
 
     # ---------------------------------------------------------------- one decode step
-    def _inputs(self, layer: int, batch: ForwardBatch):
+    def decode_inputs(self, layer: int):
+        """The layer's decode inputs for every live request: ``(q, k, v, x, q_lora)`` (x, q_lora: DSA only)."""
         dsa = layer in self.coordinator.indexers
         per_req = [self.workload.decode(self.plans[r.rid], layer, r.seq_len - 1, dsa) for r in self.live]
         q, k, v, x, q_lora = zip(*per_req, strict=True)
@@ -269,7 +270,7 @@ class DecodeEngine:
         result = StepResult([r.rid for r in self.live], batch.seq_lens.clone())
         pool = self.manager.token_to_kv_pool
         for layer in range(pool.num_layers):
-            q, k, v, x, q_lora = self._inputs(layer, batch)
+            q, k, v, x, q_lora = self.decode_inputs(layer)
             pool.set_kv(layer, batch.out_cache_loc, k, v)  # the new token's K/V, before attention reads it
             t0 = self._sync()
             md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)

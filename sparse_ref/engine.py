@@ -49,7 +49,7 @@ from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, decode_step
-from sparse_ref.checks import check_choice
+from sparse_ref.checks import check_choice, check_int
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import ConfigError
 from sparse_ref.memory import KVCacheManager, Request
@@ -223,6 +223,7 @@ class DecodeEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None) -> Request:
         """Admit a request of ``prompt_len`` tokens and prefill every layer (K/V, indexer keys, representations)."""
+        prompt_len = check_int("prompt_len", prompt_len, low=1, fix="a request needs at least one prompt token.")
         req = self.manager.admit(prompt_len)
         plan = self.workload.request(req.rid if key is None else key, prompt_len, needle_depths)
         self.plans[req.rid] = plan

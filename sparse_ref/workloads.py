@@ -13,6 +13,10 @@ other. Real attention has three patterns, which we plant along one direction ``u
 and physical ids differ), writes K/V, and returns a DECODE batch whose last token per request is
 the one being decoded. ``make_quest_decode_setup`` adds an initialized, constructed
 ``QuestAlgorithm``: the recipe the benchmark uses at bs=64, 32K context, page 16.
+
+``PlantedEngineWorkload`` feeds ``sparse_ref.engine.DecodeEngine``: the same planted structure for
+several layers, the prompt's K/V and each decode step's query and new K/V, plus the hidden states
+the DSA indexer reads, all a function of ``(seed, request, layer, position)`` alone.
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ def run_one(workload: PlantedEngineWorkload, algorithm: str, gqa_mode: str, budg
     for _ in range(steps):
         result = engine.step()
         for t in result.layers:
-            found = needles_found(engine, result, t)
-            totals[:4] += torch.stack([t.recall.mean(), found, t.mass_kept.mean(), t.output_error.mean()]).double()
+            measures = [t.recall.mean(), needles_found(engine, result, t), t.mass_kept.mean(), t.output_error.mean()]
+            totals[:4] += torch.tensor([float(m) for m in measures], dtype=torch.float64)
         totals[4:] += torch.tensor([result.sparse_time_s, result.dense_time_s], dtype=torch.float64) / steps * 1e3
     metrics = (totals[:4] / (steps * workload.num_layers)).tolist()
     label = next(m for m, a, g in METHODS if a == algorithm and (a != "quest" or g == gqa_mode))

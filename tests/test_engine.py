@@ -38,9 +38,9 @@ def workload(num_layers=3):
                                  num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=3)
 
 
-def make_engine(config, dsa_topk, num_pages=30, max_requests=4, backend="torch"):
+def make_engine(config, dsa_topk, num_pages=30, max_requests=4, backend="torch", device="cpu"):
     return DecodeEngine(workload(), LAYERS, config, dsa_topk=dsa_topk, page_size=PAGE, max_requests=max_requests,
-                        max_context_len=MAX_CTX, num_pages=num_pages, attention_backend=backend)
+                        max_context_len=MAX_CTX, num_pages=num_pages, attention_backend=backend, device=device)
 
 
 def attention_over(engine, layer, q, req, positions):
@@ -224,9 +224,10 @@ def test_bad_arguments_raise_clear_errors():
 
 @pytest.mark.skipif(importlib.util.find_spec("sparse_ref.kernels.decode_attention") is None,
                     reason="sparse_ref.kernels.decode_attention is not installed yet")
-def test_triton_backend_matches_torch_through_the_engine():
+def test_triton_backend_matches_torch_through_the_engine(device):
+    """The kernel on CUDA, or through Triton's interpreter on CPU, against the torch reference."""
     config = SparseConfig(page_budget=2, num_recent_pages=1)
-    engines = [make_engine(config, dsa_topk=6, backend=b) for b in ("torch", "triton")]
+    engines = [make_engine(config, dsa_topk=6, backend=b, device=device) for b in ("torch", "triton")]
     for e in engines:
         e.add_request(23)
         e.add_request(9)
@@ -247,6 +248,7 @@ def test_cuda_engine_matches_cpu_engine():
     for e in engines:
         for n in (1000, 333, 17):
             e.add_request(n)
+    rows = differing = 0
     for step in range(20):  # crosses page boundaries: the bounds of completed pages are built on the GPU too
         if step == 10:
             for e in engines:
@@ -254,7 +256,10 @@ def test_cuda_engine_matches_cpu_engine():
                 e.add_request(500)
         cpu, gpu = (e.step() for e in engines)
         for a, b in zip(cpu.layers, gpu.layers, strict=True):
-            torch.testing.assert_close(b.out.cpu(), a.out, rtol=1e-3, atol=1e-4)
-            if a.metadata.selected is not None:
-                same = (a.metadata.selected == b.metadata.selected.cpu()).float().mean()
-                assert same > 0.97, f"layer {a.layer}: selections differ beyond near-ties ({same:.3f})"
+            same = torch.ones(len(cpu.rids), dtype=torch.bool)
+            if a.metadata.selected is not None:  # a near-tie may round the other way on the GPU
+                same = (a.metadata.selected == b.metadata.selected.cpu()).all(dim=1)
+            rows += len(same)
+            differing += int((~same).sum())
+            torch.testing.assert_close(b.out.cpu()[same], a.out[same], rtol=1e-3, atol=1e-4)
+    assert differing <= rows // 20, f"{differing} of {rows} rows selected differently on the GPU"

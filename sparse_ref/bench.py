@@ -1,24 +1,43 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
-SUITE is ``topk``, ``select``, ``quest``, ``retrieve`` or ``all``; several may be given
+SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa`` or ``all``; several may be given
 (``python -m sparse_ref.bench quest retrieve``).
 
-What is measured, and how (DESIGN.md section 6):
+Without ``--out`` the JSON goes to ``build/bench/<suites>-<gpu|cpu>.json`` (ignored by git); the
+committed GPU results in ``benchmarks/results/`` are written only with an explicit ``--out``, and
+never by a CPU run. ``docs/design.md`` lists the targets each suite is held to.
 
-* **topk**: the radix top-k (``sparse_ref.kernels.topk.topk``) against ``torch.topk`` on the
-  same inputs, for three score distributions: ``randn``; ``indexer`` (ReLU-weighted sums of
-  random dot products, rounded through bf16 like real indexer logits: many near-ties); and
-  ``clustered`` (a few distinct values plus tiny noise).
+What is measured, and how:
+
+* **topk**: the delegate-threshold top-k (``sparse_ref.kernels.topk.topk``) against ``torch.topk``
+  on the same inputs and the same output contract (``sorted=False`` against ``order="index"``,
+  ``sorted=True`` against ``order="score"``), for five score distributions: ``randn``;
+  ``indexer`` (ReLU-weighted sums of random dot products, rounded through bf16 like real indexer
+  logits: many near-ties); ``clustered`` (a few distinct values plus tiny noise); ``sorted``
+  (ascending rows) and ``plateau`` (a third of each row tied at the top value), which send rows
+  to the exact fallback.
 * **select**: the fused page selection (``select_pages_triton``) against the torch batched
   selection (``select_pages``: torch.topk-style ranking + finalize), and torch.topk alone.
 * **quest**: Quest page scores, the Triton kernel (``sparse_ref.kernels.quest.quest_page_scores``)
-  against the torch reference (``quest_page_scores_reference``: gather + bmm), at DESIGN's shape
+  against the torch reference (``quest_page_scores_reference``: gather + bmm), at the target shape
   (bs=1, 32 KV heads, D=128, page 16, 128K context) and the retrieve shape (bs=64, 8 KV heads,
   32K context); bytes = the bounds of every scored page read once + the scores written. The
   bounds pool is fp32 (as ``QuestAlgorithm`` keeps it); a bf16-bounds row shows the kernel at
-  half the bytes (DESIGN's 31 µs floor assumes 2-byte bounds).
+  half the bytes (the 31 µs byte floor at 4.3 TB/s assumes 2-byte bounds).
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
   against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
+* **decode**: (a) the paged decode attention kernel (``sparse_ref.kernels.decode_attention``) at
+  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, against the copy bandwidth
+  (bytes = K + V read once) and the torch reference; (b) the sparse decode step (Quest scores +
+  selection + adaptor + sparse attention, one CUDA graph) against the dense step (the same
+  kernel over every page), at bs=1 MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens,
+  with fp32 and bf16 Quest bounds; each row gives the speedup, the byte-limit speedup (dense
+  bytes / sparse bytes) and the time of each part.
+* **dsa**: paged FP8 indexer logits (``sparse_ref.kernels.dsa.paged_indexer_logits``; 64 heads,
+  D=128, page 64, random page order) and logits + top-2048 against the batched torch reference
+  (gather + fp32 bmm; + ``torch.topk``) at bs 1/8/64 x 4K..128K; a prefill row (8192 query
+  tokens, a causal last chunk of 64K keys); the batched ``LightningIndexer`` decode against its
+  per-request loop (bs=64, 32K). Bytes = keys + scales read once (132 B/token) + logits written.
 
 Timing: CUDA events around each call, median of many calls. **L2 cold** rows zero a 1 GiB
 buffer before every call (the H200's L2 is ~60 MB), which also keeps the GPU busy while Python
@@ -69,6 +88,11 @@ def make_distribution(name: str, R: int, N: int, device, seed: int = 0) -> torch
             logits = torch.relu(torch.einsum("rhd,nd->rhn", q, k))
             x[:, start:start + k.shape[0]] = torch.einsum("rh,rhn->rn", w, logits)
         x = x.bfloat16().float()  # indexer logits are low precision: many exact and near ties
+    elif name == "sorted":  # ascending rows: every winner sits at the end (defeats block-wise filters)
+        x = torch.sort(torch.randn(R, N, generator=g), dim=1).values
+    elif name == "plateau":  # a third of each row ties at the top value (defeats thresholds: long tie runs)
+        x = torch.randn(R, N, generator=g).clamp(max=1.0)
+        x[:, ::3] = 1.5
     elif name == "clustered":
         centers = torch.randn(8, generator=g) * 4
         x = centers[torch.randint(0, 8, (R, N), generator=g)] + 1e-4 * torch.randn(R, N, generator=g)
@@ -207,33 +231,34 @@ def _row(shape, k, dist, l2, torch_us, ours_us, bytes_moved, copy_bw, op, **extr
 
 
 def bench_topk(device, timer, copy_bw, quick, on_cpu):
+    """torch.topk(sorted=False) vs order="index" and torch.topk(sorted=True) vs order="score"."""
     from sparse_ref.kernels.topk import topk
 
     if on_cpu:
-        shapes = [(2, 512, 16, None)]
+        shapes = [(2, 512, 16)]
     else:
-        shapes = [(64, 65536, 2048, None), (64, 131072, 2048, None), (1, 131072, 2048, None),
-                  (32, 8192, 128, None)]
-    dists = ["randn"] if quick else ["randn", "indexer", "clustered"]
+        shapes = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
+    dists = ["randn"] if quick else ["randn", "indexer", "clustered", "sorted", "plateau"]
     rows = []
-    for R, N, k, splits in shapes:
+    for R, N, k in shapes:
         for dist in dists:
             copies = [make_distribution(dist, R, N, device, seed=s) for s in range(1 if on_cpu else 4)]
             nbytes = R * N * 4 + R * k * 4
-            t_torch = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
-            m_torch = timer.mode
-            for order in ("score", "index"):
+            for order, torch_sorted in (("index", False), ("score", True)):
+                t_torch = timer.cold([partial(torch.topk, x, k, dim=1, sorted=torch_sorted) for x in copies])
+                m_torch = timer.mode
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
-                t_ours = timer.cold([partial(topk, x, k, order=order, out=out, splits=splits) for x in copies])
+                t_ours = timer.cold([partial(topk, x, k, order=order, out=out) for x in copies])
                 rows.append(_row(f"{R}x{N} fp32", k, dist, "cold", t_torch, t_ours, nbytes, copy_bw,
-                                 f"topk({order})", torch_timing=m_torch, ours_timing=timer.mode))
+                                 f"topk({order})", baseline=f"torch.topk(sorted={torch_sorted})",
+                                 torch_timing=m_torch, ours_timing=timer.mode))
             if dist == "randn" and not quick and not on_cpu:
                 x = copies[0]
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
-                t_torch_w = timer.warm(partial(torch.topk, x, k, dim=1))
-                t_ours_w = timer.warm(partial(topk, x, k, order="score", out=out))
+                t_torch_w = timer.warm(partial(torch.topk, x, k, dim=1, sorted=False))
+                t_ours_w = timer.warm(partial(topk, x, k, order="index", out=out))
                 rows.append(_row(f"{R}x{N} fp32", k, dist, "warm", t_torch_w, t_ours_w, nbytes, copy_bw,
-                                 "topk(score)"))
+                                 "topk(index)", baseline="torch.topk(sorted=False)"))
     return rows
 
 
@@ -257,13 +282,14 @@ def bench_select(device, timer, copy_bw, quick, on_cpu):
         m_ours = timer.mode
         t_sel = timer.cold([partial(select_pages, x, seq_lens, mask, page_size, config) for x in copies])
         m_sel = timer.mode
-        t_topk = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
+        t_topk = timer.cold([partial(torch.topk, x, k, dim=1, sorted=False) for x in copies])
         shape = f"{bs}x{pages} pages"
         rows.append(_row(shape, k, dist, "cold", t_sel, t_ours, nbytes, copy_bw, "select",
                          baseline="torch select_pages (batched torch: ranks + finalize)", torch_timing=m_sel,
                          ours_timing=m_ours))
         rows.append(_row(shape, k, dist, "cold", t_topk, t_ours, nbytes, copy_bw, "select_vs_topk",
-                         baseline="torch.topk alone (no recent/sink, no finalize)", torch_timing=timer.mode,
+                         baseline="torch.topk(sorted=False) alone (no recent/sink, no finalize)",
+                         torch_timing=timer.mode,
                          ours_timing=m_ours))
         if dist == "randn" and not on_cpu:
             x = copies[0]
@@ -379,16 +405,329 @@ def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
     return rows
 
 
-SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve}
+# ------------------------------------------------------------------------------------------
+# decode: the paged decode attention kernel, and the sparse decode step against the dense one
+# ------------------------------------------------------------------------------------------
+def dense_attention_inputs(bs, h_q, h_kv, d, ctx, page_size, kv_dtype, device, seed=0):
+    """q fp32, K/V pools of ``bs`` requests of ``ctx`` tokens (shuffled pages; page 0 padding), full page tables."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages = -(-ctx // page_size)
+    num_pages = bs * pages + 1
+    table = (torch.randperm(num_pages - 1, generator=g) + 1).reshape(bs, pages).to(torch.int32).to(device)
+    k = torch.randn(num_pages * page_size, h_kv, d, device=device, dtype=kv_dtype)
+    v = torch.randn(num_pages * page_size, h_kv, d, device=device, dtype=kv_dtype)
+    q = torch.randn(bs, h_q, d, device=device)
+    kv_lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+    return q, k, v, table, kv_lens
+
+
+def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dtype, device,
+                      kv_dtype=torch.bfloat16, seed=0):
+    """Quest on a planted workload, with the static buffers of one sparse and one dense decode step.
+
+    Returns a namespace with ``sparse_step()`` (Quest scores + page selection + adaptor + sparse
+    attention, all into static buffers: capturable as ONE CUDA graph) and ``dense_step()`` (the
+    same attention kernel over the full, precomputed page table), and the byte counts.
+    """
+    from types import SimpleNamespace
+
+    from sparse_ref.adaptor import page_table_width, to_attention_metadata
+    from sparse_ref.algorithms.quest import QuestAlgorithm
+    from sparse_ref.kernels.decode_attention import paged_decode_attention
+    from sparse_ref.selection import selection_width
+    from sparse_ref.workloads import make_planted_workload
+
+    pages = -(-ctx // page_size)
+    recent, sink = 4, 1
+    config = SparseConfig(page_budget=budget_tokens // page_size - recent - sink, num_recent_pages=recent,
+                          num_sink_pages=sink)
+    wl = make_planted_workload([ctx] * bs, page_size=page_size, num_q_heads=h_q, num_kv_heads=h_kv, head_dim=d,
+                               interleave_pages=max(1, pages // 32), dtype=kv_dtype, device=device, seed=seed)
+    algo = QuestAlgorithm(config, device, bounds_dtype=bounds_dtype)
+    wl.attach(algo)
+    fb, r2t = wl.forward_batch, wl.req_to_token
+    q, k, v = wl.queries, wl.k_buffer, wl.v_buffer
+    rows = fb.req_pool_indices
+    mask = torch.ones(bs, dtype=torch.bool, device=device)
+    width = page_table_width(selection_width(algo.max_pages, config), r2t.shape[1], page_size)
+    meta = (torch.zeros(bs, width, dtype=torch.int32, device=device), torch.zeros(bs, dtype=torch.int32, device=device),
+            torch.zeros(bs + 1, dtype=torch.int32, device=device))
+    out_sparse = torch.empty(q.shape, dtype=torch.float32, device=device)
+    out_dense = torch.empty(q.shape, dtype=torch.float32, device=device)
+    dense_table, dense_lens, _ = to_attention_metadata(torch.full((bs, 1), -1, dtype=torch.int32, device=device),
+                                                       torch.zeros(bs, dtype=torch.int32, device=device),
+                                                       torch.zeros(bs, dtype=torch.bool, device=device), fb, r2t,
+                                                       page_size)
+    ns = SimpleNamespace(algo=algo, workload=wl, q=q, k=k, v=v, meta=meta, out_sparse=out_sparse, out_dense=out_dense,
+                         dense_table=dense_table, dense_lens=dense_lens, page_size=page_size)
+
+    def retrieve():
+        return algo.retrieve_topk(q, 0, rows, mask, forward_batch=fb)
+
+    def adaptor(sel, lens):
+        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta)
+
+    def sparse_attention():
+        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
+
+    def sparse_step():
+        sel, lens = retrieve()
+        adaptor(sel, lens)
+        return sparse_attention()
+
+    def dense_step():
+        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
+
+    ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
+    ns.sparse_step, ns.dense_step = sparse_step, dense_step
+    kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
+    ns.dense_bytes = bs * ctx * kv_bytes
+    bounds_bytes = 2 * torch.tensor([], dtype=bounds_dtype).element_size() * h_kv * d  # min + max of one page
+    ns.sparse_bytes = bs * pages * bounds_bytes + bs * min(budget_tokens, ctx) * kv_bytes
+    return ns
+
+
+def _eager_cold(timer, fn, reps):
+    """Median µs of eager calls of ``fn`` with the L2 flushed before each (for calls that cannot be captured)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if timer.on_gpu:
+            timer.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def bench_decode(device, timer, copy_bw, quick, on_cpu):
+    """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
+    (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
+    from sparse_ref.attention import sparse_decode_attention
+    from sparse_ref.kernels.decode_attention import paged_decode_attention
+
+    rows = []
+    # (a) the dense kernel
+    bs, h_q, h_kv, d, ctx, P = (2, 4, 2, 16, 200, 4) if on_cpu else (64, 32, 8, 128, 32768, 16)
+    q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
+    out = torch.empty(q.shape, dtype=torch.float32, device=device)
+    got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
+    want = sparse_decode_attention(q, k, v, table, kv_lens, P)
+    max_abs_err = float((got - want).abs().max())
+    del want
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
+    t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
+    m_ours = timer.mode
+    t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
+    rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
+                     t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
+                     torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
+                     bytes_note="K + V of every token read once", target_pct_copy_bw=80))
+    del q, k, v, table, kv_lens, out
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # (b) sparse step vs dense step, one kernel
+    if on_cpu:
+        shapes = [(1, 4, 4, 16, 256, 4, 32, None), (2, 4, 2, 16, 256, 4, 32, None)]
+    else:
+        shapes = [(1, 32, 32, 128, 32768, 16, 2048, 7.0), (1, 32, 32, 128, 131072, 16, 2048, 10.0),
+                  (64, 32, 8, 128, 32768, 16, 2048, 6.0)]
+    for bs, h_q, h_kv, d, ctx, P, budget, target in shapes:
+        for bounds_dtype in (torch.float32, torch.bfloat16):
+            s = decode_step_setup(bs, h_q, h_kv, d, ctx, P, budget, bounds_dtype, device)
+            s.sparse_step()
+            s.dense_step()
+            ref = sparse_decode_attention(s.q, s.k, s.v, s.meta[0], s.meta[1], P)
+            max_abs_err = float((s.out_sparse - ref).abs().max())
+            kept_tokens = int(s.meta[1].max())
+            t_dense = timer.cold([s.dense_step])
+            m_dense = timer.mode
+            t_sparse = timer.cold([s.sparse_step])
+            m_sparse = timer.mode
+            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve])}
+            sel = s.retrieve()
+            parts["adaptor"] = timer.cold([partial(s.adaptor, *sel)])
+            parts["sparse attention"] = timer.cold([s.sparse_attention])
+            ceiling = s.dense_bytes / s.sparse_bytes
+            shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
+            rows.append(_row(shape, None, "planted", "cold", t_dense, t_sparse, s.sparse_bytes, copy_bw,
+                             "sparse_step", baseline="dense step: the same kernel over every page (table prebuilt)",
+                             torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
+                             byte_limit_speedup=round(ceiling, 2), target_speedup=target,
+                             parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
+                             max_abs_err_vs_reference=max_abs_err,
+                             bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
+                                        "dense: K/V of every token"))
+            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; parts "
+                  + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
+            del s, ref, sel
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------- dsa (indexer logits)
+def make_dsa_logits_inputs(bs: int, ctx: int, device, *, heads: int = 64, dim: int = 128, page: int = 64,
+                           tokens_per_req: int = 1, seed: int = 0) -> dict:
+    """Inputs of ``paged_indexer_logits`` for ``bs`` requests of ``ctx`` keys in the production FP8 layout.
+
+    Pages are distinct and in random physical order (page 0 is padding); each request gets
+    ``tokens_per_req`` query tokens, the last ones of its context (decode: 1; a causal last chunk: many).
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages_per_req = -(-ctx // page)
+    num_pages = bs * pages_per_req + 1
+    buf = torch.randint(0, 256, (num_pages, page * (dim + 4)), dtype=torch.uint8, device=device)
+    keys = buf[:, : page * dim].view(torch.float8_e4m3fn).view(num_pages, page, dim)
+    keys.copy_(torch.randn(num_pages, page, dim, device=device).to(torch.float8_e4m3fn))  # no NaN bit patterns
+    scales = buf.view(torch.float32)[:, page * dim // 4:]
+    scales.copy_(torch.rand(num_pages, page, device=device) + 0.5)
+    perm = torch.randperm(num_pages - 1, generator=g) + 1
+    block_table = perm.view(bs, pages_per_req).to(torch.int32).to(device)
+    T = bs * tokens_per_req
+    token_req = torch.arange(bs, dtype=torch.int32).repeat_interleave(tokens_per_req).to(device)
+    bounds = (ctx - torch.arange(tokens_per_req - 1, -1, -1, dtype=torch.int32).repeat(bs)).to(device)
+    q = torch.randn(T, heads, dim, generator=g).to(device).to(torch.float8_e4m3fn)
+    w = torch.randn(T, heads, generator=g).to(device)
+    return dict(q=q, weights=w, keys=keys, scales=scales, block_table=block_table, token_req=token_req,
+                bounds=bounds, width=ctx)
+
+
+def _logits_then_topk(logits_fn, k, lengths, ids):
+    from sparse_ref.kernels.topk import topk
+
+    return topk(logits_fn(), k, lengths, order="index", width=k, out=ids)
+
+
+def _reference_then_topk(inp, k):
+    from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
+
+    return torch.topk(paged_indexer_logits_reference(**inp), k, dim=1)
+
+
+def bench_dsa(device, timer, copy_bw, quick, on_cpu):
+    """Paged FP8 indexer logits (and + top-2048) against the batched torch reference; the batched indexer."""
+    from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
+    from sparse_ref.kernels.dsa import paged_indexer_logits
+
+    if on_cpu:
+        shapes, heads, dim, prefill = [(1, 256), (2, 200)], 8, 32, (64, 256)
+    else:
+        heads, dim, prefill = 64, 128, (8192, 65536)
+        shapes = [(1, 65536), (8, 65536), (64, 16384), (64, 65536)] if quick else \
+            [(bs, ctx) for bs in (1, 8, 64) for ctx in (4096, 16384, 65536, 131072)]
+    base_timer = Timer(device, reps=3 if on_cpu else 10)
+    rows = []
+    for bs, ctx in shapes:
+        inp = make_dsa_logits_inputs(bs, ctx, device, heads=heads, dim=dim)
+        out = torch.empty(bs, ctx, dtype=torch.float32, device=device)
+        ours = partial(paged_indexer_logits, **inp, fill_tail=False, out=out)
+        want = paged_indexer_logits_reference(**inp)
+        got = ours()
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        nbytes = bs * ctx * (dim + 4) + bs * ctx * 4
+        t_ours = timer.cold([ours])
+        m_ours = timer.mode
+        t_torch = base_timer.cold([partial(paged_indexer_logits_reference, **inp)])
+        shape = f"bs={bs} ctx={ctx}"
+        rows.append(_row(shape, None, "randn", "cold", t_torch, t_ours, nbytes, copy_bw, "dsa_logits",
+                         baseline="paged_indexer_logits_reference (batched torch gather + fp32 bmm)",
+                         torch_timing=base_timer.mode, ours_timing=m_ours, max_err_rel_to_max=err,
+                         bytes_note="keys+scales read once (132 B/token at D=128) + fp32 logits written"))
+        k = min(2048, ctx)
+        lengths = inp["bounds"]
+        ids = torch.empty(bs, k, dtype=torch.int32, device=device)
+        t_ours_k = timer.cold([partial(_logits_then_topk, ours, k, lengths, ids)])
+        m_ours_k = timer.mode
+        t_torch_k = base_timer.cold([partial(_reference_then_topk, inp, k)])
+        rows.append(_row(shape, k, "randn", "cold", t_torch_k, t_ours_k, nbytes + bs * ctx * 4 + bs * k * 4, copy_bw,
+                         "dsa_logits+topk", baseline="torch reference + torch.topk", torch_timing=base_timer.mode,
+                         ours_timing=m_ours_k))
+        del inp, out, want, got
+    T, ctx = prefill  # a causal last chunk: T query tokens of one request over ctx keys
+    inp = make_dsa_logits_inputs(1, ctx, device, heads=heads, dim=dim, tokens_per_req=T)
+    out = torch.empty(T, ctx, dtype=torch.float32, device=device)
+    t_ours = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out)])
+    flops = 2 * heads * dim * (T * ctx - T * (T - 1) // 2)
+    rows.append(_row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
+                     ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
+                     baseline="none (the torch reference would take seconds)", tflops=round(flops / t_ours / 1e6, 1)))
+    del inp, out
+    rows += _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu)
+    return rows
+
+
+def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
+    """``LightningIndexer`` decode (batched, Triton on CUDA) against its per-request loop reference."""
+    from sparse_ref.algorithms.dsa import IndexerConfig, IndexerKeyCache, LightningIndexer
+    from sparse_ref.batch import decode_step
+    from sparse_ref.memory import KVCacheManager
+
+    if on_cpu:
+        bs, ctx, cfg = 2, 128, IndexerConfig(hidden_size=64, q_lora_rank=32, n_heads=8, head_dim=32, rope_dim=16,
+                                             index_topk=16)
+    else:
+        bs, ctx, cfg = 64, 32768, IndexerConfig()
+    page = 64
+    mgr = KVCacheManager.create(max_requests=bs, max_context_len=ctx + page, num_pages=bs * (ctx // page + 2) + 1,
+                                page_size=page, num_layers=1, device=device)
+    idx = LightningIndexer(cfg, device=device).attach_cache(IndexerKeyCache.for_manager(mgr, cfg))
+    reqs = [mgr.admit(ctx - 1) for _ in range(bs)]
+    slots = torch.cat([mgr.req_to_token_pool.req_to_token[r.req_pool_idx, : ctx - 1] for r in reqs]).long()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    keys = torch.randn(slots.shape[0], cfg.head_dim, generator=g).to(device)
+    idx.cache.write(0, slots, keys, torch.rand(slots.shape[0], generator=g).to(device) + 0.5)  # the cached history
+    fb = decode_step(mgr, reqs)
+    x = torch.randn(bs, cfg.hidden_size, generator=g).to(device)
+    ql = torch.randn(bs, cfg.q_lora_rank, generator=g).to(device)
+    batched = partial(idx, x, ql, fb.positions, fb, 0)
+
+    def loop():
+        return idx.select(idx.index_scores_loop(x, ql, fb.positions, fb, 0), fb.positions)
+
+    same = bool(torch.equal(batched(), loop()))
+    t_batched = timer.cold([batched])
+    m_batched = timer.mode
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loop()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return [_row(f"decode bs={bs} ctx={ctx}", cfg.index_topk, "randn", "cold", statistics.median(times), t_batched,
+                 bs * ctx * cfg.key_bytes_per_token, copy_bw, "dsa_indexer",
+                 baseline="index_scores_loop + select (per-request loop, wall clock, synced)",
+                 identical_to_loop=same, torch_timing="wall clock", ours_timing=m_batched,
+                 ours_backend="triton" if idx.uses_triton_scoring() else "torch")]
+
+
+SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,
+          "decode": bench_decode, "dsa": bench_dsa}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m sparse_ref.bench", description=__doc__.split("\n")[0])
     parser.add_argument("suite", nargs="+", choices=[*SUITES, "all"], help="one or more suites, or all")
     parser.add_argument("--quick", action="store_true", help="fewer distributions and repetitions")
-    parser.add_argument("--out", default="benchmarks/results/h200.json", help="where to write the JSON")
+    parser.add_argument("--out", default=None,
+                        help=f"where to write the JSON (default: {DEFAULT_OUT}, e.g. build/bench/topk-gpu.json; "
+                             f"committed GPU results go to {RESULTS_DIR}/ only with an explicit --out)")
     parser.add_argument("--allow-cpu", action="store_true",
-                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers)")
+                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers; never written "
+                             f"into {RESULTS_DIR}/)")
     args = parser.parse_args(argv)
     device = sparse_ref.default_device()
     on_cpu = device.type != "cuda"
@@ -397,6 +736,11 @@ def main(argv=None) -> dict:
                          "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu "
                          "for a smoke run whose results are labelled as CPU results (never commit them as GPU "
                          "numbers).")
+    out = Path(args.out) if args.out else default_out(args.suite, on_cpu)
+    if on_cpu and _in_results_dir(out):
+        raise SystemExit(f"sparse_ref.bench: --out {out} is inside {RESULTS_DIR}/, which holds the committed GPU "
+                         "results; a CPU run must not overwrite them. Drop --out (it defaults to "
+                         f"{default_out(args.suite, on_cpu)}) or write somewhere else.")
     import triton
 
     timer = Timer(device, reps=2 if on_cpu else (30 if args.quick else 100))
@@ -412,7 +756,7 @@ def main(argv=None) -> dict:
     result = dict(
         command="python -m sparse_ref.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
         copy_bandwidth_detail=dict(COPY_DETAIL, note="1 GiB fp32, read + write bytes, eager, median of 20"),
         timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer zeroed "
@@ -421,7 +765,6 @@ def main(argv=None) -> dict:
                 "wall clock)."),
         rows=rows,
     )
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
@@ -432,6 +775,21 @@ def main(argv=None) -> dict:
               f"{r['pct_copy_bw'] if r['pct_copy_bw'] is not None else '-':>7}")
     print(f"wrote {out}")
     return result
+
+
+RESULTS_DIR = "benchmarks/results"  # committed GPU results; never written by a CPU run
+DEFAULT_OUT = "build/bench/<suites>-<gpu|cpu>.json"
+
+
+def default_out(suites: list[str], on_cpu: bool) -> Path:
+    """Where a run writes its JSON without ``--out``: an ignored build folder, never the committed results."""
+    return Path("build", "bench", f"{'+'.join(dict.fromkeys(suites))}-{'cpu' if on_cpu else 'gpu'}.json")
+
+
+def _in_results_dir(path: Path) -> bool:
+    """True when ``path`` lies in a ``benchmarks/results`` folder (relative to anywhere)."""
+    parts = path.resolve().parts
+    return any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
 
 
 if __name__ == "__main__":

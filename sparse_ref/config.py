@@ -4,16 +4,12 @@ A bad value raises ``ConfigError`` naming the field, the value and the allowed r
 config is frozen: change a field with ``dataclasses.replace(config, field=value)``, which
 validates again. Integers must fit the int32 arithmetic of the kernels.
 Page size is not here: it belongs to the KV pool and the algorithm reads it from there.
-The budget rules live here, once: ``history_budget`` (Python ints), ``history_budget_tensor``
-(batched) and ``selection_width``; every selection (torch or Triton) calls them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
 
 from sparse_ref.checks import INT32_MAX, check_choice, check_float, check_int, fail
 from sparse_ref.errors import ConfigError
@@ -69,15 +65,3 @@ class SparseConfig:
         if self.page_budget is not None:
             return min(self.page_budget, history)
         return min(max(math.floor(history * self.keep_ratio), 1), history)
-
-    def history_budget_tensor(self, history: torch.Tensor) -> torch.Tensor:
-        """``history_budget`` for an int64 tensor of history sizes (float64 products, like Python's floats)."""
-        if self.page_budget is not None:
-            return history.clamp(max=self.page_budget)
-        return torch.minimum(torch.floor(history.double() * self.keep_ratio).long().clamp(min=1), history)
-
-    def selection_width(self, max_pages: int) -> int:
-        """The static width of a selection: the most pages any row of at most ``max_pages`` pages keeps."""
-        recent = min(self.num_recent_pages, max_pages)
-        sink = min(self.num_sink_pages, max_pages - recent)
-        return min(max_pages, sink + self.history_budget(max_pages - recent - sink) + recent)

@@ -39,6 +39,7 @@ from sparse_ref.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     INT32_MAX,
+    INT64_MAX,
     check_choice,
     check_int,
     check_range,
@@ -66,7 +67,17 @@ def check_config(config) -> SparseConfig:
 
 def selection_width(max_pages: int, config: SparseConfig) -> int:
     """Static width of ``selected``: the most pages any row with <= max_pages pages can keep."""
-    return config.selection_width(max_pages)
+    recent = min(config.num_recent_pages, max_pages)
+    sink = min(config.num_sink_pages, max_pages - recent)
+    return min(max_pages, sink + config.history_budget(max_pages - recent - sink) + recent)
+
+
+def _history_budget_tensor(history: torch.Tensor, config: SparseConfig) -> torch.Tensor:
+    """``config.history_budget`` for a tensor of history sizes (float64, like Python's floats)."""
+    if config.page_budget is not None:
+        return history.clamp(max=config.page_budget)
+    k = torch.floor(history.double() * config.keep_ratio).long().clamp(min=1)
+    return torch.minimum(k, history)
 
 
 def _candidates(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,15 +108,17 @@ def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None,
     if isinstance(k, torch.Tensor) and k.dim() > 0:
         check_tensor("k", k, dtype=INDEX_DTYPES, dims=1, fix="pass an int, or one k per row.")
         check_rows("k", k, R, "one per row of scores")
-        check_range("k", k, 0, INT32_MAX, "ids are int32: k is at most 2**31 - 1.")
+        check_range("k", k, 0, INT64_MAX)
         k_row = k.to(torch.int64)
         default_width = int(k_row.max()) if R else 0
     else:
-        k_row = torch.full((R,), check_int("k", k, low=0, high=INT32_MAX, error=ShapeError), dtype=torch.int64,
-                           device=device)
-        default_width = int(k)
+        default_width = check_int("k", k, low=0, high=INT64_MAX, error=ShapeError)
+        k_row = torch.full((R,), default_width, dtype=torch.int64, device=device)
     check_same_device("topk_reference", "scores", {"scores": scores, "lengths": lengths, "k": k_row})
-    width = default_width if width is None else check_int("width", width, low=0, high=INT32_MAX, error=ShapeError)
+    if width is None:  # the output is k wide (-1 padded): a k beyond int32 needs an explicit width
+        width = check_int("k", default_width, high=INT32_MAX, error=ShapeError,
+                          fix="the output width defaults to k; pass width= (at most 2**31 - 1) for a larger k.")
+    width = check_int("width", width, low=0, high=INT32_MAX, error=ShapeError)
     s, ok = _candidates(scores)
     cols = torch.arange(N, device=device)
     ok &= cols[None, :] < lengths.to(device, torch.int64)[:, None]
@@ -164,7 +177,7 @@ def select_pages_unchecked(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_
     recent_start = n - recent
     sink_end = recent_start.clamp(max=config.num_sink_pages)
     history = recent_start - sink_end
-    k = config.history_budget_tensor(history)
+    k = _history_budget_tensor(history, config)
     sparse = (sparse_mask & (seq >= config.min_sparse_seq_len) & (n > 0)
               & (sink_end + k + recent < n))
 

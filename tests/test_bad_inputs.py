@@ -327,7 +327,6 @@ CASES = [
     ("sparse-kv-neg", lambda e: sparse(e, kv_lens=torch.tensor([-1, 6])), "kv_lens"),
     ("sparse-table-float", lambda e: sparse(e, page_table=torch.zeros(2, 3)), "page_table"),
     ("sparse-table-neg", lambda e: sparse(e, page_table=torch.tensor([[1, -2, 3], [4, 5, 0]])), "page_table"),
-    ("sparse-table-padding", lambda e: sparse(e, page_table=torch.tensor([[1, 0, 3], [4, 5, 0]])), "page_table"),
     # ------------------------------------------------------------ metrics
     ("mass-probs-int", lambda e: page_attention_mass(torch.zeros(2, 1, 4, dtype=torch.int64), P), "probs"),
     ("mass-page-size-0", lambda e: page_attention_mass(torch.zeros(2, 1, 4), 0), "page_size"),

@@ -276,7 +276,5 @@ def test_dsa_from_pools_never_scores_a_previous_owners_keys():
     b = m.admit(8)  # the prompt of b skips the indexer
     assert b.pages == pages[::-1] or set(b.pages) == set(pages)
     fb = decode_step(m, [b])
-    if not hasattr(IndexerKeyCache, "invalidate_pages") or indexer.cache.written[0][P * pages[0]]:
-        pytest.xfail("IndexerKeyCache.from_pools does not subscribe to frees yet (fixed on the dsa branch)")
     with pytest.raises(BatchError, match="holds no key"):
         run(fb)

@@ -18,7 +18,6 @@ After every step: no selection and no score involves a page its request does not
   be refused, and selections name only positions of the request's own tokens.
 """
 
-import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -198,18 +197,3 @@ class DSALifecycle(Lifecycle):
 DSALifecycle.TestCase.settings = STEPS
 TestDSALifecycle = DSALifecycle.TestCase
 
-
-def _dsa_forgets_freed_keys() -> bool:
-    """Whether IndexerKeyCache.from_pools subscribes to the pool's frees (the DSA helper's fix)."""
-    m = new_manager()
-    cache = IndexerKeyCache.from_pools(m.token_to_kv_pool, m.req_to_token_pool, CFG)
-    r = m.admit(P)
-    cache.written[0][P * r.pages[0]] = True
-    m.release(r)
-    return not bool(cache.written[0].any())
-
-
-if not _dsa_forgets_freed_keys():
-    TestDSALifecycle = pytest.mark.xfail(
-        strict=False, reason="IndexerKeyCache.from_pools does not yet subscribe to the pool's allocator "
-                             "(fixed on the dsa branch; this passes once it is merged)")(TestDSALifecycle)

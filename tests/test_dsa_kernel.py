@@ -10,12 +10,14 @@ magnitude). On a GPU the tensor cores accumulate FP8 products in reduced precisi
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse_ref
-from sparse_ref import KVCacheManager, build_extend_batch, decode_step
+from sparse_ref import KVCacheManager, build_extend_batch, checks, decode_step
 from sparse_ref.algorithms.dsa import IndexerConfig, IndexerKeyCache, LightningIndexer, paged_indexer_logits_reference
 from sparse_ref.errors import ShapeError, SparseRefError
 from sparse_ref.fp8 import FP8_DTYPE
@@ -312,3 +314,69 @@ def test_scoring_backend_is_checked():
         LightningIndexer(CFG, scoring_backend="cuda")
     assert not LightningIndexer(CFG).uses_triton_scoring() or torch.cuda.is_available()
     assert LightningIndexer(CFG, scoring_backend="triton").uses_triton_scoring()
+
+
+# ----------------------------------------------------------------------------- CUDA-graph capture of decode
+HOST_OPS = {"aten.lift_fresh.default",  # a tensor made from a host value (x[idx] = True): a CPU->GPU copy
+            "aten._local_scalar_dense.default",  # .item() / int(t) / bool(t): a host sync
+            "aten.equal.default", "aten.is_nonzero.default", "aten.nonzero.default"}  # host syncs
+
+
+class _HostOps(TorchDispatchMode):
+    """Records every op of ``HOST_OPS``: none may run while a CUDA graph captures."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in HOST_OPS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_setup(backend):
+    mgr, idx = setup(16, backend)
+    scramble(mgr)
+    reqs = [mgr.admit(n) for n in (20, 1, 33)]
+    fb = build_extend_batch(mgr, reqs)
+    idx(*inputs(54, 40), fb.positions, fb, 0)
+    fb = decode_step(mgr, reqs)
+    return idx, fb, inputs(3, 41)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_forward_is_capture_safe(backend, monkeypatch):
+    """While "capturing", a decode step makes no host sync and no tensor from a host value (on any device).
+
+    A CUDA graph capture refuses both (a CPU->GPU copy of a scalar tensor raised on the H200); the
+    checks that need them are skipped while capturing, so pretend to capture and record the ops.
+    """
+    idx, fb, (x, ql) = _decode_setup(backend)
+    eager = idx(x, ql, fb.positions, fb, 0)
+    real = checks.capturing
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sparse_ref") and getattr(module, "capturing", None) is real:
+            monkeypatch.setattr(module, "capturing", lambda: True)
+    with _HostOps() as ops:
+        got = idx(x, ql, fb.positions, fb, 0)
+    assert ops.seen == []
+    assert torch.equal(got, eager)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_forward_in_a_cuda_graph_equals_eager(backend):
+    idx, fb, (x, ql) = _decode_setup(backend)
+    eager = idx(x, ql, fb.positions, fb, 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        idx(x, ql, fb.positions, fb, 0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = idx(x, ql, fb.positions, fb, 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

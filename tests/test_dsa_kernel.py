@@ -109,6 +109,18 @@ def test_several_queries_per_program_share_key_tiles(qb, fill_tail):
             assert torch.all(out[t, n:] == 9.0)
 
 
+def test_extend_batches_default_to_four_queries_per_program():
+    """On average >= 4 query tokens per request: the multi-query program by default, same logits."""
+    case = make_case(16, 32, 4, [3, 40, 70], tokens_per_req=6, seed=12)
+    want = paged_indexer_logits_reference(*case, 80)
+    got = paged_indexer_logits(*case, 80)
+    assert_logits_close(got, want, case[-1])
+    assert torch.equal(got, paged_indexer_logits(*case, 80, queries_per_program=4))
+    one = paged_indexer_logits(*case, 80, queries_per_program=1)
+    assert torch.equal(torch.isinf(got), torch.isinf(one))
+    close(got.masked_fill(torch.isinf(got), 0), one.masked_fill(torch.isinf(one), 0))
+
+
 def test_kernel_without_tail_fill_writes_only_the_visible_keys():
     case = make_case(64, 32, 4, [5, 130, 70], tokens_per_req=2, seed=3)
     width = 200
@@ -134,16 +146,18 @@ def test_full_precision_cache_through_the_kernel():
     assert_logits_close(got, want, case[-1])
 
 
-def test_plan_tiles_targets_about_eight_programs_per_sm():
+def test_plan_tiles_targets_about_32_programs_per_sm():
     cuda = torch.device("cuda")
     import sparse_ref.kernels.dsa as kd
 
     real = kd._sm_count
     try:
         kd._sm_count = lambda device: 132
-        assert plan_tiles(64, 65536, cuda) == 64 and plan_tiles(64, 16384, cuda) == 16
-        assert plan_tiles(8, 65536, cuda) == 8 and plan_tiles(1, 4096, cuda) == 1
-        assert plan_tiles(8192, 65536, cuda) == 64
+        assert plan_tiles(64, 65536, cuda) == 16  # 4096 programs: the best measured at bs=64, 64K
+        assert plan_tiles(64, 16384, cuda) == 4 and plan_tiles(8, 65536, cuda) == 4  # at least MIN_TILES
+        assert plan_tiles(1, 65536, cuda) == 1 and plan_tiles(1, 4096, cuda) == 1  # too little work for MIN_TILES
+        assert plan_tiles(8192 // 4, 65536, cuda) == 64  # prefill, 4 queries per program
+        assert plan_tiles(1024, 131072, cuda) == 64  # capped at MAX_TILES
     finally:
         kd._sm_count = real
 

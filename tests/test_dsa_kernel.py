@@ -2,10 +2,10 @@
 and the indexer's three scoring paths (per-request loop, batched torch, Triton) against each other.
 
 Tolerance: the kernel and the reference multiply the same FP8 values (exact in fp32 under the
-interpreter) and differ only in the order of fp32 sums, so logits agree to ``1e-5`` relative to
-``sum_h |w| |q·k| * scale`` (checked as rtol=1e-5 plus an absolute term of 1e-5 times the row's
-magnitude). On a GPU the tensor cores accumulate FP8 products in reduced precision: see
-``benchmarks/gpu_dsa.py``); on a GPU these tests use ``GPU_REL`` of the row's largest |logit| instead.
+interpreter) and differ only in the order of fp32 sums, so logits agree to ``2e-5`` of the row's
+largest |logit|. On a GPU the tensor cores accumulate FP8 products in reduced precision (see
+``benchmarks/gpu_dsa.py``): the error follows the magnitude of the summed terms, not a short row's
+(possibly cancelling) signed sum, so GPU runs use ``GPU_REL`` of the largest |logit| of the tensor.
 """
 
 import dataclasses
@@ -26,14 +26,18 @@ from sparse_ref.selection import topk_reference
 
 DEV = sparse_ref.default_device()
 ON_GPU = DEV.type == "cuda"
-GPU_REL = 2e-3  # FP8 tensor-core accumulation (measured ~2e-4 of the row's largest |logit|)
+GPU_REL = 2e-3  # FP8 tensor-core accumulation (measured <= 3.4e-4 of a row's largest |logit|, DeepSeek shapes)
 
 
 def close(got, want):
-    """Equal up to fp32 summation order (interpreter) or tensor-core FP8 accumulation (GPU), per row."""
+    """Equal up to fp32 summation order (interpreter, per row) or tensor-core FP8 accumulation (GPU).
+
+    On a GPU the error scales with the magnitude of the summed terms, not with a row's (possibly
+    cancelling) signed result, so it is measured against the largest |logit| of the whole tensor.
+    """
     if got.numel() == 0:
         return
-    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+    scale = want.abs().amax().clamp_min(1e-6) if ON_GPU else want.abs().amax(-1, keepdim=True).clamp_min(1e-6)
     tol = GPU_REL if ON_GPU else 2e-5
     assert bool(((got - want).abs() <= tol * scale).all()), float(((got - want).abs() / scale).max())
 
@@ -74,10 +78,10 @@ def make_case(page, d, h, lengths, tokens_per_req, fp8=True, seed=0):
 
 
 def assert_logits_close(got, want, bounds, fill_tail=True):
-    for t, n in enumerate(bounds.tolist()):
-        close(got[t, :n], want[t, :n])
-        if fill_tail:
-            assert torch.all(got[t, n:] == float("-inf"))
+    visible = torch.arange(want.shape[1], device=want.device)[None, :] < bounds[:, None].long()
+    close(got.masked_fill(~visible, 0), want.masked_fill(~visible, 0))
+    if fill_tail:
+        assert bool((got[~visible] == float("-inf")).all())
 
 
 @pytest.mark.parametrize("page,d,h,block_t", [(64, 32, 4, 64), (16, 64, 16, 64), (4, 16, 3, 16), (24, 32, 5, 16)])

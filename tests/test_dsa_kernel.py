@@ -398,3 +398,14 @@ def test_decode_forward_in_a_cuda_graph_equals_eager(backend):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+def test_bench_selection_agreement_allows_only_near_ties():
+    from sparse_ref.bench import _selections_agree
+
+    scores = torch.tensor([[5.0, 1.0, 3.0, 2.9999, 0.0, -math.inf]])
+    best = torch.tensor([[0, 2, -1]])  # k = 2 over a row
+    assert _selections_agree(best, best, scores, 2, 1e-3)
+    assert _selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-3)  # 2.9999 ties 3.0 within 1e-3 x 5
+    assert not _selections_agree(torch.tensor([[0, 1, -1]]), best, scores, 2, 1e-3)  # 1.0 is no near-tie of 3.0
+    assert not _selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-6)

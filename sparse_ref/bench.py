@@ -686,7 +686,7 @@ def _bench_dsa_knobs(device, timer, copy_bw, on_cpu, heads, dim):
     if on_cpu:
         grid = {(2, 256): [{}, {"tiles": 1}]}
     else:
-        grid = {(64, 65536): [{"tiles": 32}, {"variant": "tma", "tiles": 64, "num_stages": 2}],
+        grid = {(64, 65536): [{"tiles": 8}, {"tiles": 32}, {"variant": "tma", "tiles": 64, "num_stages": 2}],
                 (64, 16384): [{"tiles": 8}, {"tiles": 16}],
                 (8, 65536): [{"tiles": 2}, {"tiles": 8}]}
     rows = []

@@ -623,7 +623,7 @@ def _reference_then_topk(inp, k):
 def bench_dsa(device, timer, copy_bw, quick, on_cpu):
     """Paged FP8 indexer logits (and + top-2048) against the batched torch reference; the batched indexer."""
     from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
-    from sparse_ref.kernels.dsa import paged_indexer_logits
+    from sparse_ref.kernels.dsa import paged_indexer_logits, plan_tiles
 
     if on_cpu:
         shapes, heads, dim, prefill = [(1, 256), (2, 200)], 8, 32, (64, 256)
@@ -648,6 +648,7 @@ def bench_dsa(device, timer, copy_bw, quick, on_cpu):
         rows.append(_row(shape, None, "randn", "cold", t_torch, t_ours, nbytes, copy_bw, "dsa_logits",
                          baseline="paged_indexer_logits_reference (batched torch gather + fp32 bmm)",
                          torch_timing=base_timer.mode, ours_timing=m_ours, max_err_rel_to_max=err,
+                         knobs=f"default (tiles={plan_tiles(bs, ctx, device)}, num_warps=4, num_stages=3, pointer)",
                          bytes_note="keys+scales read once (132 B/token at D=128) + fp32 logits written"))
         k = min(2048, ctx)
         lengths = inp["bounds"]

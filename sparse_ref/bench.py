@@ -35,9 +35,14 @@ What is measured, and how:
   bytes / sparse bytes) and the time of each part.
 * **dsa**: paged FP8 indexer logits (``sparse_ref.kernels.dsa.paged_indexer_logits``; 64 heads,
   D=128, page 64, random page order) and logits + top-2048 against the batched torch reference
-  (gather + fp32 bmm; + ``torch.topk``) at bs 1/8/64 x 4K..128K; a prefill row (8192 query
-  tokens, a causal last chunk of 64K keys); the batched ``LightningIndexer`` decode against its
-  per-request loop (bs=64, 32K). Bytes = keys + scales read once (132 B/token) + logits written.
+  (gather + fp32 bmm; + ``torch.topk``) at bs 1/8/64 x 4K..128K (quick: 1x64K, 8x64K, 64x16K,
+  64x64K); a few other launch knobs at the target shapes (``dsa_logits_knobs``); prefill rows
+  (8192 query tokens, a causal last chunk of 64K keys; default 4 and 1 queries per program); the
+  batched ``LightningIndexer`` decode step (one CUDA graph) against its per-request loop
+  (``index_scores_loop`` + ``select``, same inputs; bs=64, 32K), with the step's parts timed alone,
+  its eager time, and whether the selections agree (loop vs batched torch path vs kernel path;
+  differences allowed only at near-ties of the 2048th score). Bytes = keys + scales read once
+  (132 B/token) + logits written.
 
 Timing: CUDA events around each call, median of many calls. **L2 cold** rows zero a 1 GiB
 buffer before every call (the H200's L2 is ~60 MB), which also keeps the GPU busy while Python
@@ -618,7 +623,7 @@ def _reference_then_topk(inp, k):
 def bench_dsa(device, timer, copy_bw, quick, on_cpu):
     """Paged FP8 indexer logits (and + top-2048) against the batched torch reference; the batched indexer."""
     from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
-    from sparse_ref.kernels.dsa import paged_indexer_logits
+    from sparse_ref.kernels.dsa import paged_indexer_logits, plan_tiles
 
     if on_cpu:
         shapes, heads, dim, prefill = [(1, 256), (2, 200)], 8, 32, (64, 256)
@@ -643,6 +648,7 @@ def bench_dsa(device, timer, copy_bw, quick, on_cpu):
         rows.append(_row(shape, None, "randn", "cold", t_torch, t_ours, nbytes, copy_bw, "dsa_logits",
                          baseline="paged_indexer_logits_reference (batched torch gather + fp32 bmm)",
                          torch_timing=base_timer.mode, ours_timing=m_ours, max_err_rel_to_max=err,
+                         knobs=f"default (tiles={plan_tiles(bs, ctx, device)}, num_warps=4, num_stages=3, pointer)",
                          bytes_note="keys+scales read once (132 B/token at D=128) + fp32 logits written"))
         k = min(2048, ctx)
         lengths = inp["bounds"]
@@ -654,17 +660,69 @@ def bench_dsa(device, timer, copy_bw, quick, on_cpu):
                          "dsa_logits+topk", baseline="torch reference + torch.topk", torch_timing=base_timer.mode,
                          ours_timing=m_ours_k))
         del inp, out, want, got
+    rows += _bench_dsa_knobs(device, timer, copy_bw, on_cpu, heads, dim)
     T, ctx = prefill  # a causal last chunk: T query tokens of one request over ctx keys
     inp = make_dsa_logits_inputs(1, ctx, device, heads=heads, dim=dim, tokens_per_req=T)
     out = torch.empty(T, ctx, dtype=torch.float32, device=device)
-    t_ours = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out)])
     flops = 2 * heads * dim * (T * ctx - T * (T - 1) // 2)
-    rows.append(_row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
-                     ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
-                     baseline="none (the torch reference would take seconds)", tflops=round(flops / t_ours / 1e6, 1)))
+    for knobs in ({}, {"queries_per_program": 1}):  # default: 4 query tokens per program
+        t_ours = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out, **knobs)])
+        rows.append(_row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
+                         ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
+                         knobs=_knob_text(knobs), baseline="none (the torch reference would take seconds)",
+                         tflops=round(flops / t_ours / 1e6, 1)))
     del inp, out
     rows += _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu)
     return rows
+
+
+def _knob_text(knobs: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+
+
+def _bench_dsa_knobs(device, timer, copy_bw, on_cpu, heads, dim):
+    """The default launch against a few other knob settings at the target shapes (logits only)."""
+    from sparse_ref.kernels.dsa import paged_indexer_logits, plan_tiles
+
+    if on_cpu:
+        grid = {(2, 256): [{}, {"tiles": 1}]}
+    else:
+        grid = {(64, 65536): [{"tiles": 8}, {"tiles": 32}, {"variant": "tma", "tiles": 64, "num_stages": 2}],
+                (64, 16384): [{"tiles": 8}, {"tiles": 16}],
+                (8, 65536): [{"tiles": 2}, {"tiles": 8}]}
+    rows = []
+    for (bs, ctx), settings in grid.items():
+        inp = make_dsa_logits_inputs(bs, ctx, device, heads=heads, dim=dim)
+        out = torch.empty(bs, ctx, dtype=torch.float32, device=device)
+        for knobs in settings:
+            try:
+                t = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out, **knobs)])
+            except Exception as e:  # e.g. a variant this GPU lacks: report, keep going
+                print(f"  dsa_knobs bs={bs} ctx={ctx} {knobs}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append(_row(f"bs={bs} ctx={ctx}", None, "randn", "cold", float("nan"), t,
+                             bs * ctx * (dim + 4) + bs * ctx * 4, copy_bw, "dsa_logits_knobs", ours_timing=timer.mode,
+                             knobs=_knob_text(knobs), default_tiles=plan_tiles(bs, ctx, device),
+                             baseline="none (compare with the dsa_logits row of the same shape: default knobs)"))
+        del inp, out
+    return rows
+
+
+def _selections_agree(a: torch.Tensor, b: torch.Tensor, scores: torch.Tensor, k: int, tol: float) -> bool:
+    """Whether two -1 padded selections of ``k`` positions differ only where ``scores`` nearly tie the k-th best.
+
+    Every position chosen by one and not the other must score within ``tol`` x the row's largest
+    |score| of the row's k-th best score (a near-tie either path may break either way).
+    """
+    width = scores.shape[1]
+    ma = torch.zeros(a.shape[0], width + 1, dtype=torch.bool, device=a.device).scatter_(1, a.long() + 1, True)
+    mb = torch.zeros(b.shape[0], width + 1, dtype=torch.bool, device=b.device).scatter_(1, b.long() + 1, True)
+    differ = (ma ^ mb)[:, 1:]
+    finite = torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
+    kth = torch.topk(scores, min(k, width), dim=1).values[:, -1:]
+    kth = torch.where(torch.isfinite(kth), kth, torch.zeros_like(kth))
+    near = (finite - kth).abs() <= tol * finite.abs().amax(1, keepdim=True)
+    return bool((~differ | near).all())
 
 
 def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
@@ -681,7 +739,9 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
     page = 64
     mgr = KVCacheManager.create(max_requests=bs, max_context_len=ctx + page, num_pages=bs * (ctx // page + 2) + 1,
                                 page_size=page, num_layers=1, device=device)
-    idx = LightningIndexer(cfg, device=device).attach_cache(IndexerKeyCache.for_manager(mgr, cfg))
+    cache = IndexerKeyCache.for_manager(mgr, cfg)
+    idx = LightningIndexer(cfg, device=device).attach_cache(cache)
+    idx_torch = LightningIndexer(cfg, device=device, scoring_backend="torch").attach_cache(cache)
     reqs = [mgr.admit(ctx - 1) for _ in range(bs)]
     slots = torch.cat([mgr.req_to_token_pool.req_to_token[r.req_pool_idx, : ctx - 1] for r in reqs]).long()
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -695,9 +755,27 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
     def loop():
         return idx.select(idx.index_scores_loop(x, ql, fb.positions, fb, 0), fb.positions)
 
-    same = bool(torch.equal(batched(), loop()))
+    # selections: the loop and the batched torch path (both fp32 torch, other summation orders) and the
+    # kernel path (FP8 tensor cores) must agree wherever the scores are not near-ties of the k-th best
+    loop_scores = idx.index_scores_loop(x, ql, fb.positions, fb, 0)
+    sel_loop, sel_ours, sel_torch = loop(), batched(), idx_torch(x, ql, fb.positions, fb, 0)
+    k = cfg.index_topk
+    agree = {"identical_to_loop": bool(torch.equal(sel_ours, sel_loop)),
+             "torch_batched_identical_to_loop": bool(torch.equal(sel_torch, sel_loop)),
+             "torch_batched_agrees_with_loop_up_to_ties_1e-5": _selections_agree(sel_torch, sel_loop, loop_scores, k,
+                                                                                 1e-5),
+             "ours_agrees_with_loop_up_to_ties_1e-3": _selections_agree(sel_ours, sel_loop, loop_scores, k, 1e-3)}
     t_batched = timer.cold([batched])
     m_batched = timer.mode
+    qk = idx.prepare(x, ql, fb.positions)  # where the batched step's time goes, each part timed alone
+    width = mgr.req_to_token_pool.req_to_token.shape[1]
+    scores = idx.logits(qk, fb, 0, width, fill_tail=False)
+    parts = {"prepare (fp64 projections, RoPE, Hadamard, FP8)": partial(idx.prepare, x, ql, fb.positions),
+             "cache write": partial(idx.cache.write, 0, fb.out_cache_loc, qk.k, qk.k_scale),
+             "logits": partial(idx.logits, qk, fb, 0, width, fill_tail=False),
+             "top-k": partial(idx.select, scores, fb.positions)}
+    parts_us = {name: round(timer.cold([fn]), 1) for name, fn in parts.items()}
+    t_eager = _eager_cold(timer, batched, 5 if on_cpu else 20) if device.type == "cuda" else float("nan")
     times = []
     for _ in range(3):
         if device.type == "cuda":
@@ -710,8 +788,8 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
     return [_row(f"decode bs={bs} ctx={ctx}", cfg.index_topk, "randn", "cold", statistics.median(times), t_batched,
                  bs * ctx * cfg.key_bytes_per_token, copy_bw, "dsa_indexer",
                  baseline="index_scores_loop + select (per-request loop, wall clock, synced)",
-                 identical_to_loop=same, torch_timing="wall clock", ours_timing=m_batched,
-                 ours_backend="triton" if idx.uses_triton_scoring() else "torch")]
+                 torch_timing="wall clock", ours_timing=m_batched, ours_eager_us=round(t_eager, 1),
+                 parts_us=parts_us, ours_backend="triton" if idx.uses_triton_scoring() else "torch", **agree)]
 
 
 SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,

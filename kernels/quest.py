@@ -95,9 +95,30 @@ def _check(fn: str, name: str, t, dtypes, shape, fix: str) -> None:
         raise ShapeError(f"{fn}: {name} must be contiguous, got strides {t.stride()}. Fix: pass {name}.contiguous().")
 
 
-def _block_sizes(hd: int, block_p, block_hd, num_warps) -> tuple[int, int, int]:
-    block_hd = min(256, triton.next_power_of_2(max(hd, 16))) if block_hd is None else block_hd
-    block_p = 16 if block_p is None else block_p
+PROGRAMS_PER_SM = 4  # the default blocks aim for at least this many programs per SM (memory latency hiding)
+
+
+def _default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_HD)``: 16 pages x 256 values per step, or fewer pages (and wider steps) when few programs.
+
+    At bs=1 and 32K tokens (2048 pages) 16 pages per program leave 128 programs on a 132-SM H200:
+    one per SM, bound by memory latency. There a program takes fewer pages and a wider slice of
+    ``H_kv*D`` per step (the tile stays 4096 values), so the grid has a few programs per SM.
+    """
+    block_p, tile = 16, 4096
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(index).multi_processor_count
+        while block_p > 2 and bs * triton.cdiv(max_pages, block_p) < want:
+            block_p //= 2
+    return block_p, min(tile // block_p, triton.next_power_of_2(max(hd, 16)))
+
+
+def _block_sizes(hd: int, block_p, block_hd, num_warps, bs: int = 1, max_pages: int = 0,
+                 device: torch.device | None = None) -> tuple[int, int, int]:
+    default_p, default_hd = _default_blocks(hd, bs, max_pages, device or torch.device("cpu"))
+    block_hd = default_hd if block_hd is None else block_hd
+    block_p = default_p if block_p is None else block_p
     num_warps = 4 if num_warps is None else num_warps
     for name, v, lo in (("block_p", block_p, 2), ("block_hd", block_hd, 8), ("num_warps", num_warps, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
@@ -143,7 +164,7 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
         if t.device != device:
             raise ShapeError(f"{fn}: {name} must be on the same device as page_min ({device}), got {t.device}. "
                              f"Fix: {name}.to({str(device)!r}).")
-    block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps)
+    block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps, bs, max_pages, device)
     if pages.numel() and num_pages == 0:
         raise ShapeError(f"{fn}: pages names {pages.numel()} pages but the pool has none (page_min has shape "
                          f"{tuple(page_min.shape)}). Fix: allocate the Quest pools before scoring.")
@@ -172,6 +193,6 @@ AOT_VARIANTS = [
      {"q_pos_ptr": "*fp32", "q_neg_ptr": "*fp32", "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8",
       "pages_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32",
       "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
-     {"BLOCK_P": 16, "BLOCK_HD": 256}, {"num_warps": 4})
-    for dtype in ("*fp32", "*bf16")
+     {"BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p}, {"num_warps": 4})
+    for dtype in ("*fp32", "*bf16") for block_p in (16, 8, 4, 2)
 ]

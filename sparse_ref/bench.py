@@ -27,12 +27,14 @@ What is measured, and how:
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
   against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
 * **decode**: (a) the paged decode attention kernel (``sparse_ref.kernels.decode_attention``) at
-  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, against the copy bandwidth
-  (bytes = K + V read once) and the torch reference; (b) the sparse decode step (Quest scores +
-  selection + adaptor + sparse attention, one CUDA graph) against the dense step (the same
-  kernel over every page), at bs=1 MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens,
-  with fp32 and bf16 Quest bounds; each row gives the speedup, the byte-limit speedup (dense
-  bytes / sparse bytes) and the time of each part.
+  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, and at bs=1 MHA (32 heads),
+  against the copy bandwidth (bytes = K + V read once) and the torch reference; (b) the sparse
+  decode step (Quest scores + selection + the one-launch page table + sparse attention, one CUDA
+  graph) against the dense step (the same kernel over every page), at bs=1 MHA 32K and 128K and
+  bs=64 GQA 32K, budget 2048 tokens, with fp32 and bf16 Quest bounds; each row gives the
+  speedup, the byte-limit speedup (dense bytes / sparse bytes), the time of each part (and of
+  the torch adaptor the page-table kernel replaces) and whether the Triton page table equals
+  the torch adaptor's.
 
 Timing: CUDA events around each call, median of many calls. **L2 cold** rows zero a 1 GiB
 buffer before every call (the H200's L2 is ~60 MB), which also keeps the GPU busy while Python
@@ -427,7 +429,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     from types import SimpleNamespace
 
     from sparse_ref.adaptor import page_table_width, to_attention_metadata
-    from sparse_ref.algorithms.quest import QuestAlgorithm
+    from sparse_ref.algorithms.quest import QuestAlgorithm, split_query_sign
     from sparse_ref.kernels.decode_attention import paged_decode_attention
     from sparse_ref.selection import selection_width
     from sparse_ref.workloads import make_planted_workload
@@ -459,8 +461,15 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def retrieve():
         return algo.retrieve_topk(q, 0, rows, mask, forward_batch=fb)
 
-    def adaptor(sel, lens):
-        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta)
+    def scores():  # the first half of retrieve: query sign split + physical pages + the Quest scoring kernel
+        return algo.score_pages(q, 0, rows, fb)
+
+    def query_and_pages():  # the torch ops before the scoring kernel
+        split_query_sign(q, algo.num_kv_heads, algo.head_dim, config.gqa_mode)
+        return algo.physical_pages(rows)
+
+    def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
+        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
 
     def sparse_attention():
         return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
@@ -474,6 +483,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
+    ns.scores, ns.query_and_pages = scores, query_and_pages
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
@@ -509,27 +519,33 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
     rows = []
-    # (a) the dense kernel
-    bs, h_q, h_kv, d, ctx, P = (2, 4, 2, 16, 200, 4) if on_cpu else (64, 32, 8, 128, 32768, 16)
-    q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
-    out = torch.empty(q.shape, dtype=torch.float32, device=device)
-    got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
-    want = sparse_decode_attention(q, k, v, table, kv_lens, P)
-    max_abs_err = float((got - want).abs().max())
-    del want
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
-    t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
-    m_ours = timer.mode
-    t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
-    rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
-                     t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
-                     torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
-                     bytes_note="K + V of every token read once", target_pct_copy_bw=80))
-    del q, k, v, table, kv_lens, out
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    # (a) the dense kernel: bs=64 GQA (the 80%-of-copy target) and bs=1 MHA (the baseline of the bs=1 step rows).
+    # Timed first, on freshly allocated inputs, before the torch reference runs (its tens of GB of temporaries
+    # come after); the same call, timer and inputs as benchmarks/gpu_attn.py's kernel table.
+    if on_cpu:
+        dense_shapes = [(2, 4, 2, 16, 200, 4, 80), (1, 4, 4, 16, 200, 4, None)]
+    else:
+        dense_shapes = [(64, 32, 8, 128, 32768, 16, 80), (1, 32, 32, 128, 32768, 16, None)]
+    for bs, h_q, h_kv, d, ctx, P, target in dense_shapes:
+        q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
+        out = torch.empty(q.shape, dtype=torch.float32, device=device)
+        nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
+        t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
+        m_ours = timer.mode
+        got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
+        want = sparse_decode_attention(q, k, v, table, kv_lens, P)
+        max_abs_err = float((got - want).abs().max())
+        del want
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
+        rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
+                         t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
+                         torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
+                         bytes_note="K + V of every token read once", target_pct_copy_bw=target))
+        del q, k, v, table, kv_lens, out, got
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # (b) sparse step vs dense step, one kernel
     if on_cpu:
@@ -545,14 +561,22 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             ref = sparse_decode_attention(s.q, s.k, s.v, s.meta[0], s.meta[1], P)
             max_abs_err = float((s.out_sparse - ref).abs().max())
             kept_tokens = int(s.meta[1].max())
+            sel = s.retrieve()
+            torch_meta = s.adaptor(*sel, backend="torch")
+            torch_meta = tuple(t.clone() for t in torch_meta)
+            triton_meta = s.adaptor(*sel)
+            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip(torch_meta, triton_meta, strict=True))
             t_dense = timer.cold([s.dense_step])
             m_dense = timer.mode
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
-            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve])}
-            sel = s.retrieve()
-            parts["adaptor"] = timer.cold([partial(s.adaptor, *sel)])
-            parts["sparse attention"] = timer.cold([s.sparse_attention])
+            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve]),
+                     "retrieve: scores (q split + pages + kernel)": timer.cold([s.scores]),
+                     "retrieve: q split + physical pages (torch)": timer.cold([s.query_and_pages]),
+                     "page table (one launch)": timer.cold([partial(s.adaptor, *sel)]),
+                     "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
+                     "sparse attention": timer.cold([s.sparse_attention])}
+            s.sparse_step()  # leave the step's own outputs in meta / out_sparse
             ceiling = s.dense_bytes / s.sparse_bytes
             shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
             rows.append(_row(shape, None, "planted", "cold", t_dense, t_sparse, s.sparse_bytes, copy_bw,
@@ -560,11 +584,11 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
                              byte_limit_speedup=round(ceiling, 2), target_speedup=target,
                              parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
-                             max_abs_err_vs_reference=max_abs_err,
+                             max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
                              bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
                                         "dense: K/V of every token"))
-            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; parts "
-                  + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
+            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
+                  "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
             del s, ref, sel
             if device.type == "cuda":
                 torch.cuda.empty_cache()

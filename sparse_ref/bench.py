@@ -464,9 +464,12 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def scores():  # the first half of retrieve: query sign split + physical pages + the Quest scoring kernel
         return algo.score_pages(q, 0, rows, fb)
 
-    def query_and_pages():  # the torch ops before the scoring kernel
-        split_query_sign(q, algo.num_kv_heads, algo.head_dim, config.gqa_mode)
-        return algo.physical_pages(rows)
+    def scores_unfused():  # what score_pages ran before the fused kernel: torch sign split + page map + kernel
+        from sparse_ref.kernels.quest import quest_page_scores
+
+        q_pos, q_neg = split_query_sign(q, algo.num_kv_heads, algo.head_dim, config.gqa_mode)
+        return quest_page_scores(q_pos, q_neg, algo.page_min[0], algo.page_max[0], algo.page_valid[0],
+                                 algo.physical_pages(rows))
 
     def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
         return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
@@ -483,7 +486,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
-    ns.scores, ns.query_and_pages = scores, query_and_pages
+    ns.scores, ns.scores_unfused = scores, scores_unfused
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
@@ -571,9 +574,10 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
             parts = {"retrieve (scores + selection)": timer.cold([s.retrieve]),
-                     "retrieve: scores (q split + pages + kernel)": timer.cold([s.scores]),
-                     "retrieve: q split + physical pages (torch)": timer.cold([s.query_and_pages]),
-                     "page table (one launch)": timer.cold([partial(s.adaptor, *sel)]),
+                     "retrieve: scores (one launch)": timer.cold([s.scores]),
+                     "retrieve: scores unfused (torch q split + page map + kernel, not used)":
+                         timer.cold([s.scores_unfused]),
+                     "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
                      "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
                      "sparse attention": timer.cold([s.sparse_attention])}
             s.sparse_step()  # leave the step's own outputs in meta / out_sparse

@@ -148,11 +148,13 @@ def page_table_from_selection(selected: torch.Tensor, lengths: torch.Tensor, spa
         check_range("seq_lens", seq_lens, 0, r2t_width, "every request fits in req_to_token.")
         check_range("req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass rows of req_to_token.")
 
+    if bs >= 65535:
+        fail("selected", "fewer than 65535 rows (one launch)", f"{bs} rows", "build the table in chunks of rows.")
     if out is None:
         out = tuple(torch.empty(shape, dtype=torch.int32, device=selected.device) for shape in shapes)
     block_w, block_b = block_sizes(out_width, interpreted)
     grid = (max(1, triton.cdiv(out_width, block_w)), bs + 1)
-    _page_table_kernel[grid](selected.contiguous(), lengths.contiguous(), sparse_mask.contiguous(),
+    _page_table_kernel[grid](selected.contiguous(), lengths.contiguous(), sparse_mask.contiguous().view(torch.uint8),
                              seq_lens.contiguous(), req_pool_indices.contiguous(), req_to_token,
                              out[0], out[1], out[2], bs, width, out_width, r2t_rows, r2t_width, page_size,
                              BLOCK_W=block_w, BLOCK_B=block_b, num_warps=4)
@@ -166,7 +168,7 @@ def _aot_variants():
     variants = []
     for sel, lens, seq, rows in (("*i32", "*i32", "*i32", "*i32"), ("*i32", "*i32", "*i64", "*i64"),
                                  ("*i64", "*i64", "*i64", "*i64")):
-        sig = {"selected_ptr": sel, "lengths_ptr": lens, "mask_ptr": "*i1", "seq_lens_ptr": seq, "rows_ptr": rows,
+        sig = {"selected_ptr": sel, "lengths_ptr": lens, "mask_ptr": "*u8", "seq_lens_ptr": seq, "rows_ptr": rows,
                "req_to_token_ptr": "*i32", "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "cu_kv_lens_ptr": "*i32",
                "bs": "i32", "width": "i32", "out_width": "i32", "r2t_rows": "i32", "r2t_width": "i32",
                "page_size": "i32", "BLOCK_W": "constexpr", "BLOCK_B": "constexpr"}

@@ -474,8 +474,10 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
         return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
 
+    knobs = {"sparse": {}, "dense": {}}  # attention launch knobs of each step (the bench may tune both)
+
     def sparse_attention():
-        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
+        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse, **knobs["sparse"])
 
     def sparse_step():
         sel, lens = retrieve()
@@ -483,10 +485,10 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return sparse_attention()
 
     def dense_step():
-        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
+        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense, **knobs["dense"])
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
-    ns.scores, ns.scores_unfused = scores, scores_unfused
+    ns.scores, ns.scores_unfused, ns.knobs = scores, scores_unfused, knobs
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
@@ -513,6 +515,10 @@ def _eager_cold(timer, fn, reps):
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=64),
+                        dict(num_warps=8)]
 
 
 def bench_decode(device, timer, copy_bw, quick, on_cpu):
@@ -569,6 +575,22 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             torch_meta = tuple(t.clone() for t in torch_meta)
             triton_meta = s.adaptor(*sel)
             page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip(torch_meta, triton_meta, strict=True))
+            # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
+            # side, so neither side is held back by a default chosen blind; the all-defaults step is timed too
+            cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
+            chosen = {}
+            for side, fn in (("dense", s.dense_step), ("sparse", s.sparse_attention)):
+                times = {}
+                for name, cand in cands.items():
+                    s.knobs[side] = dict(cand)
+                    try:
+                        times[name] = timer.cold([fn])
+                    except Exception as e:  # e.g. out of resources: not a candidate
+                        times[name] = f"failed: {type(e).__name__}"
+                best = min((t, name) for name, t in times.items() if isinstance(t, float))[1]
+                s.knobs[side] = dict(cands[best])
+                chosen[side] = {"knobs": best, "sweep_us": {k_: round(v_, 2) if isinstance(v_, float) else v_
+                                                             for k_, v_ in times.items()}}
             t_dense = timer.cold([s.dense_step])
             m_dense = timer.mode
             t_sparse = timer.cold([s.sparse_step])
@@ -580,6 +602,11 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                      "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
                      "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
                      "sparse attention": timer.cold([s.sparse_attention])}
+            tuned_sparse = s.knobs["sparse"]
+            s.knobs["sparse"] = {}
+            t_sparse_default = timer.cold([s.sparse_step])  # both steps with default knobs, for comparison
+            s.knobs["sparse"] = tuned_sparse
+            t_dense_default = chosen["dense"]["sweep_us"]["default"]
             s.sparse_step()  # leave the step's own outputs in meta / out_sparse
             ceiling = s.dense_bytes / s.sparse_bytes
             shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
@@ -589,8 +616,15 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              byte_limit_speedup=round(ceiling, 2), target_speedup=target,
                              parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
                              max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
+                             attention_knobs=chosen, dense_default_knobs_us=t_dense_default,
+                             sparse_step_default_knobs_us=round(t_sparse_default, 2),
+                             speedup_default_knobs=round(t_dense_default / t_sparse_default, 2),
+                             knobs_note="each side's attention runs with the best of the same candidate list "
+                                        "(default included); *_default_* fields: both sides with default knobs",
                              bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
                                         "dense: K/V of every token"))
+            print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
+                  f"default knobs x{t_dense_default / t_sparse_default:.2f}", flush=True)
             print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
                   "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
             del s, ref, sel

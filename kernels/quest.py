@@ -9,7 +9,10 @@ byte floor is "the bounds of every scored page, read once".
 Inputs (the launcher checks them all before the launch):
 
 * ``q_pos``, ``q_neg``: fp32 ``[bs, H_kv, D]`` (or ``[bs, H_kv*D]``), from ``split_query_sign``:
-  the GQA mean / per-KV-head sum and the sign split stay in torch (they are tiny).
+  the GQA mean / per-KV-head sum and the sign split, in torch. They are tiny, but each torch op
+  is a launch of a few microseconds, which at bs=1 costs as much as the scoring itself; so
+  ``quest_page_scores_from_queries`` (what ``QuestAlgorithm`` runs) folds them, and the page
+  mapping below, into the same kernel: one launch from the raw queries and ``req_to_token``.
 * ``page_min``, ``page_max``: ``[num_pages, H_kv, D]`` fp32 (or fp16/bf16: loaded and widened to
   fp32; accumulation is always fp32), indexed by PHYSICAL page.
 * ``page_valid``: bool ``[num_pages]``. An invalid page scores exactly ``-inf``, and its bounds

@@ -36,7 +36,8 @@ head; query head ``h`` reads KV head ``h // G`` (SGLang and Hugging Face layout)
 
 Scoring backends (``scoring_backend``): ``"torch"`` runs ``quest_page_scores_reference`` (gather
 the bounds of every logical page, then ``bmm``: the reference); ``"triton"`` runs the streaming
-kernel ``sparse_ref.kernels.quest.quest_page_scores`` (each page's bounds read once); ``"auto"``
+kernel ``sparse_ref.kernels.quest.quest_page_scores_from_queries`` (one launch: the query sign split,
+the page mapping and each page's bounds read once); ``"auto"``
 picks Triton for CUDA tensors and torch otherwise. Both give the same scores up to fp32 rounding
 of the sum, and exactly ``-inf`` for pages without bounds.
 

@@ -201,6 +201,8 @@ def page_table_case(bs, P, width, r2t_width, seed, sparse_frac=0.7):
     r = torch.rand(bs, max(max_n, 1), generator=g, device=dev)
     r = torch.where(torch.arange(r.shape[1], device=dev)[None, :] < (n - 1)[:, None], r, 2.0)
     picks = torch.argsort(r, dim=1)[:, : width - 1]
+    if picks.shape[1] < width - 1:  # fewer pages than selection slots: pad (never picked: keep < n)
+        picks = torch.cat([picks, torch.zeros(bs, width - 1 - picks.shape[1], dtype=picks.dtype, device=dev)], 1)
     want = torch.randint(1, width + 1, (bs,), generator=g, device=dev)
     keep = torch.minimum(want - 1, (n - 1).clamp(min=0))  # pages before the last one
     cols = torch.arange(width - 1, device=dev)

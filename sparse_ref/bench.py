@@ -27,12 +27,14 @@ What is measured, and how:
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
   against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
 * **decode**: (a) the paged decode attention kernel (``sparse_ref.kernels.decode_attention``) at
-  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, against the copy bandwidth
-  (bytes = K + V read once) and the torch reference; (b) the sparse decode step (Quest scores +
-  selection + adaptor + sparse attention, one CUDA graph) against the dense step (the same
-  kernel over every page), at bs=1 MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens,
-  with fp32 and bf16 Quest bounds; each row gives the speedup, the byte-limit speedup (dense
-  bytes / sparse bytes) and the time of each part.
+  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, and at bs=1 MHA (32 heads),
+  against the copy bandwidth (bytes = K + V read once) and the torch reference; (b) the sparse
+  decode step (Quest scores + selection + the one-launch page table + sparse attention, one CUDA
+  graph) against the dense step (the same kernel over every page), at bs=1 MHA 32K and 128K and
+  bs=64 GQA 32K, budget 2048 tokens, with fp32 and bf16 Quest bounds; each row gives the
+  speedup, the byte-limit speedup (dense bytes / sparse bytes), the time of each part (and of
+  the torch adaptor the page-table kernel replaces) and whether the Triton page table equals
+  the torch adaptor's.
 * **dsa**: paged FP8 indexer logits (``sparse_ref.kernels.dsa.paged_indexer_logits``; 64 heads,
   D=128, page 64, random page order) and logits + top-2048 against the batched torch reference
   (gather + fp32 bmm; + ``torch.topk``) at bs 1/8/64 x 4K..128K (quick: 1x64K, 8x64K, 64x16K,
@@ -437,7 +439,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     from types import SimpleNamespace
 
     from sparse_ref.adaptor import page_table_width, to_attention_metadata
-    from sparse_ref.algorithms.quest import QuestAlgorithm
+    from sparse_ref.algorithms.quest import QuestAlgorithm, split_query_sign
     from sparse_ref.kernels.decode_attention import paged_decode_attention
     from sparse_ref.selection import selection_width
     from sparse_ref.workloads import make_planted_workload
@@ -469,11 +471,23 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def retrieve():
         return algo.retrieve_topk(q, 0, rows, mask, forward_batch=fb)
 
-    def adaptor(sel, lens):
-        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta)
+    def scores():  # the first half of retrieve: query sign split + physical pages + the Quest scoring kernel
+        return algo.score_pages(q, 0, rows, fb)
+
+    def scores_unfused():  # what score_pages ran before the fused kernel: torch sign split + page map + kernel
+        from sparse_ref.kernels.quest import quest_page_scores
+
+        q_pos, q_neg = split_query_sign(q, algo.num_kv_heads, algo.head_dim, config.gqa_mode)
+        return quest_page_scores(q_pos, q_neg, algo.page_min[0], algo.page_max[0], algo.page_valid[0],
+                                 algo.physical_pages(rows))
+
+    def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
+        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
+
+    knobs = {"sparse": {}, "dense": {}}  # attention launch knobs of each step (the bench may tune both)
 
     def sparse_attention():
-        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
+        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse, **knobs["sparse"])
 
     def sparse_step():
         sel, lens = retrieve()
@@ -481,9 +495,10 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return sparse_attention()
 
     def dense_step():
-        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
+        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense, **knobs["dense"])
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
+    ns.scores, ns.scores_unfused, ns.knobs = scores, scores_unfused, knobs
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
@@ -512,6 +527,10 @@ def _eager_cold(timer, fn, reps):
     return statistics.median(times)
 
 
+ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=64),
+                        dict(num_warps=8)]
+
+
 def bench_decode(device, timer, copy_bw, quick, on_cpu):
     """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
     (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
@@ -519,27 +538,33 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
     rows = []
-    # (a) the dense kernel
-    bs, h_q, h_kv, d, ctx, P = (2, 4, 2, 16, 200, 4) if on_cpu else (64, 32, 8, 128, 32768, 16)
-    q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
-    out = torch.empty(q.shape, dtype=torch.float32, device=device)
-    got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
-    want = sparse_decode_attention(q, k, v, table, kv_lens, P)
-    max_abs_err = float((got - want).abs().max())
-    del want
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
-    t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
-    m_ours = timer.mode
-    t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
-    rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
-                     t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
-                     torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
-                     bytes_note="K + V of every token read once", target_pct_copy_bw=80))
-    del q, k, v, table, kv_lens, out
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    # (a) the dense kernel: bs=64 GQA (the 80%-of-copy target) and bs=1 MHA (the baseline of the bs=1 step rows).
+    # Timed first, on freshly allocated inputs, before the torch reference runs (its tens of GB of temporaries
+    # come after); the same call, timer and inputs as benchmarks/gpu_attn.py's kernel table.
+    if on_cpu:
+        dense_shapes = [(2, 4, 2, 16, 200, 4, 80), (1, 4, 4, 16, 200, 4, None)]
+    else:
+        dense_shapes = [(64, 32, 8, 128, 32768, 16, 80), (1, 32, 32, 128, 32768, 16, None)]
+    for bs, h_q, h_kv, d, ctx, P, target in dense_shapes:
+        q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
+        out = torch.empty(q.shape, dtype=torch.float32, device=device)
+        nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
+        t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
+        m_ours = timer.mode
+        got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
+        want = sparse_decode_attention(q, k, v, table, kv_lens, P)
+        max_abs_err = float((got - want).abs().max())
+        del want
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
+        rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
+                         t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
+                         torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
+                         bytes_note="K + V of every token read once", target_pct_copy_bw=target))
+        del q, k, v, table, kv_lens, out, got
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # (b) sparse step vs dense step, one kernel
     if on_cpu:
@@ -555,14 +580,44 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             ref = sparse_decode_attention(s.q, s.k, s.v, s.meta[0], s.meta[1], P)
             max_abs_err = float((s.out_sparse - ref).abs().max())
             kept_tokens = int(s.meta[1].max())
+            sel = s.retrieve()
+            torch_meta = s.adaptor(*sel, backend="torch")
+            torch_meta = tuple(t.clone() for t in torch_meta)
+            triton_meta = s.adaptor(*sel)
+            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip(torch_meta, triton_meta, strict=True))
+            # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
+            # side, so neither side is held back by a default chosen blind; the all-defaults step is timed too
+            cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
+            chosen = {}
+            for side, fn in (("dense", s.dense_step), ("sparse", s.sparse_attention)):
+                times = {}
+                for name, cand in cands.items():
+                    s.knobs[side] = dict(cand)
+                    try:
+                        times[name] = timer.cold([fn])
+                    except Exception as e:  # e.g. out of resources: not a candidate
+                        times[name] = f"failed: {type(e).__name__}"
+                best = min((t, name) for name, t in times.items() if isinstance(t, float))[1]
+                s.knobs[side] = dict(cands[best])
+                chosen[side] = {"knobs": best, "sweep_us": {k_: round(v_, 2) if isinstance(v_, float) else v_
+                                                             for k_, v_ in times.items()}}
             t_dense = timer.cold([s.dense_step])
             m_dense = timer.mode
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
-            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve])}
-            sel = s.retrieve()
-            parts["adaptor"] = timer.cold([partial(s.adaptor, *sel)])
-            parts["sparse attention"] = timer.cold([s.sparse_attention])
+            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve]),
+                     "retrieve: scores (one launch)": timer.cold([s.scores]),
+                     "retrieve: scores unfused (torch q split + page map + kernel, not used)":
+                         timer.cold([s.scores_unfused]),
+                     "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
+                     "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
+                     "sparse attention": timer.cold([s.sparse_attention])}
+            tuned_sparse = s.knobs["sparse"]
+            s.knobs["sparse"] = {}
+            t_sparse_default = timer.cold([s.sparse_step])  # both steps with default knobs, for comparison
+            s.knobs["sparse"] = tuned_sparse
+            t_dense_default = chosen["dense"]["sweep_us"]["default"]
+            s.sparse_step()  # leave the step's own outputs in meta / out_sparse
             ceiling = s.dense_bytes / s.sparse_bytes
             shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
             rows.append(_row(shape, None, "planted", "cold", t_dense, t_sparse, s.sparse_bytes, copy_bw,
@@ -570,11 +625,18 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
                              byte_limit_speedup=round(ceiling, 2), target_speedup=target,
                              parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
-                             max_abs_err_vs_reference=max_abs_err,
+                             max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
+                             attention_knobs=chosen, dense_default_knobs_us=t_dense_default,
+                             sparse_step_default_knobs_us=round(t_sparse_default, 2),
+                             speedup_default_knobs=round(t_dense_default / t_sparse_default, 2),
+                             knobs_note="each side's attention runs with the best of the same candidate list "
+                                        "(default included); *_default_* fields: both sides with default knobs",
                              bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
                                         "dense: K/V of every token"))
-            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; parts "
-                  + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
+            print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
+                  f"default knobs x{t_dense_default / t_sparse_default:.2f}", flush=True)
+            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
+                  "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
             del s, ref, sel
             if device.type == "cuda":
                 torch.cuda.empty_cache()

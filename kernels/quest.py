@@ -35,13 +35,13 @@ aligned for vector loads) rather than a constexpr: one compiled kernel serves ev
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.checks import check_choice, check_int, check_range, check_same_device, check_tensor, fail
+from sparse_ref.device import triton_interpreted
+from sparse_ref.errors import SparseRefError
 
 BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -126,30 +126,6 @@ def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_p
     tl.store(out_ptr + r * max_pages + j, score, mask=in_row)
 
 
-def interpreted() -> bool:
-    """True when Triton runs kernels through its interpreter (CPU tensors allowed)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
-
-
-def capturing() -> bool:
-    """True while a CUDA graph is being captured: then no check may read device data."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _check(fn: str, name: str, t, dtypes, shape, fix: str) -> None:
-    """ShapeError unless ``t`` is a contiguous tensor of one of ``dtypes`` with ``shape`` (None: any size)."""
-    if not isinstance(t, torch.Tensor):
-        raise ShapeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}. Fix: {fix}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise ShapeError(f"{fn}: {name} must have dtype {want}, got {t.dtype}. Fix: {fix}")
-    if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape, strict=True)):
-        want = "[" + ", ".join("any" if w is None else str(w) for w in shape) + "]"
-        raise ShapeError(f"{fn}: {name} must have shape {want}, got {tuple(t.shape)}. Fix: {fix}")
-    if not t.is_contiguous():
-        raise ShapeError(f"{fn}: {name} must be contiguous, got strides {t.stride()}. Fix: pass {name}.contiguous().")
-
-
 PROGRAMS_PER_SM = 4  # the default blocks aim for at least this many programs per SM (memory latency hiding)
 
 
@@ -177,8 +153,7 @@ def _block_sizes(hd: int, block_p, block_hd, num_warps, bs: int = 1, max_pages: 
     num_warps = 4 if num_warps is None else num_warps
     for name, v, lo in (("block_p", block_p, 2), ("block_hd", block_hd, 8), ("num_warps", num_warps, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
-            raise SparseRefError(f"quest_page_scores: {name} must be a power of two >= {lo}, got {v!r}. "
-                                 f"Fix: leave {name}=None for the default.")
+            fail(name, f"a power of two >= {lo}", repr(v), f"leave {name}=None for the default.", SparseRefError)
     return block_p, block_hd, num_warps
 
 
@@ -192,45 +167,38 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
     ``block_hd``, ``num_warps``: launch knobs (powers of two); None picks the defaults.
     """
     fn = "quest_page_scores"
-    _check(fn, "page_min", page_min, BOUND_DTYPES, (None, None, None),
-           "pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
+    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
+                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
     num_pages, num_kv_heads, head_dim = page_min.shape
     hd = num_kv_heads * head_dim
-    _check(fn, "page_max", page_max, (page_min.dtype,), tuple(page_min.shape),
-           "pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
-    _check(fn, "page_valid", page_valid, (torch.bool,), (num_pages,),
-           "pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
-    _check(fn, "pages", pages, (torch.int32, torch.int64), (None, None),
-           "pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
+    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
+                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), contiguous=True,
+                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
+    check_tensor("pages", pages, dtype=(torch.int32, torch.int64), dims=2, contiguous=True,
+                 fix="pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
     bs, max_pages = pages.shape
     for name, q in (("q_pos", q_pos), ("q_neg", q_neg)):
         shape = (bs, num_kv_heads, head_dim) if isinstance(q, torch.Tensor) and q.dim() == 3 else (bs, hd)
-        _check(fn, name, q, (torch.float32,), shape,
-               f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
+        check_tensor(name, q, dtype=torch.float32, shape=shape, contiguous=True,
+                     fix=f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
     if out is not None:
-        _check(fn, "out", out, (torch.float32,), (bs, max_pages), "pass torch.empty(bs, max_pages) in fp32.")
-    tensors = {"q_pos": q_pos, "q_neg": q_neg, "page_max": page_max, "page_valid": page_valid, "pages": pages,
-               **({"out": out} if out is not None else {})}
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
+                     fix="pass torch.empty(bs, max_pages) in fp32.")
     device = page_min.device
-    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
-        raise ShapeError(f"{fn}: tensors must be on a CUDA device (or on CPU with TRITON_INTERPRET=1), got "
-                         f"{device}. Fix: move the pools and queries to the GPU, or use the torch scoring backend.")
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ShapeError(f"{fn}: {name} must be on the same device as page_min ({device}), got {t.device}. "
-                             f"Fix: {name}.to({str(device)!r}).")
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
+        fail(f"{fn}: page_min", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"{device}",
+             "move the pools and queries to the GPU, or use the torch scoring backend.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "q_pos": q_pos, "q_neg": q_neg, "page_max": page_max,
+                                       "page_valid": page_valid, "pages": pages, "out": out})
     block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps, bs, max_pages, device)
     if pages.numel() and num_pages == 0:
-        raise ShapeError(f"{fn}: pages names {pages.numel()} pages but the pool has none (page_min has shape "
-                         f"{tuple(page_min.shape)}). Fix: allocate the Quest pools before scoring.")
-    if pages.numel() and not capturing():
-        lo, hi = (int(x) for x in pages.aminmax())
-        if lo < 0 or hi >= num_pages:
-            raise ShapeError(f"{fn}: pages must lie in [0, {num_pages}) (the pool's physical pages), got min {lo}, "
-                             f"max {hi}. Fix: build pages with QuestAlgorithm.physical_pages (which clamps), "
-                             f"from a req_to_token filled through KVCacheManager.")
+        fail("page_min", "a pool with pages", f"shape {tuple(page_min.shape)} for {pages.numel()} pages to score",
+             "allocate the Quest pools before scoring.")
+    check_range("pages", pages, 0, num_pages - 1, "build pages with QuestAlgorithm.physical_pages (which clamps), "
+                "from a req_to_token filled through KVCacheManager.")
     if bs > 65535:
-        raise ShapeError(f"{fn}: at most 65535 requests per launch, got bs={bs}. Fix: score the batch in chunks.")
+        fail("pages", "at most 65535 requests (rows) per launch", f"bs={bs}", "score the batch in chunks.")
     if out is None:
         out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
     if bs == 0 or max_pages == 0:
@@ -257,63 +225,46 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     ``gqa_mode``: "mean" or "per_kv_head".
     """
     fn = "quest_page_scores_from_queries"
-    _check(fn, "page_min", page_min, BOUND_DTYPES, (None, None, None),
-           "pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
+    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
+                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
     num_pages, num_kv_heads, head_dim = page_min.shape
     hd = num_kv_heads * head_dim
-    _check(fn, "page_max", page_max, (page_min.dtype,), tuple(page_min.shape),
-           "pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
-    _check(fn, "page_valid", page_valid, (torch.bool,), (num_pages,),
-           "pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
-    _check(fn, "req_to_token", req_to_token, (torch.int32,), (None, None), "pass ReqToTokenPool.req_to_token.")
-    _check(fn, "req_pool_indices", req_pool_indices, (torch.int32, torch.int64), (None,),
-           "pass forward_batch.req_pool_indices, one row of req_to_token per request.")
+    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
+                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), contiguous=True,
+                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, fix="pass ReqToTokenPool.req_to_token.")
+    check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+                 fix="pass forward_batch.req_pool_indices, one row of req_to_token per request.")
     bs = req_pool_indices.shape[0]
-    ok = isinstance(queries, torch.Tensor) and queries.dim() in (2, 3) and queries.shape[0] == bs
-    if ok:
-        if queries.dim() == 3:
-            ok, num_q_heads = queries.shape[2] == head_dim, queries.shape[1]
-        else:
-            ok, num_q_heads = queries.shape[1] % head_dim == 0, queries.shape[1] // head_dim
-        ok = ok and num_q_heads > 0 and num_q_heads % num_kv_heads == 0
-    if not ok:
-        raise ShapeError(f"{fn}: queries must be [bs={bs}, H_q, {head_dim}] or [bs, H_q * {head_dim}] with H_q a "
-                         f"multiple of the {num_kv_heads} KV heads, got "
-                         f"{tuple(queries.shape) if isinstance(queries, torch.Tensor) else type(queries).__name__}. "
-                         "Fix: pass all query heads of the layer, one decode query per request.")
-    if queries.dtype not in BOUND_DTYPES:
-        raise ShapeError(f"{fn}: queries must be fp32/fp16/bf16, got {queries.dtype}. Fix: pass the float queries.")
+    check_tensor("queries", queries, dtype=BOUND_DTYPES, dims=(2, 3), fix="pass the float decode queries.")
+    num_q_heads = queries.shape[1] if queries.dim() == 3 else queries.shape[1] // head_dim
+    width = queries.shape[2] if queries.dim() == 3 else queries.shape[1] % head_dim + head_dim
+    if queries.shape[0] != bs or width != head_dim or num_q_heads == 0 or num_q_heads % num_kv_heads:
+        fail("queries", f"[bs={bs}, H_q, {head_dim}] or [bs, H_q * {head_dim}] with H_q a multiple of the "
+             f"{num_kv_heads} KV heads", f"shape {tuple(queries.shape)}",
+             "pass all query heads of the layer, one decode query per request.")
     group = num_q_heads // num_kv_heads
-    if gqa_mode not in ("mean", "per_kv_head"):
-        raise SparseRefError(f"{fn}: gqa_mode must be 'mean' or 'per_kv_head', got {gqa_mode!r}. Fix: pass "
-                             "SparseConfig.gqa_mode.")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise SparseRefError(f"{fn}: page_size must be a positive int, got {page_size!r}. Fix: the pool's page size.")
-    if isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages < 0:
-        raise SparseRefError(f"{fn}: max_pages must be an int >= 0, got {max_pages!r}. Fix: QuestAlgorithm.max_pages.")
+    check_choice("gqa_mode", gqa_mode, ("mean", "per_kv_head"), "pass SparseConfig.gqa_mode.", SparseRefError)
+    check_int("page_size", page_size, low=1, fix="pass the pool's page size.", error=SparseRefError)
+    check_int("max_pages", max_pages, low=0, fix="pass QuestAlgorithm.max_pages.", error=SparseRefError)
     if out is not None:
-        _check(fn, "out", out, (torch.float32,), (bs, max_pages), "pass torch.empty(bs, max_pages) in fp32.")
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
+                     fix="pass torch.empty(bs, max_pages) in fp32.")
     device = page_min.device
-    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
-        raise ShapeError(f"{fn}: tensors must be on a CUDA device (or on CPU with TRITON_INTERPRET=1), got "
-                         f"{device}. Fix: move the pools and queries to the GPU, or use the torch scoring backend.")
-    tensors = {"queries": queries, "page_max": page_max, "page_valid": page_valid, "req_to_token": req_to_token,
-               "req_pool_indices": req_pool_indices, **({"out": out} if out is not None else {})}
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ShapeError(f"{fn}: {name} must be on the same device as page_min ({device}), got {t.device}. "
-                             f"Fix: {name}.to({str(device)!r}).")
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
+        fail(f"{fn}: page_min", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"{device}",
+             "move the pools and queries to the GPU, or use the torch scoring backend.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "queries": queries, "page_max": page_max,
+                                       "page_valid": page_valid, "req_to_token": req_to_token,
+                                       "req_pool_indices": req_pool_indices, "out": out})
     r2t_rows, r2t_width = req_to_token.shape
-    if bs and (num_pages == 0 or r2t_rows == 0 or r2t_width == 0) and max_pages:
-        raise ShapeError(f"{fn}: empty pools (page_min {tuple(page_min.shape)}, req_to_token "
-                         f"{tuple(req_to_token.shape)}). Fix: allocate the pools before scoring.")
-    if bs and not capturing():
-        lo, hi = (int(x) for x in req_pool_indices.aminmax())
-        if lo < 0 or hi >= r2t_rows:
-            raise ShapeError(f"{fn}: req_pool_indices must lie in [0, {r2t_rows}), got min {lo}, max {hi}. "
-                             "Fix: pass forward_batch.req_pool_indices.")
+    if bs and max_pages and (num_pages == 0 or r2t_rows == 0 or r2t_width == 0):
+        fail("page_min", "allocated pools", f"page_min {tuple(page_min.shape)}, req_to_token "
+             f"{tuple(req_to_token.shape)}", "allocate the pools before scoring.")
+    check_range("req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass forward_batch.req_pool_indices.")
     if bs > 65535:
-        raise ShapeError(f"{fn}: at most 65535 requests per launch, got bs={bs}. Fix: score the batch in chunks.")
+        fail("req_pool_indices", "at most 65535 requests per launch", f"bs={bs}", "score the batch in chunks.")
     block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps, bs, max_pages, device)
     if out is None:
         out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)

@@ -26,6 +26,7 @@ from sparse_ref.checks import (
     INDEX_DTYPES,
     INT32_MAX,
     capturing,
+    check_choice,
     check_int,
     check_range,
     check_rows,
@@ -34,7 +35,7 @@ from sparse_ref.checks import (
     describe,
     fail,
 )
-from sparse_ref.errors import ShapeError
+from sparse_ref.errors import ShapeError, SparseRefError
 from sparse_ref.selection import ceil_div
 
 
@@ -113,14 +114,22 @@ def _check_inputs(selected, lengths, sparse_mask, forward_batch, req_to_token, p
 
 
 def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, forward_batch,
-                          req_to_token: torch.Tensor, page_size: int, out=None):
+                          req_to_token: torch.Tensor, page_size: int, out=None, backend: str = "auto"):
     """``(page_table, kv_lens, cu_kv_lens)`` for paged attention (see the module docstring).
 
     ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers written in place (CUDA
     graph replay); they are returned. Batched torch, no host sync once the eager checks are skipped.
+    ``backend``: "torch" (the batched torch below), "triton" (the same result in one launch,
+    ``sparse_ref.kernels.page_table``) or "auto" (triton on CUDA, torch elsewhere).
     """
     _check_inputs(selected, lengths, sparse_mask, forward_batch, req_to_token, page_size, out)
     seq_lens, rows = forward_batch.seq_lens, forward_batch.req_pool_indices
+    check_choice("backend", backend, ("auto", "torch", "triton"), "leave backend='auto'.", SparseRefError)
+    if backend == "triton" or (backend == "auto" and selected.device.type == "cuda"):
+        from sparse_ref.kernels.page_table import page_table_from_selection  # kernels import only when used
+
+        return page_table_from_selection(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size,
+                                         out=out, check_values=False)  # values were checked just above
     bs, width = selected.shape
     device = selected.device
     w_out = page_table_width(width, req_to_token.shape[1], page_size)

@@ -37,7 +37,8 @@ head; query head ``h`` reads KV head ``h // G`` (SGLang and Hugging Face layout)
 
 Scoring backends (``scoring_backend``): ``"torch"`` runs ``quest_page_scores_reference`` (gather
 the bounds of every logical page, then ``bmm``: the reference); ``"triton"`` runs the streaming
-kernel ``sparse_ref.kernels.quest.quest_page_scores`` (each page's bounds read once); ``"auto"``
+kernel ``sparse_ref.kernels.quest.quest_page_scores_from_queries`` (one launch: the query sign split,
+the page mapping and each page's bounds read once); ``"auto"``
 picks Triton for CUDA tensors and torch otherwise. Both give the same scores up to fp32 rounding
 of the sum, and exactly ``-inf`` for pages without bounds.
 
@@ -289,16 +290,20 @@ class QuestAlgorithm(SparseAlgorithm):
                     forward_batch) -> torch.Tensor:
         """fp32 ``[bs, max_pages]`` Quest bounds of each logical page; -inf where a page has no bounds."""
         self.check_layer(layer_id)
-        q_pos, q_neg = split_query_sign(queries.to(self.device), self.num_kv_heads, self.head_dim,
-                                        self.config.gqa_mode)
-        pages = self.physical_pages(req_pool_indices)
-        if not capturing() and pages.numel():
+        fused = self.uses_triton_scoring()  # the Triton kernel splits the signs and maps the pages itself
+        q_pos, q_neg = split_query_sign(queries[:0] if fused else queries.to(self.device), self.num_kv_heads,
+                                        self.head_dim, self.config.gqa_mode)  # fused: shape checks only (no rows)
+        pages = None if fused and capturing() else self.physical_pages(req_pool_indices)
+        if pages is not None and not capturing() and pages.numel():
             self._check_pages_in_range(pages, forward_batch)
-        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id], pages)
-        if self.uses_triton_scoring():
-            from sparse_ref.kernels.quest import quest_page_scores  # kernels import only when used
+        if fused:
+            from sparse_ref.kernels.quest import quest_page_scores_from_queries  # kernels import only when used
 
-            return quest_page_scores(q_pos.contiguous(), q_neg.contiguous(), *bounds)
+            return quest_page_scores_from_queries(
+                queries.to(self.device), self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
+                self.req_to_token_pool.req_to_token.to(self.device), req_pool_indices.to(self.device), self.page_size,
+                self.max_pages, self.config.gqa_mode)
+        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id], pages)
         return quest_page_scores_reference(q_pos, q_neg, *bounds)
 
     def _check_pages_in_range(self, pages: torch.Tensor, forward_batch) -> None:

@@ -890,23 +890,25 @@ def main(argv=None) -> dict:
     print(f"device-to-device copy bandwidth: {copy_bw:.2f} TB/s", flush=True)
     suites = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
     rows = []
-    for name in suites:
+    for i, name in enumerate(suites):
         print(f"== {name}", flush=True)
         rows += SUITES[name](device, timer, copy_bw, args.quick, on_cpu)
-    result = dict(
-        command="python -m sparse_ref.bench " + " ".join(sys.argv[1:] if argv is None else argv),
-        gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
-        copy_bandwidth_detail=dict(COPY_DETAIL, note="1 GiB fp32, read + write bytes, eager, median of 20"),
-        timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer zeroed "
-                "before each call, inputs rotated over 4 copies; L2 warm = replay of a graph of 20 calls on one "
-                "input, divided by 20. Rows say how each side was timed (torch_timing, ours_timing: graph, eager or "
-                "wall clock)."),
-        rows=rows,
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+        # Written after every suite, so a run cut short still leaves the suites it finished.
+        result = dict(
+            command="python -m sparse_ref.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            suites_done=suites[: i + 1], complete=i == len(suites) - 1,
+            copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
+            copy_bandwidth_detail=dict(COPY_DETAIL, note="1 GiB fp32, read + write bytes, eager, median of 20"),
+            timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer "
+                    "zeroed before each call, inputs rotated over 4 copies; L2 warm = replay of a graph of 20 calls "
+                    "on one input, divided by 20. Rows say how each side was timed (torch_timing, ours_timing: "
+                    "graph, eager or wall clock)."),
+            rows=rows,
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
     print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
           f"{'TB/s':>7}{'%copy':>7}")
     for r in rows:

@@ -1,7 +1,7 @@
 # sparse_ref: two commands do everything.
 #   make tutorial   set up .venv, execute every notebook, write executed copies + HTML to build/
 #   make test       set up .venv, run pytest on tests/ and nbmake on notebooks/
-# Other targets: setup, lint, clean-notebooks, clean.
+# Other targets: setup, lab (JupyterLab), lint, clean-notebooks, clean, distclean (also removes .venv).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,13 +13,21 @@ TRITON_VERSION ?= 3.7.1
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# Jupyter tools run as `python -m ...` so that they use this .venv's Python and kernel even if the
+# venv was copied from elsewhere (a copied venv's bin/ scripts keep the old interpreter path).
+NBCONVERT := $(BIN)/python -m nbconvert
+# JupyterLab refuses to start as root (common in containers) unless told --allow-root.
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ARGS ?=
 
-.PHONY: setup tutorial test lint clean-notebooks clean
+.PHONY: setup tutorial test lab lint clean-notebooks clean distclean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || { $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and \
+	  "sparse_ref needs Python 3.11+ (tested: 3.11, 3.12); got " + sys.version.split()[0] + \
+	  ". Fix: make PYTHON=python3.12 (or another Python 3.11+)")' && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 ifeq ($(HAS_GPU),1)
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
@@ -37,10 +45,10 @@ tutorial: setup
 	@mkdir -p $(BUILD)/notebooks $(BUILD)/html
 	@for nb in $(NOTEBOOKS); do \
 	  echo "== executing $$nb"; \
-	  $(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800 \
+	  $(NBCONVERT) --to notebook --execute --ExecutePreprocessor.timeout=1800 \
 	    --ExecutePreprocessor.kernel_name=python3 --output-dir $(BUILD)/notebooks "$$nb" || exit 1; \
 	done
-	$(BIN)/jupyter nbconvert --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
+	$(NBCONVERT) --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
 	@echo ""
 	@echo "Executed notebooks (with plots): $(abspath $(BUILD)/notebooks)"
 	@echo "HTML for browsing:               $(abspath $(BUILD)/html)"
@@ -48,12 +56,22 @@ tutorial: setup
 test: setup
 	$(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=900 -q
 
+# JupyterLab on the notebooks, from .venv. Extra options: make lab LAB_ARGS="--ip=0.0.0.0 --no-browser".
+lab: setup
+	$(BIN)/python -m jupyterlab $(LAB_ROOT) $(LAB_ARGS) notebooks/
+
 lint: setup
 	$(BIN)/ruff check .
 
 # Strip outputs and execution counts from the committed notebooks.
 clean-notebooks: setup
-	$(BIN)/jupyter nbconvert --clear-output --inplace $(NOTEBOOKS)
+	$(NBCONVERT) --clear-output --inplace $(NOTEBOOKS)
 
+# Build outputs and tool caches; keeps .venv.
 clean:
 	rm -rf $(BUILD) .pytest_cache .ruff_cache
+
+# Everything `make setup` and the tools created: back to a fresh clone (the next make sets up again).
+distclean: clean
+	rm -rf $(VENV) .hypothesis dist *.egg-info .whl
+	find . -path ./.git -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -prune -exec rm -rf {} +

@@ -1,9 +1,13 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
-SUITE is ``topk``, ``select``, ``quest``, ``retrieve`` or ``all``; several may be given
+SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode`` or ``all``; several may be given
 (``python -m sparse_ref.bench quest retrieve``).
 
-What is measured, and how (DESIGN.md section 6):
+Without ``--out`` the JSON goes to ``build/bench/<suites>-<gpu|cpu>.json`` (ignored by git); the
+committed GPU results in ``benchmarks/results/`` are written only with an explicit ``--out``, and
+never by a CPU run. ``docs/design.md`` lists the targets each suite is held to.
+
+What is measured, and how:
 
 * **topk**: the radix top-k (``sparse_ref.kernels.topk.topk``) against ``torch.topk`` on the
   same inputs, for three score distributions: ``randn``; ``indexer`` (ReLU-weighted sums of
@@ -12,13 +16,20 @@ What is measured, and how (DESIGN.md section 6):
 * **select**: the fused page selection (``select_pages_triton``) against the torch batched
   selection (``select_pages``: torch.topk-style ranking + finalize), and torch.topk alone.
 * **quest**: Quest page scores, the Triton kernel (``sparse_ref.kernels.quest.quest_page_scores``)
-  against the torch reference (``quest_page_scores_reference``: gather + bmm), at DESIGN's shape
+  against the torch reference (``quest_page_scores_reference``: gather + bmm), at the target shape
   (bs=1, 32 KV heads, D=128, page 16, 128K context) and the retrieve shape (bs=64, 8 KV heads,
   32K context); bytes = the bounds of every scored page read once + the scores written. The
   bounds pool is fp32 (as ``QuestAlgorithm`` keeps it); a bf16-bounds row shows the kernel at
-  half the bytes (DESIGN's 31 µs floor assumes 2-byte bounds).
+  half the bytes (the 31 µs byte floor at 4.3 TB/s assumes 2-byte bounds).
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
   against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
+* **decode**: (a) the paged decode attention kernel (``sparse_ref.kernels.decode_attention``) at
+  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, against the copy bandwidth
+  (bytes = K + V read once) and the torch reference; (b) the sparse decode step (Quest scores +
+  selection + adaptor + sparse attention, one CUDA graph) against the dense step (the same
+  kernel over every page), at bs=1 MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens,
+  with fp32 and bf16 Quest bounds; each row gives the speedup, the byte-limit speedup (dense
+  bytes / sparse bytes) and the time of each part.
 
 Timing: CUDA events around each call, median of many calls. **L2 cold** rows zero a 1 GiB
 buffer before every call (the H200's L2 is ~60 MB), which also keeps the GPU busy while Python
@@ -379,16 +390,191 @@ def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
     return rows
 
 
-SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve}
+# ------------------------------------------------------------------------------------------
+# decode: the paged decode attention kernel, and the sparse decode step against the dense one
+# ------------------------------------------------------------------------------------------
+def dense_attention_inputs(bs, h_q, h_kv, d, ctx, page_size, kv_dtype, device, seed=0):
+    """q fp32, K/V pools of ``bs`` requests of ``ctx`` tokens (shuffled pages; page 0 padding), full page tables."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages = -(-ctx // page_size)
+    num_pages = bs * pages + 1
+    table = (torch.randperm(num_pages - 1, generator=g) + 1).reshape(bs, pages).to(torch.int32).to(device)
+    k = torch.randn(num_pages * page_size, h_kv, d, device=device, dtype=kv_dtype)
+    v = torch.randn(num_pages * page_size, h_kv, d, device=device, dtype=kv_dtype)
+    q = torch.randn(bs, h_q, d, device=device)
+    kv_lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+    return q, k, v, table, kv_lens
+
+
+def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dtype, device,
+                      kv_dtype=torch.bfloat16, seed=0):
+    """Quest on a planted workload, with the static buffers of one sparse and one dense decode step.
+
+    Returns a namespace with ``sparse_step()`` (Quest scores + page selection + adaptor + sparse
+    attention, all into static buffers: capturable as ONE CUDA graph) and ``dense_step()`` (the
+    same attention kernel over the full, precomputed page table), and the byte counts.
+    """
+    from types import SimpleNamespace
+
+    from sparse_ref.adaptor import page_table_width, to_attention_metadata
+    from sparse_ref.algorithms.quest import QuestAlgorithm
+    from sparse_ref.kernels.decode_attention import paged_decode_attention
+    from sparse_ref.selection import selection_width
+    from sparse_ref.workloads import make_planted_workload
+
+    pages = -(-ctx // page_size)
+    recent, sink = 4, 1
+    config = SparseConfig(page_budget=budget_tokens // page_size - recent - sink, num_recent_pages=recent,
+                          num_sink_pages=sink)
+    wl = make_planted_workload([ctx] * bs, page_size=page_size, num_q_heads=h_q, num_kv_heads=h_kv, head_dim=d,
+                               interleave_pages=max(1, pages // 32), dtype=kv_dtype, device=device, seed=seed)
+    algo = QuestAlgorithm(config, device, bounds_dtype=bounds_dtype)
+    wl.attach(algo)
+    fb, r2t = wl.forward_batch, wl.req_to_token
+    q, k, v = wl.queries, wl.k_buffer, wl.v_buffer
+    rows = fb.req_pool_indices
+    mask = torch.ones(bs, dtype=torch.bool, device=device)
+    width = page_table_width(selection_width(algo.max_pages, config), r2t.shape[1], page_size)
+    meta = (torch.zeros(bs, width, dtype=torch.int32, device=device), torch.zeros(bs, dtype=torch.int32, device=device),
+            torch.zeros(bs + 1, dtype=torch.int32, device=device))
+    out_sparse = torch.empty(q.shape, dtype=torch.float32, device=device)
+    out_dense = torch.empty(q.shape, dtype=torch.float32, device=device)
+    dense_table, dense_lens, _ = to_attention_metadata(torch.full((bs, 1), -1, dtype=torch.int32, device=device),
+                                                       torch.zeros(bs, dtype=torch.int32, device=device),
+                                                       torch.zeros(bs, dtype=torch.bool, device=device), fb, r2t,
+                                                       page_size)
+    ns = SimpleNamespace(algo=algo, workload=wl, q=q, k=k, v=v, meta=meta, out_sparse=out_sparse, out_dense=out_dense,
+                         dense_table=dense_table, dense_lens=dense_lens, page_size=page_size)
+
+    def retrieve():
+        return algo.retrieve_topk(q, 0, rows, mask, forward_batch=fb)
+
+    def adaptor(sel, lens):
+        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta)
+
+    def sparse_attention():
+        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
+
+    def sparse_step():
+        sel, lens = retrieve()
+        adaptor(sel, lens)
+        return sparse_attention()
+
+    def dense_step():
+        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
+
+    ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
+    ns.sparse_step, ns.dense_step = sparse_step, dense_step
+    kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
+    ns.dense_bytes = bs * ctx * kv_bytes
+    bounds_bytes = 2 * torch.tensor([], dtype=bounds_dtype).element_size() * h_kv * d  # min + max of one page
+    ns.sparse_bytes = bs * pages * bounds_bytes + bs * min(budget_tokens, ctx) * kv_bytes
+    return ns
+
+
+def _eager_cold(timer, fn, reps):
+    """Median µs of eager calls of ``fn`` with the L2 flushed before each (for calls that cannot be captured)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if timer.on_gpu:
+            timer.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def bench_decode(device, timer, copy_bw, quick, on_cpu):
+    """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
+    (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
+    from sparse_ref.attention import sparse_decode_attention
+    from sparse_ref.kernels.decode_attention import paged_decode_attention
+
+    rows = []
+    # (a) the dense kernel
+    bs, h_q, h_kv, d, ctx, P = (2, 4, 2, 16, 200, 4) if on_cpu else (64, 32, 8, 128, 32768, 16)
+    q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
+    out = torch.empty(q.shape, dtype=torch.float32, device=device)
+    got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
+    want = sparse_decode_attention(q, k, v, table, kv_lens, P)
+    max_abs_err = float((got - want).abs().max())
+    del want
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
+    t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
+    m_ours = timer.mode
+    t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
+    rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
+                     t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
+                     torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
+                     bytes_note="K + V of every token read once", target_pct_copy_bw=80))
+    del q, k, v, table, kv_lens, out
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # (b) sparse step vs dense step, one kernel
+    if on_cpu:
+        shapes = [(1, 4, 4, 16, 256, 4, 32, None), (2, 4, 2, 16, 256, 4, 32, None)]
+    else:
+        shapes = [(1, 32, 32, 128, 32768, 16, 2048, 7.0), (1, 32, 32, 128, 131072, 16, 2048, 10.0),
+                  (64, 32, 8, 128, 32768, 16, 2048, 6.0)]
+    for bs, h_q, h_kv, d, ctx, P, budget, target in shapes:
+        for bounds_dtype in (torch.float32, torch.bfloat16):
+            s = decode_step_setup(bs, h_q, h_kv, d, ctx, P, budget, bounds_dtype, device)
+            s.sparse_step()
+            s.dense_step()
+            ref = sparse_decode_attention(s.q, s.k, s.v, s.meta[0], s.meta[1], P)
+            max_abs_err = float((s.out_sparse - ref).abs().max())
+            kept_tokens = int(s.meta[1].max())
+            t_dense = timer.cold([s.dense_step])
+            m_dense = timer.mode
+            t_sparse = timer.cold([s.sparse_step])
+            m_sparse = timer.mode
+            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve])}
+            sel = s.retrieve()
+            parts["adaptor"] = timer.cold([partial(s.adaptor, *sel)])
+            parts["sparse attention"] = timer.cold([s.sparse_attention])
+            ceiling = s.dense_bytes / s.sparse_bytes
+            shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
+            rows.append(_row(shape, None, "planted", "cold", t_dense, t_sparse, s.sparse_bytes, copy_bw,
+                             "sparse_step", baseline="dense step: the same kernel over every page (table prebuilt)",
+                             torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
+                             byte_limit_speedup=round(ceiling, 2), target_speedup=target,
+                             parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
+                             max_abs_err_vs_reference=max_abs_err,
+                             bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
+                                        "dense: K/V of every token"))
+            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; parts "
+                  + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
+            del s, ref, sel
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,
+          "decode": bench_decode}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m sparse_ref.bench", description=__doc__.split("\n")[0])
     parser.add_argument("suite", nargs="+", choices=[*SUITES, "all"], help="one or more suites, or all")
     parser.add_argument("--quick", action="store_true", help="fewer distributions and repetitions")
-    parser.add_argument("--out", default="benchmarks/results/h200.json", help="where to write the JSON")
+    parser.add_argument("--out", default=None,
+                        help=f"where to write the JSON (default: {DEFAULT_OUT}, e.g. build/bench/topk-gpu.json; "
+                             f"committed GPU results go to {RESULTS_DIR}/ only with an explicit --out)")
     parser.add_argument("--allow-cpu", action="store_true",
-                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers)")
+                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers; never written "
+                             f"into {RESULTS_DIR}/)")
     args = parser.parse_args(argv)
     device = sparse_ref.default_device()
     on_cpu = device.type != "cuda"
@@ -397,6 +583,11 @@ def main(argv=None) -> dict:
                          "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu "
                          "for a smoke run whose results are labelled as CPU results (never commit them as GPU "
                          "numbers).")
+    out = Path(args.out) if args.out else default_out(args.suite, on_cpu)
+    if on_cpu and _in_results_dir(out):
+        raise SystemExit(f"sparse_ref.bench: --out {out} is inside {RESULTS_DIR}/, which holds the committed GPU "
+                         "results; a CPU run must not overwrite them. Drop --out (it defaults to "
+                         f"{default_out(args.suite, on_cpu)}) or write somewhere else.")
     import triton
 
     timer = Timer(device, reps=2 if on_cpu else (30 if args.quick else 100))
@@ -412,7 +603,7 @@ def main(argv=None) -> dict:
     result = dict(
         command="python -m sparse_ref.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
         copy_bandwidth_detail=dict(COPY_DETAIL, note="1 GiB fp32, read + write bytes, eager, median of 20"),
         timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer zeroed "
@@ -421,7 +612,6 @@ def main(argv=None) -> dict:
                 "wall clock)."),
         rows=rows,
     )
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
@@ -432,6 +622,21 @@ def main(argv=None) -> dict:
               f"{r['pct_copy_bw'] if r['pct_copy_bw'] is not None else '-':>7}")
     print(f"wrote {out}")
     return result
+
+
+RESULTS_DIR = "benchmarks/results"  # committed GPU results; never written by a CPU run
+DEFAULT_OUT = "build/bench/<suites>-<gpu|cpu>.json"
+
+
+def default_out(suites: list[str], on_cpu: bool) -> Path:
+    """Where a run writes its JSON without ``--out``: an ignored build folder, never the committed results."""
+    return Path("build", "bench", f"{'+'.join(dict.fromkeys(suites))}-{'cpu' if on_cpu else 'gpu'}.json")
+
+
+def _in_results_dir(path: Path) -> bool:
+    """True when ``path`` lies in a ``benchmarks/results`` folder (relative to anywhere)."""
+    parts = path.resolve().parts
+    return any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``python -m sparse_ref.bench``: refuses CPU runs unless asked, labels them, writes the JSON the notebooks read."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,3 +47,48 @@ def test_gpu_bench_quick_select(tmp_path):
     result = bench.main(["select", "--quick", "--out", str(tmp_path / "g.json")])
     assert not result["cpu_only"] and result["copy_bandwidth_tbps"] > 0.5
     assert all(r["ours_us"] > 0 for r in result["rows"])
+
+
+REPO_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def test_help_shows_the_default_out(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: build/bench/<suites>-<gpu|cpu>.json" in text
+
+
+def test_default_out_is_a_build_path_never_the_results():
+    assert bench.default_out(["topk"], on_cpu=True) == Path("build/bench/topk-cpu.json")
+    gpu_out = bench.default_out(["quest", "retrieve", "quest"], on_cpu=False)
+    assert gpu_out == Path("build/bench/quest+retrieve-gpu.json")
+    for suites in (["all"], ["topk", "select"]):
+        for on_cpu in (True, False):
+            assert not bench._in_results_dir(bench.default_out(suites, on_cpu))
+    assert bench._in_results_dir(Path("benchmarks/results/h200.json"))
+    assert bench._in_results_dir(REPO_RESULTS / "sub" / "x.json")
+    assert not bench._in_results_dir(Path("benchmarks/resultsx.json"))
+
+
+@pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="checks where a CPU run writes")
+def test_cpu_run_without_out_writes_the_build_path(tmp_path, monkeypatch):
+    committed = {p: p.read_bytes() for p in REPO_RESULTS.glob("*.json")}
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # as if run from a checkout's root
+    bench.main(["topk", "--quick", "--allow-cpu"])
+    written = tmp_path / "build" / "bench" / "topk-cpu.json"
+    assert json.loads(written.read_text())["cpu_only"] is True
+    assert list((tmp_path / "benchmarks" / "results").iterdir()) == []
+    assert {p: p.read_bytes() for p in REPO_RESULTS.glob("*.json")} == committed
+
+
+@pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="checks the CPU refusal")
+@pytest.mark.parametrize("where", ["repo", "elsewhere"])
+def test_cpu_run_refuses_to_write_into_benchmarks_results(tmp_path, where):
+    target = REPO_RESULTS / "h200.json" if where == "repo" else tmp_path / "benchmarks" / "results" / "cpu.json"
+    before = target.read_bytes() if target.exists() else None
+    with pytest.raises(SystemExit, match="committed GPU results"):
+        bench.main(["topk", "--quick", "--allow-cpu", "--out", str(target)])
+    assert (target.read_bytes() if target.exists() else None) == before

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_ref import KVCacheManager, ShapeError, SparseConfig, build_decode_batch, build_extend_batch
@@ -194,3 +194,112 @@ def test_invalid_req_to_token_entries_are_reported():
     m.req_to_token_pool.req_to_token[r.req_pool_idx, 4] = 1000  # logical page 1 -> physical page 250
     with pytest.raises(ShapeError, match="maps logical page 1 to physical page 250"):
         algo.score_pages(torch.zeros(1, 1, 2), 0, fb.req_pool_indices, fb)
+
+
+# ------------------------------------------------------------------ 16-bit bounds (directed rounding)
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def awkward_floats(gen, n):
+    """fp32 values that round to nearest in the wrong direction half the time, plus range edges."""
+    base = (torch.randn(n, generator=gen) * 4).bfloat16().float()  # exact in bf16 (and mostly in fp16)
+    nudge = torch.randn(n, generator=gen).sign() * base.abs() * 2.0 ** -12  # below half a bf16 ulp, above fp16's
+    edges = torch.tensor([0.0, -0.0, 1e-9, -1e-9, 1e-30, 65504.0, 65519.0, 65521.0, 7e4, -7e4, 3e38, -3e38,
+                          float("inf"), float("-inf")])
+    return torch.cat([torch.randn(n, generator=gen) * 10, base + nudge, edges])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_round_bounds_outward_is_the_nearest_value_on_the_outer_side(dtype):
+    from sparse_ref.algorithms.quest import round_bounds_outward
+
+    x = awkward_floats(torch.Generator().manual_seed(0), 2000)
+    lo, hi = round_bounds_outward(x, x, dtype)
+    assert lo.dtype == dtype and hi.dtype == dtype
+    assert bool((lo.float() <= x).all()) and bool((hi.float() >= x).all())
+    # tight: the next 16-bit value past lo (hi) is already beyond x
+    up = torch.nextafter(lo, torch.full_like(lo, float("inf"))).float()
+    down = torch.nextafter(hi, torch.full_like(hi, float("-inf"))).float()
+    assert bool(((up > x) | (x == float("inf"))).all()) and bool(((down < x) | (x == float("-inf"))).all())
+    nearest = x.to(dtype).float()
+    assert bool((nearest > x).any()) and bool((nearest < x).any()), "the test data must round both ways"
+    assert bool(torch.isnan(round_bounds_outward(torch.tensor([float("nan")]), torch.tensor([float("nan")]),
+                                                 dtype)[0]).all())
+    if dtype == torch.float16:  # overflow: 7e4 has no fp16 value; the outer side is infinite, the inner finite
+        lo, hi = round_bounds_outward(torch.tensor([7e4, -7e4]), torch.tensor([7e4, -7e4]), dtype)
+        assert lo.tolist() == [65504.0, float("-inf")] and hi.tolist() == [float("inf"), -65504.0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(HALF_DTYPES), st.sampled_from([1, 3, 16]), st.sampled_from(["mean", "per_kv_head"]),
+       st.sampled_from([(1, 1), (2, 2), (3, 1)]), st.integers(0, 2**31 - 1))
+def test_16bit_bounds_still_bound_every_key(dtype, page_size, gqa_mode, heads, seed):
+    """Fresh keys that round the wrong way: the score from 16-bit bounds is >= q . k for each key of its page.
+
+    The same keys with bounds rounded to NEAREST break the bound at page size 1 (the mutation this guards).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, group = heads
+    d, seq_len = 24, 50
+    m = KVCacheManager.create(max_requests=1, max_context_len=80, num_pages=90, page_size=page_size,
+                              num_kv_heads=num_kv_heads, head_dim=d)
+    m.allocator.alloc(3)
+    req = m.admit(seq_len)
+    slots = m.req_to_token_pool.req_to_token[req.req_pool_idx, :seq_len].long()
+    n = seq_len * num_kv_heads * d
+    keys = awkward_floats(gen, n)[torch.randperm(n + 14, generator=gen)[:n]].reshape(seq_len, num_kv_heads, d)
+    keys = keys.clamp(-6e4, 6e4)  # fp16 range: an infinite bound would make the score inf or NaN, not a test
+    m.token_to_kv_pool.set_kv(0, slots, keys, keys)
+    fb = build_decode_batch(m, [req])
+    q = torch.randn(1, num_kv_heads * group, d, generator=gen) * 3
+    complete = seq_len // page_size
+    pages = [keys[j * page_size:(j + 1) * page_size] for j in range(complete)]
+    q4 = q[0].reshape(num_kv_heads, group, d)
+    folded = q4.mean(1)[:, None] if gqa_mode == "mean" else q4
+    for rounding in ("outward", "nearest"):
+        algo = QuestAlgorithm(SparseConfig(page_budget=1, gqa_mode=gqa_mode), bounds_dtype=dtype)
+        algo.initialize_representation_pool(0, 1, m.token_to_kv_pool, m.req_to_token_pool)
+        algo.construct_representations(0, build_extend_batch(m, [req]), m.token_to_kv_pool.get_key_buffer(0))
+        assert algo.page_min[0].dtype == dtype
+        if rounding == "nearest":
+            for j, keys_j in enumerate(pages):
+                algo.page_min[0][req.pages[j]] = keys_j.amin(0).to(dtype)
+                algo.page_max[0][req.pages[j]] = keys_j.amax(0).to(dtype)
+        scores = algo.score_pages(q, 0, fb.req_pool_indices, fb)[0].double()
+        ok = []
+        for j, keys_j in enumerate(pages):
+            dots = torch.einsum("hgd,thd->t", folded.double(), keys_j.double())
+            ok.append(bool((dots <= scores[j] + 1e-6 * (1 + scores[j].abs())).all()))
+        if rounding == "outward":
+            assert all(ok)
+        elif page_size == 1:
+            assert not all(ok), "rounding to nearest should break the bound somewhere at page size 1"
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_16bit_bounds_select_the_same_pages_on_separated_data(dtype):
+    from sparse_ref.workloads import make_planted_workload
+
+    cfg = SparseConfig(page_budget=4, num_recent_pages=1, num_sink_pages=1)  # sink + recent + the 4 needle pages
+    picks = {}
+    for bounds in (torch.float32, dtype):
+        wl = make_planted_workload([300, 257, 420], page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                   needle_strength=4.0, seed=11)
+        algo = QuestAlgorithm(cfg, bounds_dtype=bounds)
+        wl.attach(algo)
+        fb = wl.forward_batch
+        mask = torch.ones(3, dtype=torch.bool)
+        picks[bounds] = algo.retrieve_topk(wl.queries, 0, fb.req_pool_indices, mask, forward_batch=fb)
+        for r, needles in enumerate(wl.needle_pages):
+            assert set(needles) <= set(picks[bounds][0][r].tolist())
+    assert torch.equal(picks[torch.float32][0], picks[dtype][0])
+    assert torch.equal(picks[torch.float32][1], picks[dtype][1])
+
+
+def test_bounds_dtype_is_validated():
+    from sparse_ref.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="bounds_dtype"):
+        QuestAlgorithm(SparseConfig(), bounds_dtype=torch.float64)
+    with pytest.raises(ConfigError, match="bounds_dtype"):
+        QuestAlgorithm(SparseConfig(), bounds_dtype="bf16")

@@ -192,3 +192,23 @@ def test_cuda_graph_capture_and_replay():
         invalid = torch.isneginf(want)
         assert torch.equal(torch.isneginf(out), invalid) and bool(invalid.any()) and bool((~invalid).any())
         torch.testing.assert_close(out[~invalid], want[~invalid], rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("bounds_dtype", [torch.bfloat16, torch.float16])
+def test_16bit_bounds_pool_scores_the_same_on_kernel_and_torch(bounds_dtype):
+    """QuestAlgorithm(bounds_dtype=16-bit): the kernel reads the 16-bit pool and matches the torch path."""
+    from sparse_ref.workloads import make_planted_workload
+
+    cfg = SparseConfig(page_budget=3, num_recent_pages=1, num_sink_pages=1)
+    scores = {}
+    for backend in ("torch", "triton"):
+        wl = make_planted_workload([150, 97, 130], page_size=8, num_q_heads=6, num_kv_heads=3, head_dim=12, seed=4,
+                                   device=DEVICE)
+        algo = QuestAlgorithm(cfg, DEVICE, scoring_backend=backend, bounds_dtype=bounds_dtype)
+        wl.attach(algo)
+        assert algo.page_min[0].dtype == bounds_dtype and algo.page_max[0].dtype == bounds_dtype
+        fb = wl.forward_batch
+        scores[backend] = algo.score_pages(wl.queries, 0, fb.req_pool_indices, fb)
+    finite = torch.isfinite(scores["torch"])
+    assert torch.equal(finite, torch.isfinite(scores["triton"])) and bool(finite.any())
+    torch.testing.assert_close(scores["triton"][finite], scores["torch"][finite], rtol=1e-5, atol=1e-4)

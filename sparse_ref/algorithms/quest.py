@@ -8,7 +8,8 @@ elementwise minimum and maximum key. For any key ``k`` in the page and any query
 because ``q_d k_d`` is linear in ``k_d`` and ``min_d <= k_d <= max_d``. So a page whose score
 is low cannot hold a key that the query attends to strongly; the best-scoring pages are read.
 
-Bookkeeping (per layer, indexed by PHYSICAL page, fp32 ``[num_pages, H_kv, D]``):
+Bookkeeping (per layer, indexed by PHYSICAL page, ``[num_pages, H_kv, D]`` in ``bounds_dtype``: fp32,
+or bf16/fp16 rounded outward by ``round_bounds_outward`` so the score stays an upper bound):
 
 * ``construct_representations`` after a prefill builds the bounds of every page the prefill
   *completed* (a page with all ``P`` tokens written);
@@ -108,13 +109,43 @@ def quest_page_scores_reference(q_pos: torch.Tensor, q_neg: torch.Tensor, page_m
     return torch.where(page_valid[pages], scores, torch.full_like(scores, float("-inf")))
 
 
+BOUNDS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def round_bounds_outward(page_min: torch.Tensor, page_max: torch.Tensor, dtype: torch.dtype):
+    """``page_min`` rounded DOWN and ``page_max`` rounded UP to ``dtype`` (fp32 in: unchanged for fp32).
+
+    16-bit bounds halve the bytes that scoring reads. Rounding to nearest could move a bound
+    inward (a min up, a max down) and the score would no longer bound every key of the page;
+    rounding outward keeps ``min16 <= k <= max16``, so the score stays an upper bound. Done as
+    round-to-nearest, then one 16-bit ulp outward (``torch.nextafter``) where that landed on the
+    wrong side. A value beyond the 16-bit range (fp16: |x| > 65504) becomes the largest finite
+    value on the inner side and infinity on the outer side (a max of +inf: the page can score
+    +inf, or NaN where the query component is 0; use bfloat16, which has fp32's range, when keys
+    can be that large). NaN stays NaN.
+    """
+    if dtype == torch.float32:
+        return page_min, page_max
+    lo, hi = page_min.to(dtype), page_max.to(dtype)
+    lo = torch.where(lo.float() > page_min, torch.nextafter(lo, torch.full_like(lo, float("-inf"))), lo)
+    hi = torch.where(hi.float() < page_max, torch.nextafter(hi, torch.full_like(hi, float("inf"))), hi)
+    return lo, hi
+
+
 class QuestAlgorithm(SparseAlgorithm):
     """Quest page scoring over per-page key min/max (see the module docstring)."""
 
     name = "quest"
 
-    def __init__(self, config=None, device="cpu", selection_backend: str = "auto", scoring_backend: str = "auto"):
+    def __init__(self, config=None, device="cpu", selection_backend: str = "auto", scoring_backend: str = "auto",
+                 bounds_dtype: torch.dtype = torch.float32):
         super().__init__(config, device, selection_backend)
+        if bounds_dtype not in BOUNDS_DTYPES:
+            raise ConfigError(
+                f"bounds_dtype: expected one of {BOUNDS_DTYPES}, got {bounds_dtype!r}. Fix: torch.float32 (exact "
+                f"bounds), or torch.bfloat16 / torch.float16 (half the bytes to score; min rounded down, max up)."
+            )
+        self.bounds_dtype = bounds_dtype
         if not isinstance(scoring_backend, str) or scoring_backend not in SCORING_BACKENDS:
             raise ConfigError(
                 f"scoring_backend: expected one of {SCORING_BACKENDS}, got {scoring_backend!r}. Fix: \"auto\" (Triton "
@@ -141,8 +172,8 @@ class QuestAlgorithm(SparseAlgorithm):
         self.num_pages, self.num_kv_heads, self.head_dim = pool.num_pages, pool.num_kv_heads, pool.head_dim
         shape = (pool.num_pages, pool.num_kv_heads, pool.head_dim)
         layers = range(start_layer, end_layer)
-        self.page_min = {i: torch.zeros(shape, dtype=torch.float32, device=self.device) for i in layers}
-        self.page_max = {i: torch.zeros(shape, dtype=torch.float32, device=self.device) for i in layers}
+        self.page_min = {i: torch.zeros(shape, dtype=self.bounds_dtype, device=self.device) for i in layers}
+        self.page_max = {i: torch.zeros(shape, dtype=self.bounds_dtype, device=self.device) for i in layers}
         self.page_valid = {i: torch.zeros(pool.num_pages, dtype=torch.bool, device=self.device) for i in layers}
         if page_allocator is not None:
             page_allocator.add_free_listener(self.invalidate_pages)
@@ -158,7 +189,7 @@ class QuestAlgorithm(SparseAlgorithm):
 
     def _write_bounds(self, layer_id: int, pages: torch.Tensor, k_pages: torch.Tensor, write: torch.Tensor) -> None:
         """Store min/max of ``k_pages`` ``[n, P, H_kv, D]`` at physical ``pages`` where ``write`` is True."""
-        mn, mx = k_pages.float().amin(dim=1), k_pages.float().amax(dim=1)
+        mn, mx = round_bounds_outward(k_pages.float().amin(dim=1), k_pages.float().amax(dim=1), self.bounds_dtype)
         w = write[:, None, None]
         self.page_min[layer_id][pages] = torch.where(w, mn, self.page_min[layer_id][pages])
         self.page_max[layer_id][pages] = torch.where(w, mx, self.page_max[layer_id][pages])

@@ -1,125 +1,111 @@
-"""Fused page selection: history top-k + sink pages + recent pages, ascending, -1 padded, lengths.
+"""Fused page selection: sink pages + history top-k + recent pages, ascending, -1 padded, lengths.
 
-Semantics: ``sparse_ref.selection.select_pages`` (and so ``retrieve_topk_loop``). This module
-reuses the radix-select chain of ``kernels/topk.py`` in its page mode: every program derives
-its row's plan from ``seq_lens`` on the device (pages ``n = ceil(seq_len / page_size)``, the
-recent window, the sink window, the history budget and the dense/sparse decision), selects the
-history winners in ascending page order, and the row's first program writes the sink pages
-before them, the recent pages after them, the -1 padding and the row length.
+Semantics: ``sparse_ref.selection.select_pages`` (and so ``retrieve_topk_loop``). One launch,
+one program per request row, the row's page scores held in registers:
 
-Because sink < history < recent page ids, "ascending order" is just concatenation: no sort.
-No value is read back to the host, so the call can be captured in a CUDA graph.
+1. **Plan.** From ``seq_lens`` the program derives its row's pages ``n = ceil(seq_len / P)``, the
+   recent window ``[n - recent, n)``, the sink window ``[0, sink)``, the history between them and
+   the history budget ``k`` (read from a table computed once by ``sparse_ref.selection``), and
+   whether the row goes sparse at all.
+2. **History top-k** with the delegate threshold of ``kernels/topk.py`` (delegates, threshold,
+   candidates, exact select on the candidates; an exact select over the whole register row when
+   the candidates overflow), winners written in ascending page order.
+3. **Merge.** Sink ids < history ids < recent ids, so "ascending" is a concatenation: the sink
+   pages go before the winners, the recent pages after them, then -1 padding and the length.
 
-The config is duck-typed (``keep_ratio``, ``page_budget``, ``num_recent_pages``,
-``num_sink_pages``, ``min_sparse_seq_len``): a kernel file imports nothing from the package
-except ``sparse_ref.errors``.
+No value is read back to the host, so the call can be captured in a CUDA graph. Rows longer
+than ``MAX_REGISTER_PAGES`` use the torch ``select_pages``.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+import triton
+import triton.language as tl
 
-from sparse_ref.errors import ShapeError, SparseRefError
-from sparse_ref.kernels.topk import capturing, check_same_device, check_scores, launch_select
+from sparse_ref.checks import INDEX_DTYPES, capturing, check_int, check_range, check_same_device, check_tensor, fail
+from sparse_ref.config import SparseConfig
+from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels.topk import TUNING, _select_in_registers, check_scores
+from sparse_ref.selection import _history_budget_tensor, select_pages, selection_width
 
-
-def _config_ints(config) -> dict:
-    """The config's fields as plain Python values (checked, since the config is duck-typed)."""
-    try:
-        fields = {name: getattr(config, name) for name in
-                  ("keep_ratio", "page_budget", "num_recent_pages", "num_sink_pages", "min_sparse_seq_len")}
-    except AttributeError as e:
-        raise SparseRefError(f"select_pages_triton: config must look like a SparseConfig, got "
-                             f"{type(config).__name__} ({e}). Fix: pass sparse_ref.SparseConfig(...).") from e
-    for name in ("num_recent_pages", "num_sink_pages", "min_sparse_seq_len"):
-        v = fields[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SparseRefError(f"select_pages_triton: config.{name} must be an int >= 0, got {v!r}.")
-    if fields["page_budget"] is None:
-        r = fields["keep_ratio"]
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 1:
-            raise SparseRefError(f"select_pages_triton: config.keep_ratio must be in (0, 1], got {r!r}.")
-    elif isinstance(fields["page_budget"], bool) or not isinstance(fields["page_budget"], int) \
-            or fields["page_budget"] < 1:
-        raise SparseRefError(f"select_pages_triton: config.page_budget must be an int >= 1, "
-                             f"got {fields['page_budget']!r}.")
-    return fields
+MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
 
 
-def history_budget(history: int, fields: dict) -> int:
-    """The config's ``history_budget`` rule on a Python int (same float64 arithmetic)."""
-    if history <= 0:
-        return 0
-    if fields["page_budget"] is not None:
-        return min(fields["page_budget"], history)
-    return min(max(math.floor(history * fields["keep_ratio"]), 1), history)
+@triton.jit
+def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
+                        N, W, page_size, n_recent, n_sink, min_seq,
+                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """One program = one request row: plan its windows, select its history top-k, write the full row."""
+    r = tl.program_id(0)
+    seq = tl.load(seq_lens + r).to(tl.int64)
+    seq = tl.minimum(tl.maximum(seq, 0), (tl.zeros([], tl.int64) + N) * page_size)  # never past the row
+    n = ((seq + page_size - 1) // page_size).to(tl.int32)
+    recent_start = n - tl.minimum(n, n_recent)
+    sink_end = tl.minimum(recent_start, n_sink)
+    k = tl.load(budget + recent_start - sink_end)
+    on = tl.load(sparse_mask + r).to(tl.int32) != 0
+    sparse = on & (seq >= min_seq) & (n > 0) & (sink_end + k + n - recent_start < n)  # else: stays dense
+    k = tl.where(sparse, k, 0)
+    out_row = selected + r.to(tl.int64) * W
+    k_eff = _select_in_registers(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
+                                 sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS)
+    filled = tl.where(sparse, sink_end + k_eff + n - recent_start, 0)
+    tl.store(lengths + r, filled)
+    for t in range(0, W, BLOCK_OUT):
+        j = t + tl.arange(0, BLOCK_OUT)
+        is_sink = sparse & (j < sink_end)
+        rec = j - (sink_end + k_eff)
+        is_recent = sparse & (rec >= 0) & (rec < n - recent_start)
+        val = tl.where(is_sink, j, tl.where(is_recent, recent_start + rec, -1))
+        tl.store(out_row + j, val, mask=(j < W) & (is_sink | is_recent | (j >= filled)))
 
 
-def page_selection_width(max_pages: int, fields: dict) -> int:
-    """``selection_width``: the static width of ``selected`` (the most pages any row can keep)."""
-    recent = min(fields["num_recent_pages"], max_pages)
-    sink = min(fields["num_sink_pages"], max_pages - recent)
-    return min(max(max_pages, 0), sink + history_budget(max_pages - recent - sink, fields) + recent)
-
-
-def _budget_table(max_pages: int, keep_ratio: float, device: torch.device) -> torch.Tensor:
-    """table[h] = history budget for h history pages, computed in float64 exactly like select_pages."""
-    h = torch.arange(max_pages + 1, device=device, dtype=torch.int64)
-    k = torch.floor(h.double() * keep_ratio).long().clamp(min=1)
-    return torch.minimum(k, h).to(torch.int32)
-
+AOT_VARIANTS = [
+    (_page_select_kernel,
+     {"scores": "*fp32", "stride_r": "i32", "selected": "*i32", "lengths": "*i32", "seq_lens": "*i64",
+      "sparse_mask": "*i1", "budget": "*i32", "scratch": "*i32", "N": "i32", "W": "i32", "page_size": "i32",
+      "n_recent": "i32", "n_sink": "i32", "min_seq": "i32"},
+     {"N_PAD": 8192, "G": 256, "SLOTS": 256, "BLOCK_OUT": 256}, {"num_warps": 8}),
+]
 
 _TABLES: dict = {}
 
 
-def budget_table(max_pages: int, keep_ratio: float, device: torch.device) -> torch.Tensor:
-    """The budget table, cached per (device, size, ratio); never cached from inside a graph capture."""
-    key = (str(device), max_pages, keep_ratio)
-    if key in _TABLES:
-        return _TABLES[key]
-    table = _budget_table(max_pages, keep_ratio, device)
-    if not capturing():
+def budget_table(max_pages: int, config: SparseConfig, device: torch.device) -> torch.Tensor:
+    """table[h] = the config's history budget for h history pages (``sparse_ref.selection``'s rule),
+    cached per (device, size, budget); never cached from inside a graph capture."""
+    key = (str(device), max_pages, config.keep_ratio, config.page_budget)
+    if key not in _TABLES:
+        table = _history_budget_tensor(torch.arange(max_pages + 1, device=device), config).to(torch.int32)
+        if capturing():
+            return table
         _TABLES[key] = table
-    return table
+    return _TABLES[key]
 
 
 def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
-                        config, width: int | None = None, *, splits: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_pages`` on the GPU (or the interpreter): ``(selected int32 [bs, W], lengths int32 [bs])``.
-
-    ``splits`` forces the number of programs per row (None: chosen from the GPU size).
-    """
+                        config: SparseConfig, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_pages`` in one Triton launch: ``(selected int32 [bs, W], lengths int32 [bs])``."""
     fn = "select_pages_triton"
-    check_scores("scores", scores, fn)
+    check_scores(fn, "scores", scores)
     bs, max_pages = scores.shape
-    for name, t, dtypes in (("seq_lens", seq_lens, (torch.int32, torch.int64)), ("sparse_mask", sparse_mask,
-                                                                                  (torch.bool,))):
-        if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.dim() != 1 or t.shape[0] != bs:
-            want = " or ".join(str(d) for d in dtypes)
-            raise ShapeError(f"{fn}: {name} must be a 1-D {want} tensor with one entry per request ({bs}), got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}. "
-                             f"Fix: pass forward_batch.{name if name == 'seq_lens' else 'sparse_mask'} for this batch.")
-        check_same_device(name, t, scores, fn)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise SparseRefError(f"{fn}: page_size must be a positive int, got {page_size!r}. "
-                             f"Fix: pass the KV pool's page size.")
-    fields = _config_ints(config)
-    if bs and not capturing():
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 0 or hi > max_pages * page_size:
-            raise SparseRefError(
-                f"{fn}: seq_lens must lie in [0, {max_pages * page_size}] (scores cover {max_pages} pages of "
-                f"{page_size} tokens), got min {lo}, max {hi}. Fix: score every page of the longest request.")
-    W = page_selection_width(max_pages, fields)
+    check_tensor(f"{fn}: seq_lens", seq_lens, dtype=INDEX_DTYPES, shape=(bs,), fix="pass forward_batch.seq_lens.")
+    check_tensor(f"{fn}: sparse_mask", sparse_mask, dtype=torch.bool, shape=(bs,), fix="one bool per request.")
+    check_same_device(fn, "scores", {"scores": scores, "seq_lens": seq_lens, "sparse_mask": sparse_mask})
+    page_size = check_int(f"{fn}: page_size", page_size, low=1, fix="pass the KV pool's page size.")
+    if not isinstance(config, SparseConfig):
+        fail(f"{fn}: config", "a sparse_ref.SparseConfig", type(config).__name__, "pass SparseConfig(...).",
+             SparseRefError)
+    check_range(f"{fn}: seq_lens", seq_lens, 0, max_pages * page_size,
+                "score every page of the longest request (scores cover max_pages * page_size tokens).")
+    W = selection_width(max_pages, config)
     if width is not None:  # wider is allowed (extra -1 padding); narrower would cut rows off
-        if isinstance(width, bool) or not isinstance(width, int) or width < W:
-            raise SparseRefError(f"{fn}: width must be an int >= {W} (selection_width for {max_pages} pages and "
-                                 f"this config), got {width!r}; a narrower output would cut rows off. "
-                                 f"Fix: leave width=None.")
+        width = check_int(f"{fn}: width", width, low=W, fix="leave width=None (a narrower output would cut rows "
+                          "off).", error=SparseRefError)
         W = min(width, max_pages)  # as select_pages: a row never keeps more pages than it has
+    if max_pages > MAX_REGISTER_PAGES:
+        return select_pages(scores, seq_lens, sparse_mask, page_size, config, width)
     device = scores.device
     selected = torch.empty((bs, W), dtype=torch.int32, device=device)
     lengths = torch.empty((bs,), dtype=torch.int32, device=device)
@@ -127,12 +113,14 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
         return selected, lengths
     if max_pages == 0:  # no pages at all: every row is dense
         return selected.fill_(-1), lengths.zero_()
-    page = dict(seq_lens=seq_lens.contiguous(), sparse_mask=sparse_mask.contiguous(), page_size=page_size,
-                num_recent=fields["num_recent_pages"], num_sink=fields["num_sink_pages"],
-                min_seq=fields["min_sparse_seq_len"])
-    if fields["page_budget"] is not None:
-        page["page_budget"] = min(fields["page_budget"], max_pages)
-    else:
-        page["budget_table"] = budget_table(max_pages, float(fields["keep_ratio"]), device)
-    launch_select(scores, W, page=page, splits=splits, out=selected, lengths_out=lengths)
+    n_pad = max(16, triton.next_power_of_2(max_pages))
+    k_max = config.history_budget(max_pages)  # no row keeps more history pages than this
+    G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
+    slots = min(n_pad, TUNING["slots"] or TUNING["slots_per_delegate"] * G)
+    scratch = torch.empty((bs, slots), dtype=torch.int32, device=device)
+    _page_select_kernel[(bs,)](
+        scores, scores.stride(0), selected, lengths, seq_lens, sparse_mask, budget_table(max_pages, config, device),
+        scratch, max_pages, W, page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len,
+        N_PAD=n_pad, G=G, SLOTS=slots, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
+        num_warps=TUNING["num_warps"] if device.type == "cuda" else 1)
     return selected, lengths

@@ -164,3 +164,14 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
                                max_pages, num_pages, hd, BLOCK_P=block_p, BLOCK_HD=block_hd,
                                num_warps=num_warps)
     return out
+
+
+# Ahead-of-time compile variants (tests/test_aot_compile.py): the launcher's default blocks.
+AOT_VARIANTS = [
+    (_quest_scores_kernel,
+     {"q_pos_ptr": "*fp32", "q_neg_ptr": "*fp32", "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8",
+      "pages_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32",
+      "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
+     {"BLOCK_P": 16, "BLOCK_HD": 256}, {"num_warps": 4})
+    for dtype in ("*fp32", "*bf16")
+]

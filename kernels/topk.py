@@ -1,64 +1,72 @@
-"""Exact batched top-k by radix selection over the order-preserving bits of the scores.
+"""Exact batched top-k: one read of the row, then exact work on a few thousand candidates only.
 
-Semantics: ``sparse_ref.selection.topk_reference`` (candidates are ``j < length`` whose score
-is not NaN and not -inf; ties go to the lower id; -0.0 == +0.0; -1 padding at the end).
+Semantics: ``sparse_ref.selection.topk_reference`` (candidates are ``j < length`` whose score is
+not NaN and not -inf; ties go to the lower id; -0.0 == +0.0; -1 padding at the end).
 
-The idea, in four steps:
+The design, in five steps:
 
-1. **Keys.** Each fp32 score becomes a uint32 key whose *unsigned* order is the float order:
-   flip every bit of a negative float, set the sign bit of a positive one. -0.0 is folded
-   into +0.0 first. Entries that may not be selected (NaN, -inf, past the row's length) get
-   key 0, below every candidate (the smallest candidate, -FLT_MAX, maps to 0x00800000).
-2. **Digit histograms.** Four passes of 8-bit digits, most significant first. Pass ``p``
-   histograms digit ``p`` of the keys whose higher digits equal the threshold's prefix found
-   so far, and walking that histogram from the top says which digit the k-th largest key has.
-   After four passes we know the threshold ``T`` (the k-th largest key) exactly, and how many
-   keys equal to ``T`` are needed (``k - count(key > T)``).
-3. **Ordered compaction.** Every key ``> T`` is kept, plus the lowest-index keys ``== T``
-   (ties to the lower id). Positions come from prefix sums, so the output is deterministic
-   and comes out in ascending id order with no sort at all.
-4. **Small sort** (``order="score"`` only): the <= k winners of a row are sorted inside one
-   tile by the packed int64 ``(signed key << 32) | ~id``, descending.
+1. **Keys.** Each score becomes an int32 key whose *signed* order is the float order
+   (``i ^ ((i >> 31) & 0x7FFFFFFF)`` on the float bits, -0.0 folded into +0.0). Entries that may
+   not be selected (NaN, -inf, past the row's length) get ``NONE = INT32_MIN``, below every real key.
+2. **Delegates.** View the row as ``[N / G, G]`` and take the maximum of every column: delegate
+   ``j`` is the largest of the strided elements ``j, j + G, j + 2G, ...`` (strided, so a sorted row
+   cannot hide its top in a few columns). With ``G >= 2k`` this is one plain read of the row.
+3. **Threshold.** ``T`` = the k-th largest delegate (rounded down to a 16-bit key prefix: two
+   256-bin histogram rounds over the G delegates). The k delegates at or above ``T`` are row
+   elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
+   that set holds ``~0.7 G`` candidates (a few percent of a long row).
+4. **Candidates.** Every element ``>= T`` is copied (its id, in ascending id order) into a slot
+   tensor of ``SLOTS`` entries. Only these slots are histogrammed: four 256-bin radix rounds find the
+   exact k-th key ``t`` and how many keys equal to ``t`` to keep; ``keep = key > t`` or
+   ``key == t`` among the first ``ties`` of them (ties to the lower id). Positions come from a
+   prefix sum over the slots, so the winners come out in ascending id order with no sort.
+5. **Fallback.** A row whose candidates do not fit the slots (ascending rows, a period of G,
+   plateaus of equal values, more than half the row wanted) raises a per-row flag on the device;
+   a fallback program then runs the same radix select over the whole row. Exact, never truncated.
 
-Three launch shapes, one algorithm:
+``order="score"`` then sorts the <= k winners of each row (one ``tl.sort`` per row).
 
-* **split chain** (long rows, or few rows): a row is cut into chunks over several programs
-  (``splits``); each pass adds its partial histogram into the row's histogram in global memory
-  with atomics, and the launches form a short fixed chain (zero the histograms, 4 passes,
-  compaction, optional sort);
-* **register row** (rows up to ``TUNING["register_row"]``): one program reads its row once and
-  runs the 4 passes and the compaction on keys held in registers, in one launch;
-* **tile loop** (an unsplit row too long for registers, e.g. ``splits=1``): one program per row
-  loops over tiles for every pass.
-
-Nothing is read back to the host, so a call with an int ``k`` can be captured in a CUDA graph.
-
-The same chain serves the fused page selection (``kernels/page_select.py``): with ``PAGE``
-set, each program derives its row's history window, budget and dense/sparse decision from
-``seq_lens`` and writes sink + top-k + recent pages and the row length itself.
+Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
+keeps it in registers (one launch). Longer rows use three launches: delegates (many programs per
+row, the last one to finish computes ``T``), candidates (many programs per row, the last one does
+the exact selection) and the fallback (a no-op for unflagged rows). "Last program of the row" is an
+atomic counter that the last program resets, so nothing is read back to the host and the call can
+be captured in a CUDA graph.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    capturing,
+    check_choice,
+    check_int,
+    check_range,
+    check_same_device,
+    check_tensor,
+    fail,
+)
+from sparse_ref.device import triton_interpreted
+from sparse_ref.errors import SparseRefError
 
-RADIX_BITS = 8
-NUM_BINS = 1 << RADIX_BITS
-NUM_PASSES = 32 // RADIX_BITS
-# GPU launch knobs (module-level so benchmarks/profile_topk.py can try variants).
-# Measured on H200 (benchmarks/NOTES.md): 8 programs per SM with 512-tiles for many rows; for fewer than
-# 8 rows, 4 programs per SM with 1024-tiles and 8 warps. Rows up to ``short_row`` run one program per row,
-# held in registers up to ``register_row`` (one read; 128x4096: 21 us vs 34 split, 32x8192: 32 vs 34, but
-# 64x16384: 107 vs 49, so 8192 is the cut); longer unsplit rows (forced splits=1) loop over tiles.
-TUNING = {"programs_per_sm": 8, "block": 512, "num_warps": 4, "fused_num_warps": 8, "short_row": 8192,
-          "min_chunk": 1024, "sort_num_warps": 0, "register_row": 8192}
-FEW_ROWS = {"programs_per_sm": 4, "block": 1024, "num_warps": 8}
+NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
+# Launch knobs (module level so tests can force paths and benchmarks can try variants).
+TUNING = {
+    "register_row": 8192,  # rows up to this many columns: one program per row, row in registers
+    "min_delegates": 256,  # G = max(this, next_pow2(2 k)), at most max_delegates
+    "max_delegates": 8192,
+    "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
+    "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
+    "chunk": 4096,  # columns per candidate program
+    "delegate_cols": 512,  # delegate columns per delegate program
+    "num_warps": 8,
+    "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
+}
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
 
@@ -67,576 +75,455 @@ ORDERS = ("score", "index", "none")
 # Device helpers
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _sortable_key(x, valid):
-    """uint32 key with unsigned order == float order; 0 for entries that may not be selected."""
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0 before taking bits
-    bits = x.to(tl.uint32, bitcast=True)
-    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+def _keys(x, valid):
+    """int32 keys, signed order == float order; NONE where the entry may not be selected."""
+    x = x.to(tl.float32)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
+    i = x.to(tl.int32, bitcast=True)
+    key = i ^ ((i >> 31) & 0x7FFFFFFF)
     ok = valid & (x == x) & (x != float("-inf"))
-    return tl.where(ok, key, tl.zeros_like(key))
+    return tl.where(ok, key, -2147483648)
 
 
 @triton.jit
-def _signed_key(x):
-    """int32 key with signed order == float order (for the int64 packed sort)."""
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+def _walk(h, k_rem):
+    """Walk a 256-bin histogram from the top: the bin holding the k_rem-th largest, and the new k_rem."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+    d = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
+    return d, k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
 
 
 @triton.jit
-def _walk(hist_row, pass_stride, k_eff, UPTO: tl.constexpr, BITS: tl.constexpr):
-    """Threshold prefix (digits of passes < UPTO) and how many keys equal to it are still needed."""
-    NB: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, NB)
-    prefix = tl.full([], 0, tl.uint32)
-    k_rem = k_eff
-    for p in tl.static_range(UPTO):
-        # Walk the histogram from the top: the digit where the count of keys at or above it
-        # first reaches k_rem holds the k_rem-th largest key. (Inlined: nested calls are slow
-        # in the interpreter.)
-        h = tl.load(hist_row + p * pass_stride + bins)
-        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-        digit = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
-        k_rem = k_rem - tl.sum(tl.where(bins > digit, h, 0), axis=0)
-        prefix = prefix | (digit.to(tl.uint32) << (32 - BITS * (p + 1)))
-    return prefix, k_rem
+def _kth_largest(key, k, ROUNDS: tl.constexpr):
+    """Radix select over a register tensor (1 <= k <= #valid keys): 8 bits per round, top first.
+
+    Returns ``(t, ties)``. With 4 rounds ``t`` is the k-th largest key and ``ties`` how many keys
+    equal to ``t`` belong to the top k; with fewer rounds ``t`` is that key with its low bits
+    cleared, so that ``count(key >= t) >= k`` still holds.
+    """
+    u = key ^ -2147483648  # unsigned order, as int32 bits
+    ut = tl.zeros([], tl.int32)
+    k_rem = k
+    for p in tl.static_range(ROUNDS):
+        match = key != -2147483648
+        if p > 0:
+            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
+        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
+        d, k_rem = _walk(h, k_rem)
+        ut = ut | (d << (24 - 8 * p))
+    return ut ^ -2147483648, k_rem
 
 
 @triton.jit
-def _row_plan(r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
-              HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr,
-              page_size, n_recent, n_sink, min_seq, page_budget, USE_TABLE: tl.constexpr):
-    """Row r's window [start, end), its k, and (page mode) sink_end, recent_start, n and sparse."""
-    if PAGE:
-        seq = tl.load(seq_ptr + r).to(tl.int64)
-        seq_cap = (tl.full([], 0, tl.int64) + N) * page_size
-        seq = tl.minimum(tl.maximum(seq, 0), seq_cap)  # never past the row
-        n = ((seq + page_size - 1) // page_size).to(tl.int32)
-        recent = tl.minimum(n, n_recent)
-        recent_start = n - recent
-        sink_end = tl.minimum(recent_start, n_sink)
-        history = recent_start - sink_end
-        if USE_TABLE:
-            k = tl.load(budget_ptr + history)
-        else:
-            k = tl.minimum(history, page_budget)
-        on = tl.load(mask_ptr + r).to(tl.int32) != 0
-        sparse = on & (seq >= min_seq) & (n > 0) & (sink_end + k + recent < n)
-        k = tl.where(sparse, k, 0)
-        start = sink_end
-        end = recent_start
+def _threshold(dkey, k):
+    """T with count(delegates >= T) >= k (so at least k row elements are >= T); NONE if impossible."""
+    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    t, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 2)
+    t = tl.where(n >= k, t, -2147483648)
+    return tl.where(k > 0, t, 2147483647)  # k = 0: no candidates at all
+
+
+@triton.jit
+def _write_winners(key, ids, k, out_row, base, W):
+    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
+    (ascending). Returns how many were written: min(k, #valid keys)."""
+    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
+    t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
+    eq = key == t
+    take = ((key > t) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= ties))) & (k_eff > 0)
+    pos = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + pos, ids, mask=take & (pos < W))
+    return k_eff
+
+
+@triton.jit
+def _pad(out_row, start, W, BLOCK: tl.constexpr):
+    """-1 in out_row[start:W]."""
+    for t in range(0, W, BLOCK):
+        j = t + tl.arange(0, BLOCK)
+        tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= start) & (j < W))
+
+
+@triton.jit
+def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
+                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr):
+    """Steps 2-5 for a row held in registers: winners among columns [lo, hi) at out_row[base:]."""
+    j = tl.arange(0, N_PAD)
+    valid = (j >= lo) & (j < hi)
+    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    T = _threshold(tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0), k)
+    cand = (key >= T) & (key != -2147483648)
+    count = tl.sum(cand.to(tl.int32), axis=0)
+    if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row
+        tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
+        tl.debug_barrier()
+        s = tl.arange(0, SLOTS)
+        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
+        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+        k_eff = _write_winners(skey, ids, k, out_row, base, W)
+    else:  # fallback: exact select over the whole register row
+        k_eff = _write_winners(key, j, k, out_row, base, W)
+    return k_eff
+
+
+@triton.jit
+def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Row r's k (clamped to [0, W]) and valid length (clamped to [0, N])."""
+    if HAS_K:
+        k = tl.load(k_ptr + r)
     else:
-        start = tl.full([], 0, tl.int32)
-        if HAS_LEN:
-            end = tl.load(len_ptr + r).to(tl.int32)
-            end = tl.minimum(tl.maximum(end, 0), N)  # a bad length can never read past the row
-        else:
-            end = tl.full([], 0, tl.int32) + N
-        if HAS_K:
-            k = tl.load(k_ptr + r).to(tl.int32)
-        else:
-            k = tl.full([], 0, tl.int32) + k_scalar
-        k = tl.minimum(tl.maximum(k, 0), W)
-        sink_end = tl.full([], 0, tl.int32)
-        recent_start = sink_end
-        n = sink_end
-        sparse = True
-    return start, end, k, sink_end, recent_start, n, sparse
+        k = tl.full([], 0, tl.int32) + k_scalar
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + r).to(tl.int32), 0), N)
+    else:
+        length = tl.full([], 0, tl.int32) + N
+    return tl.minimum(tl.maximum(k, 0), W), length
 
 
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _radix_pass_kernel(scores, stride_r, hist, split_buf, R, N, W, CHUNK, S,
-                       k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
-                       page_size, n_recent, n_sink, min_seq, page_budget,
-                       PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
-    """Histogram of digit PASS over the keys of one chunk whose higher digits match the threshold so far."""
-    NB: tl.constexpr = 1 << BITS
-    LAST: tl.constexpr = 32 // BITS - 1
+def _register_row_kernel(scores, stride_r, out, scratch, N, W, k_scalar, k_ptr, len_ptr,
+                         HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, N_PAD: tl.constexpr, G: tl.constexpr,
+                         SLOTS: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """One program = one row of at most N_PAD columns, held in registers: the whole top-k, one launch."""
     r = tl.program_id(0)
-    s = tl.program_id(1)
-    start, end, k, sink_end, recent_start, n, sparse = _row_plan(
-        r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr, HAS_K, HAS_LEN, PAGE,
-        page_size, n_recent, n_sink, min_seq, page_budget, USE_TABLE)
-    lo = start + s * CHUNK
-    hi = tl.minimum(lo + CHUNK, end)
-    bins = tl.arange(0, NB)
-    hist_row = hist + r * NB
-    pass_stride = R * NB
-    row = scores + r.to(tl.int64) * stride_r
-    acc = tl.zeros([NB], dtype=tl.int32)
-    gt_hi = tl.zeros([BLOCK], dtype=tl.int32)  # reduced once at the end (no barrier per tile)
-    if PASS == 0:
-        nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
-        x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)  # this tile is processed
-        for t in range(lo, hi, BLOCK):
-            offs = t + tl.arange(0, BLOCK)
-            valid = offs < hi
-            x = x_next
-            nxt = offs + BLOCK
-            x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)
-            key = _sortable_key(x.to(tl.float32), valid)
-            digit = (key >> (32 - BITS)).to(tl.int32)
-            acc += tl.histogram(digit, NB, mask=key != 0)
-    else:
-        cand = tl.sum(tl.load(hist_row + bins), axis=0)
-        k_eff = tl.minimum(k, cand)
-        prefix, k_rem = _walk(hist_row, pass_stride, k_eff, PASS, BITS)
-        if k_eff == 0:
-            hi = lo  # nothing to select in this row: skip the data
-        high = prefix >> (32 - BITS * PASS)
-        nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
-        x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)  # this tile is processed
-        for t in range(lo, hi, BLOCK):
-            offs = t + tl.arange(0, BLOCK)
-            valid = offs < hi
-            x = x_next
-            nxt = offs + BLOCK
-            x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)
-            key = _sortable_key(x.to(tl.float32), valid)
-            top = key >> (32 - BITS * PASS)
-            match = (top == high) & (key != 0)
-            if PASS == LAST:
-                gt_hi += ((top > high) & (key != 0)).to(tl.int32)
-            digit = ((key >> (32 - BITS * (PASS + 1))) & (NB - 1)).to(tl.int32)
-            if PASS == 1:  # many keys still match: histogram every tile
-                acc += tl.histogram(digit, NB, mask=match)
-            else:
-                if tl.max(match.to(tl.int32), axis=0) > 0:  # late passes: most tiles hold no match
-                    acc += tl.histogram(digit, NB, mask=match)
-    tl.atomic_add(hist_row + PASS * pass_stride + bins, acc)
-    if PASS == LAST:
-        # Per chunk: keys above T and keys equal to T, for every possible last digit of T, so
-        # that the compaction can place its keys after those of earlier chunks.
-        above = tl.sum(gt_hi, axis=0) + tl.sum(acc, axis=0) - tl.cumsum(acc, axis=0)
-        base = split_buf + ((r * S + s) * 2) * NB
-        tl.store(base + bins, above)
-        tl.store(base + NB + bins, acc)
-
-
-@triton.jit
-def _compact_kernel(scores, stride_r, hist, split_buf, out, lengths_out, R, N, W, CHUNK, S,
-                    k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
-                    page_size, n_recent, n_sink, min_seq, page_budget,
-                    BITS: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr,
-                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
-    """Write every key > T and the lowest-index keys == T in ascending id order (+ padding, pages)."""
-    NB: tl.constexpr = 1 << BITS
-    PASSES: tl.constexpr = 32 // BITS
-    r = tl.program_id(0)
-    s = tl.program_id(1)
-    start, end, k, sink_end, recent_start, n, sparse = _row_plan(
-        r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr, HAS_K, HAS_LEN, PAGE,
-        page_size, n_recent, n_sink, min_seq, page_budget, USE_TABLE)
-    bins = tl.arange(0, NB)
-    hist_row = hist + r * NB
-    cand = tl.sum(tl.load(hist_row + bins), axis=0)
-    k_eff = tl.minimum(k, cand)
-    T, ties_needed = _walk(hist_row, R * NB, k_eff, PASSES, BITS)
-    last_digit = (T & (NB - 1)).to(tl.int32)
-
-    # What the chunks before this one keep: all their keys > T and their share of the ties.
-    sp = tl.arange(0, S_PAD)
-    earlier = sp < s
-    info = split_buf + ((r * S + sp) * 2) * NB + last_digit
-    gt_s = tl.load(info, mask=earlier, other=0)
-    eq_s = tl.load(info + NB, mask=earlier, other=0)
-    eq_before_s = tl.cumsum(eq_s, axis=0) - eq_s
-    kept_s = gt_s + tl.minimum(tl.maximum(ties_needed - eq_before_s, 0), eq_s)
-    pos0 = tl.sum(kept_s, axis=0)
-    eq_seen = tl.sum(eq_s, axis=0)
-
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     out_row = out + r.to(tl.int64) * W
-    row = scores + r.to(tl.int64) * stride_r
-    lo = start + s * CHUNK
-    hi = tl.minimum(lo + CHUNK, end)
-    if k_eff == 0:
-        hi = lo
-    _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end, W, BLOCK)
-    if s == 0:
-        _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK, PAGE)
+    k_eff = _select_in_registers(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
+                                 scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS)
+    _pad(out_row, k_eff, W, BLOCK_OUT)
 
 
 @triton.jit
-def _fused_row_kernel(scores, stride_r, out, lengths_out, N, W,
-                      k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
-                      page_size, n_recent, n_sink, min_seq, page_budget,
-                      BITS: tl.constexpr, BLOCK: tl.constexpr,
-                      HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
-    """The whole chain for one row in one program (rows that are short, or many): one launch, no atomics."""
-    NB: tl.constexpr = 1 << BITS
-    PASSES: tl.constexpr = 32 // BITS
+def _delegates_kernel(scores, stride_r, delegates, threshold, counter, N, W, k_scalar, k_ptr, len_ptr,
+                      HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
+                      ROWS: tl.constexpr):
+    """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
+    The row's last program to finish computes the row's threshold T from its G delegates."""
     r = tl.program_id(0)
-    start, end, k, sink_end, recent_start, n, sparse = _row_plan(
-        r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr, HAS_K, HAS_LEN, PAGE,
-        page_size, n_recent, n_sink, min_seq, page_budget, USE_TABLE)
+    c = tl.program_id(1)
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
-    bins = tl.arange(0, NB)
-    k_eff = k
-    k_rem = k
-    prefix = tl.full([], 0, tl.uint32)
-    for p in tl.static_range(PASSES):
-        acc = tl.zeros([NB], dtype=tl.int32)
-        nxt = start + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
-        x_next = tl.load(row + nxt, mask=nxt < end, other=0.0)  # this tile is processed
-        for t in range(start, end, BLOCK):
-            offs = t + tl.arange(0, BLOCK)
-            valid = offs < end
-            x = x_next
-            nxt = offs + BLOCK
-            x_next = tl.load(row + nxt, mask=nxt < end, other=0.0)
-            key = _sortable_key(x.to(tl.float32), valid)
-            if p == 0:
-                match = key != 0
-            else:
-                match = ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p))) & (key != 0)
-            if tl.sum(match.to(tl.int32), axis=0) > 0:
-                digits = ((key >> (32 - BITS * (p + 1))) & (NB - 1)).to(tl.int32)
-                acc += tl.histogram(digits, NB, mask=match)
-        if p == 0:
-            k_eff = tl.minimum(k, tl.sum(acc, axis=0))
-            k_rem = k_eff
-            if k_eff == 0:
-                end = start  # nothing to select: later passes and the compaction skip the data
-        at_or_above = tl.sum(acc, axis=0) - tl.cumsum(acc, axis=0) + acc
-        digit = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
-        k_rem = k_rem - tl.sum(tl.where(bins > digit, acc, 0), axis=0)
-        prefix = prefix | (digit.to(tl.uint32) << (32 - BITS * (p + 1)))
-    out_row = out + r.to(tl.int64) * W
-    zero = tl.full([], 0, tl.int32)
-    _emit_winners(row, out_row, start, end, prefix, k_rem, zero, zero, sink_end, W, BLOCK)
-    _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK, PAGE)
+    cols = c * COLS + tl.arange(0, COLS)
+    acc = tl.full([COLS], -2147483648, tl.int32)
+    for i in range(0, tl.cdiv(N, G), ROWS):
+        offs = (i + tl.arange(0, ROWS))[:, None] * G + cols[None, :]
+        x = tl.load(row + offs, mask=offs < length, other=0.0)
+        acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
+    tl.store(delegates + r * G + cols, acc)
+    tl.debug_barrier()  # every thread's store happens before the counter says "done"
+    if tl.atomic_add(counter + r, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        tl.store(counter + r, 0)  # reset for the next call (CUDA-graph replays)
+        dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
+        tl.store(threshold + r, _threshold(dkey, k))
 
 
 @triton.jit
-def _register_row_kernel(scores, stride_r, out, lengths_out, N, W,
-                         k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr,
-                         page_size, n_recent, n_sink, min_seq, page_budget,
-                         BITS: tl.constexpr, N_PAD: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                         HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr, USE_TABLE: tl.constexpr):
-    """A row that fits in registers (N <= N_PAD): read it once, then every pass and the compaction work
-    on the keys in registers. One launch, one read of the scores."""
-    NB: tl.constexpr = 1 << BITS
-    PASSES: tl.constexpr = 32 // BITS
+def _candidates_kernel(scores, stride_r, out, threshold, cand, counts, prefix, flags, counter,
+                       N, W, k_scalar, k_ptr, len_ptr,
+                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                       LOG_C: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """One program = one CHUNK of a row: copy the ids of its elements >= T (ascending) into the chunk's
+    part of ``cand``. The row's last program gathers all candidates into SLOTS slots and writes the
+    exact top-k, or flags the row for the fallback when they do not fit."""
+    C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
-    start, end, k, sink_end, recent_start, n, sparse = _row_plan(
-        r, N, W, k_scalar, k_ptr, len_ptr, budget_ptr, seq_ptr, mask_ptr, HAS_K, HAS_LEN, PAGE,
-        page_size, n_recent, n_sink, min_seq, page_budget, USE_TABLE)
-    j = tl.arange(0, N_PAD)
-    valid = (j >= start) & (j < end)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
-    key = _sortable_key(tl.load(row + j, mask=valid, other=0.0).to(tl.float32), valid)
-    bins = tl.arange(0, NB)
-    k_eff = k
-    k_rem = k
-    prefix = tl.full([], 0, tl.uint32)
-    for p in tl.static_range(PASSES):
-        if p == 0:
-            match = key != 0
-        else:
-            match = ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p))) & (key != 0)
-        digits = ((key >> (32 - BITS * (p + 1))) & (NB - 1)).to(tl.int32)
-        h = tl.histogram(digits, NB, mask=match)
-        if p == 0:
-            k_eff = tl.minimum(k, tl.sum(h, axis=0))
-            k_rem = k_eff
-        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-        d = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
-        k_rem = k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
-        prefix = prefix | (d.to(tl.uint32) << (32 - BITS * (p + 1)))
-    gt = key > prefix
-    eq = (key == prefix) & valid
-    eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
-    keep = (gt | (eq & (eq_rank < k_rem))) & (k_eff > 0)
-    dest = sink_end + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    out_row = out + r.to(tl.int64) * W
-    tl.store(out_row + dest, j, mask=keep & (dest < W))
-    _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK_OUT, PAGE)
+    T = tl.load(threshold + r)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+    is_cand = (key >= T) & (key != -2147483648)
+    cand_row = cand + r.to(tl.int64) * C * CHUNK
+    tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, offs, mask=is_cand)
+    tl.store(counts + r * C + c, tl.sum(is_cand.to(tl.int32), axis=0))
+    tl.debug_barrier()
+    if tl.atomic_add(counter + r, 1, sem="acq_rel") == C - 1:
+        tl.store(counter + r, 0)
+        ci = tl.arange(0, C_PAD)
+        n_c = tl.load(counts + r * C + ci, mask=ci < C, other=0, cache_modifier=".cg")
+        total = tl.sum(n_c, axis=0)
+        tl.store(flags + r, (total > SLOTS).to(tl.int32))
+        if total <= SLOTS:
+            # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
+            tl.store(prefix + r * C_PAD + ci, tl.cumsum(n_c, axis=0))
+            tl.debug_barrier()
+            s = tl.arange(0, SLOTS)
+            chunk = tl.zeros([SLOTS], tl.int32)
+            for b in tl.static_range(LOG_C):
+                probe = chunk + (C_PAD >> (b + 1))
+                incl = tl.load(prefix + r * C_PAD + probe - 1, mask=probe <= C, other=2147483647,
+                               cache_modifier=".cg")
+                chunk = tl.where(incl <= s, probe, chunk)
+            before = tl.load(prefix + r * C_PAD + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
+            ok = s < total
+            ids = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
+            skey = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
+            out_row = out + r.to(tl.int64) * W
+            k_eff = _write_winners(skey, ids, k, out_row, 0, W)
+            _pad(out_row, k_eff, W, BLOCK_OUT)
 
 
 @triton.jit
-def _emit_winners(row, out_row, lo, hi, T, ties_needed, pos0, eq_seen, sink_end, W, BLOCK: tl.constexpr):
-    """Ordered compaction of [lo, hi): keys > T, and keys == T while the tie quota lasts, in id order."""
-    nxt = lo + tl.arange(0, BLOCK)  # prefetch: the next tile's load is issued before
-    x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)  # this tile is processed
-    for t in range(lo, hi, BLOCK):
+def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix round P over a row in memory (tile loop): the next digit of the k-th key and the new k_rem."""
+    h = tl.zeros([256], tl.int32)
+    for t in range(0, length, BLOCK):
         offs = t + tl.arange(0, BLOCK)
-        valid = offs < hi
-        x = x_next
-        nxt = offs + BLOCK
-        x_next = tl.load(row + nxt, mask=nxt < hi, other=0.0)
-        key = _sortable_key(x.to(tl.float32), valid)
-        gt = key > T
-        eq = (key == T) & valid
-        if tl.max((gt | eq).to(tl.int32), axis=0) > 0:  # tiles without a winner skip the scans
-            if tl.max(eq.to(tl.int32), axis=0) > 0:  # ties in this tile: rank them (lowest ids first)
-                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-                keep = gt | (eq & (eq_rank < ties_needed))
-                eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-            else:
-                keep = gt
-            pos = pos0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            dest = sink_end + pos
-            tl.store(out_row + dest, offs.to(tl.int32), mask=keep & (dest < W))
-            pos0 += tl.sum(keep.to(tl.int32), axis=0)
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        u = key ^ -2147483648
+        match = key != -2147483648
+        if P > 0:
+            match = match & ((u >> (32 - 8 * P)) == (ut >> (32 - 8 * P)))
+        h += tl.histogram((u >> (24 - 8 * P)) & 0xFF, 256, mask=match)
+    d, k_rem = _walk(h, k_rem)
+    return ut | (d << (24 - 8 * P)), k_rem
 
 
 @triton.jit
-def _emit_fixed(out_row, lengths_out, r, k_eff, sink_end, recent_start, n, sparse, W, BLOCK: tl.constexpr,
-                PAGE: tl.constexpr):
-    """Everything of a row that is not a history winner: -1 padding; in page mode sink/recent pages + length."""
-    if PAGE:
-        recent = n - recent_start
-        filled = tl.where(sparse, sink_end + k_eff + recent, 0)
-        tl.store(lengths_out + r, filled)
-        for t in range(0, W, BLOCK):
-            j = t + tl.arange(0, BLOCK)
-            is_sink = sparse & (j < sink_end)
-            rec = j - (sink_end + k_eff)
-            is_recent = sparse & (rec >= 0) & (rec < recent)
-            val = tl.where(is_sink, j, tl.where(is_recent, recent_start + rec, -1))
-            tl.store(out_row + j, val, mask=(j < W) & (is_sink | is_recent | (j >= filled)))
-    else:
-        for t in range(0, W, BLOCK):
-            j = t + tl.arange(0, BLOCK)
-            tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j < W) & (j >= k_eff))
+def _fallback_kernel(scores, stride_r, out, flags, N, W, k_scalar, k_ptr, len_ptr,
+                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one row, only if it is flagged (or FORCE): exact radix select over the whole row in
+    memory (4 histogram rounds), then an ordered compaction; unflagged rows return at once."""
+    r = tl.program_id(0)
+    flag = tl.full([], 1, tl.int32)
+    if not FORCE:
+        flag = tl.load(flags + r)
+    if flag != 0:
+        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+        row = scores + r.to(tl.int64) * stride_r
+        ut = tl.zeros([], tl.int32)
+        k_rem = tl.maximum(k, 1)
+        valid_count = tl.zeros([], tl.int32)
+        for t in range(0, length, BLOCK):
+            offs = t + tl.arange(0, BLOCK)
+            valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+                                   != -2147483648).to(tl.int32), axis=0)
+        k_eff = tl.minimum(k, valid_count)
+        k_rem = tl.maximum(k_eff, 1)
+        for p in tl.static_range(4):
+            ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
+        t_key = ut ^ -2147483648
+        out_row = out + r.to(tl.int64) * W
+        done = tl.zeros([], tl.int32)
+        ties_seen = tl.zeros([], tl.int32)
+        for t in range(0, tl.where(k_eff > 0, length, 0), BLOCK):
+            offs = t + tl.arange(0, BLOCK)
+            key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+            eq = key == t_key
+            take = (key > t_key) | (eq & (ties_seen + tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
+            pos = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(out_row + pos, offs, mask=take & (pos < W))
+            done += tl.sum(take.to(tl.int32), axis=0)
+            ties_seen += tl.sum(eq.to(tl.int32), axis=0)
+        _pad(out_row, k_eff, W, BLOCK)
 
 
 @triton.jit
 def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
-    """Reorder one row's winners by score (descending), ties by ascending id: a sort inside one tile."""
+    """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
     r = tl.program_id(0)
     j = tl.arange(0, W_PAD)
     out_row = out + r.to(tl.int64) * W
     ids = tl.load(out_row + j, mask=j < W, other=-1)
     valid = ids >= 0
     x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
-    skey = _signed_key(x.to(tl.float32)).to(tl.int64)
-    low = 0xFFFFFFFF - ids.to(tl.int64)  # larger for a lower id: ties go to the lower id
-    packed = tl.where(valid, (skey << 32) | low, -9223372036854775807 - 1)
+    skey = _keys(x, valid).to(tl.int64)
+    packed = tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
     packed = tl.sort(packed, descending=True)
-    back = (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32)
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    tl.store(out_row + j, tl.where(j < n_valid, back, -1), mask=j < W)
+    tl.store(out_row + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32), -1), mask=j < W)
 
 
 # --------------------------------------------------------------------------------------------
-# Launch helpers (shared with kernels/page_select.py)
+# Launchers
 # --------------------------------------------------------------------------------------------
-_SM_COUNT: dict[int, int] = {}
+_COUNTERS: dict = {}
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+def _counters(device: torch.device, R: int) -> torch.Tensor:
+    """Zeroed "last program of the row" counters [2, R]; the kernels leave them at zero again.
+
+    One buffer per device: two top-k calls running at the same time on different streams would
+    share it (not supported)."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.shape[1] < R:
+        buf = torch.zeros((2, max(R, 64)), dtype=torch.int32, device=device)
+        if not capturing():  # a buffer made during a capture belongs to that graph's memory pool
+            _COUNTERS[key] = buf
+    return buf
 
 
-def launch_knobs(R: int) -> dict:
-    """TUNING, adjusted for very few rows (measured on H200: wider tiles and warps win there)."""
-    knobs = dict(TUNING)
-    if R < 8:
-        knobs.update(FEW_ROWS)
-    return knobs
+def plan(R: int, N: int, width: int) -> dict:
+    """Launch constants for R rows of N columns and at most ``width`` winners (see TUNING)."""
+    n_pad = max(16, triton.next_power_of_2(N))
+    G = max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * width, 1)))
+    register = N <= TUNING["register_row"]
+    if register:
+        G = min(G, n_pad)
+    slots = TUNING["slots"] or TUNING["slots_per_delegate"] * G
+    chunk, cols = min(TUNING["chunk"], n_pad), min(TUNING["delegate_cols"], G)
+    while R * triton.cdiv(N, chunk) < TUNING["min_programs"] and chunk > 1024:  # few rows: more, smaller
+        chunk //= 2  # programs per row
+    while R * (G // cols) < TUNING["min_programs"] and cols > 64:
+        cols //= 2
+    return dict(register=register, n_pad=n_pad, G=G, slots=min(slots, n_pad), chunk=chunk, cols=cols,
+                force_fallback=not register and G > TUNING["max_delegates"])
 
 
-def plan_splits(R: int, N: int, device: torch.device, splits: int | None) -> tuple[int, int, int]:
-    """(programs per row, chunk length, tile length). Rows are split only when rows alone can't fill the GPU."""
-    on_gpu = device.type == "cuda"
-    knobs = launch_knobs(R)
-    if splits is None:
-        if on_gpu and N > knobs["short_row"]:
-            target = knobs["programs_per_sm"] * _sm_count(device)
-            splits = max(1, min(triton.cdiv(N, knobs["min_chunk"]), triton.cdiv(target, max(R, 1)), 256))
-        else:
-            splits = 1
-    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
-        raise SparseRefError(f"topk: splits must be a positive int or None, got {splits!r}. Fix: pass e.g. splits=4.")
-    splits = min(splits, max(N, 1))
-    chunk = triton.cdiv(max(N, 1), splits)
-    block = knobs["block"] if on_gpu else min(1024, max(16, triton.next_power_of_2(chunk)))
-    chunk = triton.cdiv(chunk, block) * block if on_gpu else chunk
-    splits = triton.cdiv(max(N, 1), chunk)
-    return splits, chunk, block
+def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
+    """Run the kernels (no checks): the ids of each row's winners in ascending order into ``out``.
 
-
-def launch_select(scores, W, *, k_scalar=0, k_tensor=None, lengths=None, page=None, splits=None,
-                  out=None, lengths_out=None):
-    """Run the chain (zero histograms, radix passes, compaction) into ``out`` [R, W] int32.
-
-    ``page`` is None for plain top-k, or a dict with the page-selection parameters.
+    Returns the per-row fallback flags of the long-row path (None for register rows), for tests;
+    ``stats`` (a dict) also receives the plan and, on the long-row path, the per-chunk candidate
+    counts and the thresholds (for benchmarks).
     """
     R, N = scores.shape
+    W = out.shape[1]
     device = scores.device
-    S, chunk, block = plan_splits(R, N, device, splits)
-    dummy = out  # any tensor: pointers a variant does not read
-    p = page or {}
-    args = dict(
-        k_scalar=int(k_scalar), k_ptr=k_tensor if k_tensor is not None else dummy,
-        len_ptr=lengths if lengths is not None else dummy,
-        budget_ptr=p.get("budget_table", dummy), seq_ptr=p.get("seq_lens", dummy), mask_ptr=p.get("sparse_mask", dummy),
-        page_size=p.get("page_size", 1), n_recent=p.get("num_recent", 0), n_sink=p.get("num_sink", 0),
-        min_seq=p.get("min_seq", 0), page_budget=p.get("page_budget", 0),
-    )
-    flags = dict(HAS_K=k_tensor is not None, HAS_LEN=lengths is not None, PAGE=page is not None,
-                 USE_TABLE="budget_table" in p)
-    num_warps = launch_knobs(R)["num_warps"] if device.type == "cuda" else 1
-    if S == 1 and N <= TUNING["register_row"]:  # the row fits in registers: read it once
-        n_pad = max(16, triton.next_power_of_2(N))
-        warps = max(1, min(16, n_pad // 512)) if device.type == "cuda" else 1
-        _register_row_kernel[(R,)](
-            scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
-            BITS=RADIX_BITS, N_PAD=n_pad, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), **flags,
-            num_warps=warps)
-        return out
-    if S == 1:  # one program per row: the whole chain in one launch, looping over tiles
-        _fused_row_kernel[(R,)](
-            scores, scores.stride(0), out, lengths_out if lengths_out is not None else dummy, N, W, **args,
-            BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=TUNING["fused_num_warps"] if device.type == "cuda" else 1)
-        return out
-    hist = torch.zeros((NUM_PASSES, R, NUM_BINS), dtype=torch.int32, device=device)
-    split_buf = torch.empty((R, S, 2, NUM_BINS), dtype=torch.int32, device=device)
-    for pass_id in range(NUM_PASSES):
-        _radix_pass_kernel[(R, S)](
-            scores, scores.stride(0), hist, split_buf, R, N, W, chunk, S, **args,
-            PASS=pass_id, BITS=RADIX_BITS, BLOCK=block, **flags, num_warps=num_warps)
-    _compact_kernel[(R, S)](
-        scores, scores.stride(0), hist, split_buf, out, lengths_out if lengths_out is not None else dummy,
-        R, N, W, chunk, S, **args, BITS=RADIX_BITS, BLOCK=block, S_PAD=max(2, triton.next_power_of_2(S)),
-        **flags, num_warps=num_warps)
-    return out
+    p = plan(R, N, W)
+    if stats is not None:
+        stats["plan"] = p
+    nw = TUNING["num_warps"] if device.type == "cuda" else 1
+    row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,
+                    len_ptr=lengths if lengths is not None else out, HAS_K=k_tensor is not None,
+                    HAS_LEN=lengths is not None)
+    block_out = min(1024, max(16, triton.next_power_of_2(W)))
+    stride = scores.stride(0)
+    if p["register"]:
+        scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
+        _register_row_kernel[(R,)](scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"],
+                                   SLOTS=p["slots"], BLOCK_OUT=block_out, num_warps=nw)
+        return None
+    block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
+    flags = torch.empty((R,), dtype=torch.int32, device=device)
+    if not p["force_fallback"]:
+        G, cols, chunk = p["G"], p["cols"], p["chunk"]
+        C = triton.cdiv(N, chunk)
+        log_c = max(1, (C - 1).bit_length())
+        counter = _counters(device, R)
+        delegates = torch.empty((R, G), dtype=torch.int32, device=device)
+        threshold = torch.empty((R,), dtype=torch.int32, device=device)
+        rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+        _delegates_kernel[(R, G // cols)](scores, stride, delegates, threshold, counter[0], N, W, **row_args,
+                                          G=G, COLS=cols, ROWS=rows, num_warps=nw)
+        cand = torch.empty((R, C * chunk), dtype=torch.int32, device=device)
+        counts = torch.empty((R, C), dtype=torch.int32, device=device)
+        prefix = torch.empty((R, 1 << log_c), dtype=torch.int32, device=device)
+        _candidates_kernel[(R, C)](scores, stride, out, threshold, cand, counts, prefix, flags, counter[1],
+                                   N, W, **row_args, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c,
+                                   BLOCK_OUT=block_out, num_warps=nw)
+        if stats is not None:
+            stats.update(counts=counts, threshold=threshold)
+    if stats is not None:
+        stats.update(plan=p, flags=flags)
+    _fallback_kernel[(R,)](scores, stride, out, flags, N, W, **row_args, FORCE=p["force_fallback"], BLOCK=block,
+                           num_warps=nw)
+    return flags
 
 
 def sort_winners(scores, out):
     """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id."""
     R, W = out.shape
-    if R == 0 or W == 0:
-        return out
-    w_pad = max(2, triton.next_power_of_2(W))
-    if scores.device.type != "cuda":
-        num_warps = 1
-    elif TUNING["sort_num_warps"]:
-        num_warps = TUNING["sort_num_warps"]
-    else:
-        num_warps = 16 if w_pad >= 2048 else 8 if w_pad >= 512 else 4
+    w_pad = max(16, triton.next_power_of_2(W))
+    num_warps = (16 if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
     _sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
     return out
 
 
-def interpreted() -> bool:
-    """True when Triton runs kernels through its interpreter (CPU tensors allowed)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
-
-
-def capturing() -> bool:
-    """True while a CUDA graph is being captured: then no check may read device data."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def check_scores(name: str, scores, fn: str) -> None:
-    """dtype, rank and stride checks for a [rows, N] score matrix."""
-    if not isinstance(scores, torch.Tensor):
-        raise ShapeError(f"{fn}: {name} must be a torch.Tensor of shape [rows, N], got {type(scores).__name__}. "
-                         f"Fix: pass a 2-D float tensor.")
-    if scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ShapeError(f"{fn}: {name} must have dtype float32, float16 or bfloat16, got {scores.dtype}. "
-                         f"Fix: {name}.float().")
-    if scores.dim() != 2:
-        raise ShapeError(f"{fn}: {name} must be 2-D [rows, N], got shape {tuple(scores.shape)}. "
-                         f"Fix: reshape to [rows, N].")
+def check_scores(fn: str, name: str, scores) -> None:
+    """dtype, rank, stride, device and size checks for a [rows, N] score matrix."""
+    check_tensor(f"{fn}: {name}", scores, dtype=FLOAT_DTYPES, dims=2, fix="pass a 2-D float tensor [rows, N].")
     if scores.shape[1] > 1 and scores.stride(1) != 1:
-        raise ShapeError(f"{fn}: {name} must have unit stride along its last dim, got strides {scores.stride()}. "
-                         f"Fix: pass {name}.contiguous().")
-    if scores.device.type != "cuda" and not (scores.device.type == "cpu" and interpreted()):
-        raise ShapeError(f"{fn}: {name} must be on a CUDA device (CPU only under the Triton interpreter, "
-                         f"TRITON_INTERPRET=1), got {scores.device}. Fix: move it with .cuda().")
+        fail(f"{fn}: {name}", "unit stride along the last dim", f"strides {scores.stride()}",
+             f"pass {name}.contiguous().")
+    if scores.device.type != "cuda" and not (scores.device.type == "cpu" and triton_interpreted()):
+        fail(f"{fn}: {name}", "a CUDA tensor (CPU only under the Triton interpreter, TRITON_INTERPRET=1)",
+             f"one on {scores.device}", "move it with .cuda().")
     if scores.shape[1] >= 2**31 - 1:
-        raise ShapeError(f"{fn}: rows longer than 2**31 - 2 are not supported, got N={scores.shape[1]}.")
+        fail(f"{fn}: {name}", "rows shorter than 2**31 - 1", f"N={scores.shape[1]}", "split the rows.")
 
 
-def check_same_device(name: str, t: torch.Tensor, scores: torch.Tensor, fn: str) -> None:
-    if t.device != scores.device:
-        raise ShapeError(f"{fn}: {name} must be on the same device as scores ({scores.device}), got {t.device}. "
-                         f"Fix: {name}.to(scores.device).")
-
-
-# --------------------------------------------------------------------------------------------
-# Public launcher
-# --------------------------------------------------------------------------------------------
 def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order: str = "score",
-         width: int | None = None, out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+         width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k ids per row: int32 ``[R, width]``, -1 padded; matches ``topk_reference``.
 
     ``k``: an int (then ``width = k`` and the call never syncs with the host: CUDA-graph safe),
     or an int tensor ``[R]`` (pass ``width``; without it, ``width = k.max()`` is read eagerly).
     ``lengths``: int32/int64 ``[R]`` valid lengths (None: every row is full).
     ``order``: ``"score"`` (descending score, ties by lower id), ``"index"`` (ascending ids) or
-    ``"none"`` (the cheapest: here also ascending ids, since the compaction is ordered).
-    ``splits``: programs per row (None: chosen from the GPU size; set it to force row splitting).
+    ``"none"`` (the cheapest: here also ascending ids).
     """
     fn = "topk"
-    check_scores("scores", scores, fn)
-    if order not in ORDERS:
-        raise SparseRefError(f"{fn}: order must be one of {ORDERS}, got {order!r}. Fix: order='score'.")
+    check_scores(fn, "scores", scores)
+    check_choice(f"{fn}: order", order, ORDERS, "order='score' or order='index'.", error=SparseRefError)
     R, N = scores.shape
     k_tensor = None
     if isinstance(k, torch.Tensor):
-        if k.dtype not in (torch.int32, torch.int64) or k.dim() != 1 or k.shape[0] != R:
-            raise ShapeError(f"{fn}: k as a tensor must be int32/int64 of shape [{R}], got dtype {k.dtype}, "
-                             f"shape {tuple(k.shape)}. Fix: pass an int, or one k per row.")
-        check_same_device("k", k, scores, fn)
+        check_tensor(f"{fn}: k", k, dtype=INDEX_DTYPES, shape=(R,), fix="pass an int, or one int k per row.")
+        check_same_device(fn, "scores", {"scores": scores, "k": k})
+        check_range(f"{fn}: k", k, 0, 2**63 - 1, "clamp k at 0.", error=SparseRefError)
         if width is None:
             if capturing():
-                raise SparseRefError(f"{fn}: with a per-row k tensor, width must be given while a CUDA graph "
-                                     f"captures (reading k.max() would sync). Fix: pass width=<max k>.")
+                fail(f"{fn}: width", "an int while a CUDA graph captures (reading k.max() would sync)", "None",
+                     "pass width=<max k>.", SparseRefError)
             width = int(k.max()) if R else 0
-        if not capturing() and R and int(k.min()) < 0:
-            raise SparseRefError(f"{fn}: k must be >= 0 in every row, got min {int(k.min())}. Fix: clamp k at 0.")
-        k_tensor = k.contiguous()
+        k_tensor = k.clamp(0, N).to(torch.int32).contiguous()  # k >= 2**31 must not wrap around
         k_scalar = 0
     else:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise SparseRefError(f"{fn}: k must be an int >= 0 (or an int tensor [R]), got {k!r}. "
-                                 f"Fix: pass k=min(k, N) or a non-negative int.")
-        k_scalar = k
-        width = k if width is None else width
-    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
-        raise SparseRefError(f"{fn}: width must be an int >= 0, got {width!r}. Fix: pass width=k.")
+        k_scalar = check_int(f"{fn}: k", k, low=0, fix="pass a non-negative int (or an int tensor [R]).",
+                             error=SparseRefError)
+        width = k_scalar if width is None else width
+    width = check_int(f"{fn}: width", width, low=0, fix="pass width=k.", error=SparseRefError)
     if order == "score" and width > MAX_SORT_WIDTH:
-        raise SparseRefError(f"{fn}: order='score' sorts the winners inside one tile of at most {MAX_SORT_WIDTH}, "
-                             f"got width {width}. Fix: use order='index', or k <= {MAX_SORT_WIDTH}.")
+        fail(f"{fn}: width", f"at most {MAX_SORT_WIDTH} with order='score' (the winners are sorted in one tile)",
+             str(width), f"use order='index', or k <= {MAX_SORT_WIDTH}.", SparseRefError)
     if lengths is not None:
-        if not isinstance(lengths, torch.Tensor) or lengths.dtype not in (torch.int32, torch.int64) \
-                or lengths.dim() != 1 or lengths.shape[0] != R:
-            raise ShapeError(f"{fn}: lengths must be an int32/int64 tensor of shape [{R}], got "
-                             f"{getattr(lengths, 'dtype', type(lengths).__name__)} "
-                             f"{tuple(getattr(lengths, 'shape', ()))}. Fix: one valid length per row, or None.")
-        check_same_device("lengths", lengths, scores, fn)
-        if R and not capturing():
-            lo, hi = int(lengths.min()), int(lengths.max())
-            if lo < 0 or hi > N:
-                raise SparseRefError(f"{fn}: lengths must lie in [0, {N}] (the row length), got min {lo}, max {hi}. "
-                                     f"Fix: clamp lengths to [0, scores.shape[1]].")
+        check_tensor(f"{fn}: lengths", lengths, dtype=INDEX_DTYPES, shape=(R,), fix="one length per row, or None.")
+        check_same_device(fn, "scores", {"scores": scores, "lengths": lengths})
+        check_range(f"{fn}: lengths", lengths, 0, N, "clamp lengths to [0, scores.shape[1]].")
         lengths = lengths.contiguous()
     if out is None:
         out = torch.empty((R, width), dtype=torch.int32, device=scores.device)
-    elif not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or tuple(out.shape) != (R, width) \
-            or not out.is_contiguous() or out.device != scores.device:
-        raise ShapeError(f"{fn}: out must be a contiguous int32 tensor of shape ({R}, {width}) on {scores.device}, "
-                         f"got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}. "
-                         f"Fix: pass out=None.")
+    else:
+        check_tensor(f"{fn}: out", out, dtype=torch.int32, shape=(R, width), contiguous=True, fix="pass out=None.")
+        check_same_device(fn, "scores", {"scores": scores, "out": out})
     if R == 0 or width == 0:
         return out
     if N == 0:
         return out.fill_(-1)
-    launch_select(scores, width, k_scalar=k_scalar, k_tensor=k_tensor, lengths=lengths, splits=splits, out=out)
+    launch_topk(scores, k_scalar, k_tensor, lengths, out)
     if order == "score":
         sort_winners(scores, out)
     return out
+
+
+def _aot(kernel, constexprs, options=None, **types):
+    """One ahead-of-time compile variant (tests/test_aot_compile.py): every argument not named in
+    ``types`` or ``constexprs`` is an i32 scalar."""
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
+    return (kernel, sig, constexprs, options or {"num_warps": 8})
+
+
+_PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
+_FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
+AOT_VARIANTS = [
+    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, BLOCK_OUT=b), scratch="*i32", **_PTRS)
+      for f, g, b in zip(_FLAGS, (4096, 256), (1024, 128), strict=True)],
+    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=512, ROWS=16), delegates="*i32", threshold="*i32",
+           counter="*i32", **_PTRS) for f, g in zip(_FLAGS, (4096, 8192), strict=True)],
+    *[_aot(_candidates_kernel, dict(**f, CHUNK=4096, SLOTS=s, LOG_C=c, BLOCK_OUT=1024), threshold="*i32",
+           cand="*i32", counts="*i32", prefix="*i32", flags="*i32", counter="*i32", **_PTRS)
+      for f, s, c in zip(_FLAGS, (4096, 8192), (4, 5), strict=True)],
+    *[_aot(_fallback_kernel, dict(**f, FORCE=force, BLOCK=1024), flags="*i32", **_PTRS)
+      for f, force in zip(_FLAGS, (False, True), strict=True)],
+    _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
+    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, BLOCK_OUT=16),
+         {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),
+]

@@ -9,10 +9,13 @@ never by a CPU run. ``docs/design.md`` lists the targets each suite is held to.
 
 What is measured, and how:
 
-* **topk**: the radix top-k (``sparse_ref.kernels.topk.topk``) against ``torch.topk`` on the
-  same inputs, for three score distributions: ``randn``; ``indexer`` (ReLU-weighted sums of
-  random dot products, rounded through bf16 like real indexer logits: many near-ties); and
-  ``clustered`` (a few distinct values plus tiny noise).
+* **topk**: the delegate-threshold top-k (``sparse_ref.kernels.topk.topk``) against ``torch.topk``
+  on the same inputs and the same output contract (``sorted=False`` against ``order="index"``,
+  ``sorted=True`` against ``order="score"``), for five score distributions: ``randn``;
+  ``indexer`` (ReLU-weighted sums of random dot products, rounded through bf16 like real indexer
+  logits: many near-ties); ``clustered`` (a few distinct values plus tiny noise); ``sorted``
+  (ascending rows) and ``plateau`` (a third of each row tied at the top value), which send rows
+  to the exact fallback.
 * **select**: the fused page selection (``select_pages_triton``) against the torch batched
   selection (``select_pages``: torch.topk-style ranking + finalize), and torch.topk alone.
 * **quest**: Quest page scores, the Triton kernel (``sparse_ref.kernels.quest.quest_page_scores``)
@@ -80,6 +83,11 @@ def make_distribution(name: str, R: int, N: int, device, seed: int = 0) -> torch
             logits = torch.relu(torch.einsum("rhd,nd->rhn", q, k))
             x[:, start:start + k.shape[0]] = torch.einsum("rh,rhn->rn", w, logits)
         x = x.bfloat16().float()  # indexer logits are low precision: many exact and near ties
+    elif name == "sorted":  # ascending rows: every winner sits at the end (defeats block-wise filters)
+        x = torch.sort(torch.randn(R, N, generator=g), dim=1).values
+    elif name == "plateau":  # a third of each row ties at the top value (defeats thresholds: long tie runs)
+        x = torch.randn(R, N, generator=g).clamp(max=1.0)
+        x[:, ::3] = 1.5
     elif name == "clustered":
         centers = torch.randn(8, generator=g) * 4
         x = centers[torch.randint(0, 8, (R, N), generator=g)] + 1e-4 * torch.randn(R, N, generator=g)
@@ -218,33 +226,34 @@ def _row(shape, k, dist, l2, torch_us, ours_us, bytes_moved, copy_bw, op, **extr
 
 
 def bench_topk(device, timer, copy_bw, quick, on_cpu):
+    """torch.topk(sorted=False) vs order="index" and torch.topk(sorted=True) vs order="score"."""
     from sparse_ref.kernels.topk import topk
 
     if on_cpu:
-        shapes = [(2, 512, 16, None)]
+        shapes = [(2, 512, 16)]
     else:
-        shapes = [(64, 65536, 2048, None), (64, 131072, 2048, None), (1, 131072, 2048, None),
-                  (32, 8192, 128, None)]
-    dists = ["randn"] if quick else ["randn", "indexer", "clustered"]
+        shapes = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
+    dists = ["randn"] if quick else ["randn", "indexer", "clustered", "sorted", "plateau"]
     rows = []
-    for R, N, k, splits in shapes:
+    for R, N, k in shapes:
         for dist in dists:
             copies = [make_distribution(dist, R, N, device, seed=s) for s in range(1 if on_cpu else 4)]
             nbytes = R * N * 4 + R * k * 4
-            t_torch = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
-            m_torch = timer.mode
-            for order in ("score", "index"):
+            for order, torch_sorted in (("index", False), ("score", True)):
+                t_torch = timer.cold([partial(torch.topk, x, k, dim=1, sorted=torch_sorted) for x in copies])
+                m_torch = timer.mode
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
-                t_ours = timer.cold([partial(topk, x, k, order=order, out=out, splits=splits) for x in copies])
+                t_ours = timer.cold([partial(topk, x, k, order=order, out=out) for x in copies])
                 rows.append(_row(f"{R}x{N} fp32", k, dist, "cold", t_torch, t_ours, nbytes, copy_bw,
-                                 f"topk({order})", torch_timing=m_torch, ours_timing=timer.mode))
+                                 f"topk({order})", baseline=f"torch.topk(sorted={torch_sorted})",
+                                 torch_timing=m_torch, ours_timing=timer.mode))
             if dist == "randn" and not quick and not on_cpu:
                 x = copies[0]
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
-                t_torch_w = timer.warm(partial(torch.topk, x, k, dim=1))
-                t_ours_w = timer.warm(partial(topk, x, k, order="score", out=out))
+                t_torch_w = timer.warm(partial(torch.topk, x, k, dim=1, sorted=False))
+                t_ours_w = timer.warm(partial(topk, x, k, order="index", out=out))
                 rows.append(_row(f"{R}x{N} fp32", k, dist, "warm", t_torch_w, t_ours_w, nbytes, copy_bw,
-                                 "topk(score)"))
+                                 "topk(index)", baseline="torch.topk(sorted=False)"))
     return rows
 
 
@@ -268,13 +277,14 @@ def bench_select(device, timer, copy_bw, quick, on_cpu):
         m_ours = timer.mode
         t_sel = timer.cold([partial(select_pages, x, seq_lens, mask, page_size, config) for x in copies])
         m_sel = timer.mode
-        t_topk = timer.cold([partial(torch.topk, x, k, dim=1) for x in copies])
+        t_topk = timer.cold([partial(torch.topk, x, k, dim=1, sorted=False) for x in copies])
         shape = f"{bs}x{pages} pages"
         rows.append(_row(shape, k, dist, "cold", t_sel, t_ours, nbytes, copy_bw, "select",
                          baseline="torch select_pages (batched torch: ranks + finalize)", torch_timing=m_sel,
                          ours_timing=m_ours))
         rows.append(_row(shape, k, dist, "cold", t_topk, t_ours, nbytes, copy_bw, "select_vs_topk",
-                         baseline="torch.topk alone (no recent/sink, no finalize)", torch_timing=timer.mode,
+                         baseline="torch.topk(sorted=False) alone (no recent/sink, no finalize)",
+                         torch_timing=timer.mode,
                          ours_timing=m_ours))
         if dist == "randn" and not on_cpu:
             x = copies[0]

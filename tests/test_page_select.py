@@ -2,10 +2,9 @@
 
 The property cases follow the retrieval tests: random batch sizes, seq_lens of 0, 1, below a
 page, exact multiples and long; keep ratios and fixed budgets; recent and sink counts; tied
-and non-finite scores; and the split-row path forced at small sizes.
+and non-finite scores; and the in-register fallback (candidates overflowing the slots) forced
+at small sizes by shrinking the slot count.
 """
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparse_ref  # (interpreter set-up before the kernel import)
+from sparse_ref import checks
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import page_select as page_select_module
@@ -23,8 +23,8 @@ from sparse_ref.selection import select_pages, select_pages_row, selection_width
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
 
 
-def check_against_references(scores, seq_lens, mask, page_size, config, width=None, splits=None):
-    got_sel, got_len = select_pages_triton(scores, seq_lens, mask, page_size, config, width, splits=splits)
+def check_against_references(scores, seq_lens, mask, page_size, config, width=None):
+    got_sel, got_len = select_pages_triton(scores, seq_lens, mask, page_size, config, width)
     ref_sel, ref_len = select_pages(scores.cpu(), seq_lens.cpu(), mask.cpu(), page_size, config, width)
     assert torch.equal(got_sel.cpu(), ref_sel), (got_sel, ref_sel)
     assert torch.equal(got_len.cpu(), ref_len)
@@ -58,16 +58,21 @@ def configs(draw):
 
 @settings(max_examples=25, deadline=None)
 @given(bs=st.integers(1, 4), page_size=st.sampled_from([1, 3, 4, 16]), max_pages=st.integers(1, 24),
-       config=configs(), ties=st.booleans(), nonfinite=st.booleans(), splits=st.sampled_from([None, 2, 3]),
+       config=configs(), ties=st.booleans(), nonfinite=st.booleans(), slots=st.sampled_from([0, 0, 2]),
        seed=st.integers(0, 2**16), data=st.data())
-def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, nonfinite, splits, seed, data):
+def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, nonfinite, slots, seed, data):
     cap = max_pages * page_size
     lens = st.one_of(st.sampled_from([0, 1, min(page_size - 1, cap), cap, (cap // page_size) * page_size]),
                      st.integers(0, cap))
     seq_lens = torch.tensor(data.draw(st.lists(lens, min_size=bs, max_size=bs)), dtype=torch.int64, device=DEVICE)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), device=DEVICE)
     scores = page_scores(bs, max_pages, seed, ties, nonfinite)
-    check_against_references(scores, seq_lens, mask, page_size, config, splits=splits)
+    saved = topk_module.TUNING["slots"]
+    topk_module.TUNING["slots"] = slots  # 2: every row with more than 2 candidates takes the fallback
+    try:
+        check_against_references(scores, seq_lens, mask, page_size, config)
+    finally:
+        topk_module.TUNING["slots"] = saved
 
 
 def test_typical_batch_and_explicit_widths():
@@ -80,21 +85,34 @@ def test_typical_batch_and_explicit_widths():
     assert sel.shape == (5, selection_width(40, config))
     assert lengths[0] > 0 and lengths[4] == 0
     check_against_references(scores, seq_lens, mask, 4, config, width=40)
-    check_against_references(scores, seq_lens, mask, 4, config, width=45, splits=2)
+    check_against_references(scores, seq_lens, mask, 4, config, width=45)
 
 
-def test_tile_loop_path_matches(monkeypatch):
-    """The one-program-per-row tile loop (rows too long for registers), forced at a small size."""
-    monkeypatch.setitem(topk_module.TUNING, "register_row", 0)
+@pytest.mark.parametrize("slots", [0, 2])
+def test_adversarial_history(monkeypatch, slots):
+    """Ascending, periodic and plateau histories; with 2 slots every row takes the in-register fallback."""
+    monkeypatch.setitem(topk_module.TUNING, "slots", slots)
+    config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
+    n = 300
+    period = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    scores = torch.stack([torch.arange(n).float(), period.repeat(n // 16 + 1)[:n],
+                          torch.where(torch.arange(n) % 4 == 0, 1.0, 0.0), torch.full((n,), -0.0)]).to(DEVICE)
+    seq_lens = torch.tensor([n * 4, n * 4 - 3, 777, n * 4], device=DEVICE)
+    check_against_references(scores, seq_lens, torch.ones(4, dtype=torch.bool, device=DEVICE), 4, config)
+
+
+def test_rows_too_long_for_registers(monkeypatch):
+    """Beyond MAX_REGISTER_PAGES the torch selection runs (same contract)."""
+    monkeypatch.setattr(page_select_module, "MAX_REGISTER_PAGES", 16)
     config = SparseConfig(keep_ratio=0.3, num_recent_pages=2, num_sink_pages=1)
     scores = page_scores(3, 30, seed=9, ties=True, nonfinite=True)
     seq_lens = torch.tensor([120, 57, 9], device=DEVICE)
-    check_against_references(scores, seq_lens, torch.tensor([True, True, True], device=DEVICE), 4, config, splits=1)
+    check_against_references(scores, seq_lens, torch.tensor([True, True, True], device=DEVICE), 4, config)
 
 
 def test_kernel_clamps_bad_seq_lens(monkeypatch):
     """While a graph captures there is no host check: a too-long seq_len is clamped to the scored pages."""
-    monkeypatch.setattr(page_select_module, "capturing", lambda: True)
+    monkeypatch.setattr(checks, "capturing", lambda: True)
     config = SparseConfig(page_budget=2, num_recent_pages=1)
     scores = page_scores(2, 9, seed=4, ties=False, nonfinite=False)
     on = torch.tensor([True, True], device=DEVICE)
@@ -104,40 +122,35 @@ def test_kernel_clamps_bad_seq_lens(monkeypatch):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda s, q, m, c: select_pages_triton(s.double(), q, m, 4, c), "float32, float16 or bfloat16"),
+    (lambda s, q, m, c: select_pages_triton(s.double(), q, m, 4, c), "float32 or torch.float16"),
     (lambda s, q, m, c: select_pages_triton(s[0], q, m, 4, c), "2-D"),
     (lambda s, q, m, c: select_pages_triton(s.t(), q[:1].repeat(12), m[:1].repeat(12), 4, c), "unit stride"),
-    (lambda s, q, m, c: select_pages_triton(s, q.float(), m, 4, c), "seq_lens must be a 1-D"),
-    (lambda s, q, m, c: select_pages_triton(s, q[:2], m, 4, c), "seq_lens must be a 1-D"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m.int(), 4, c), "sparse_mask must be a 1-D"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 0, c), "page_size must be a positive int"),
-    (lambda s, q, m, c: select_pages_triton(s, q + 100, m, 4, c), r"seq_lens must lie in \[0, 48\]"),
-    (lambda s, q, m, c: select_pages_triton(s, q - 100, m, 4, c), r"seq_lens must lie in \[0, 48\]"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, object()), "config must look like a SparseConfig"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, SimpleNamespace(**{**vars(c), "num_recent_pages": -1})),
-     r"config.num_recent_pages must be an int >= 0"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, SimpleNamespace(**{**vars(c), "keep_ratio": 1.5})),
-     r"config.keep_ratio must be in \(0, 1\]"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, SimpleNamespace(**{**vars(c), "page_budget": 0})),
-     r"config.page_budget must be an int >= 1"),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=-1), "width must be an int >= "),
-    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=2), "narrower output would cut rows off"),
-    (lambda s, q, m, c: select_pages_triton(s, q.to("meta"), m, 4, c), "same device"),
+    (lambda s, q, m, c: select_pages_triton(s, q.float(), m, 4, c), "seq_lens: expected dtype"),
+    (lambda s, q, m, c: select_pages_triton(s, q[:2], m, 4, c), r"seq_lens: expected shape \[3\]"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m.int(), 4, c), "sparse_mask: expected dtype torch.bool"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 0, c), r"page_size: expected an int in \[1"),
+    (lambda s, q, m, c: select_pages_triton(s, q + 100, m, 4, c), r"seq_lens: expected values in \[0, 48\]"),
+    (lambda s, q, m, c: select_pages_triton(s, q - 100, m, 4, c), r"seq_lens: expected values in \[0, 48\]"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, object()), "config: expected a sparse_ref.SparseConfig"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=-1), "width: expected an int in"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m, 4, c, width=2), "width: expected an int in"),
+    (lambda s, q, m, c: select_pages_triton(s, q.to("meta"), m, 4, c), "seq_lens: expected a tensor with data"),
+    (lambda s, q, m, c: select_pages_triton(s, q, m.to("meta"), 4, c), "sparse_mask: expected a tensor with data"),
 ])
 def test_input_errors(call, match):
     scores = torch.randn(3, 12, device=DEVICE)
     with pytest.raises(SparseRefError, match=match) as info:
         call(scores, torch.tensor([5, 40, 48], device=DEVICE), torch.tensor([True, False, True], device=DEVICE),
              SparseConfig())
-    assert "Fix" in str(info.value) or "config." in str(info.value)
+    assert "Fix" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_gpu_benchmark_shape(splits):
+@pytest.mark.parametrize("slots", [0, 2])
+def test_gpu_benchmark_shape(monkeypatch, slots):
     """32 x 8192 pages, k = 128, 4 recent pages (the benchmark shape), ties and NaN included."""
     config = SparseConfig(page_budget=128, num_recent_pages=4)
     scores = page_scores(32, 8192, seed=5, ties=False, nonfinite=True, device="cuda")
@@ -145,7 +158,8 @@ def test_gpu_benchmark_shape(splits):
     seq_lens = torch.randint(1, 8192 * 16 + 1, (32,), device="cuda")
     seq_lens[0] = 8192 * 16
     mask = torch.ones(32, dtype=torch.bool, device="cuda")
-    check_against_references(scores, seq_lens, mask, 16, config, splits=splits)
+    monkeypatch.setitem(topk_module.TUNING, "slots", slots)  # 2: the in-register fallback on every row
+    check_against_references(scores, seq_lens, mask, 16, config)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,10 @@
-"""The Triton radix top-k (kernels/topk.py) against ``topk_reference`` on awkward inputs.
+"""The Triton top-k (kernels/topk.py) against ``topk_reference`` on awkward and adversarial inputs.
 
-On CPU the kernels run through Triton's interpreter, so sizes stay small; the ``gpu`` tests
-run the realistic sizes (128K and 1M columns, k up to 4096) and CUDA-graph capture.
+Three paths are tested separately, forced at interpreter sizes through ``TUNING``:
+``register`` (one program per row, row in registers), ``long`` (delegates -> candidates ->
+exact select in the row's last program; several programs per row) and ``fallback`` (the slot
+tensor shrunk so that every row overflows and the device-side fallback runs the exact radix
+select over the whole row). The ``gpu`` tests run realistic sizes and CUDA-graph replays.
 """
 
 import pytest
@@ -10,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparse_ref  # (interpreter set-up before the kernel import)
+from sparse_ref import checks
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
@@ -17,19 +21,29 @@ from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
 SPECIALS = [float("nan"), float("-inf"), float("inf"), -0.0, 0.0]
+PATHS = {
+    "register": {},
+    "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
+    "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
+    "register_fallback": {"slots": 2},
+}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request, monkeypatch):
+    """Run the test once per path (knobs restored afterwards)."""
+    for name, value in PATHS[request.param].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    return request.param
 
 
 def make_scores(R, N, *, seed, ties=False, specials=False, dtype=torch.float32, device=DEVICE):
     """Random scores; with ``ties`` few distinct values, with ``specials`` NaN / +-inf / -0.0 sprinkled in."""
     g = torch.Generator().manual_seed(seed)
-    if ties:
-        x = torch.randint(-3, 4, (R, N), generator=g).float() / 2
-    else:
-        x = torch.randn(R, N, generator=g)
+    x = torch.randint(-3, 4, (R, N), generator=g).float() / 2 if ties else torch.randn(R, N, generator=g)
     if specials and R * N:
         pick = torch.randint(0, len(SPECIALS), (R, N), generator=g)
-        where = torch.rand(R, N, generator=g) < 0.25
-        x = torch.where(where, torch.tensor(SPECIALS)[pick], x)
+        x = torch.where(torch.rand(R, N, generator=g) < 0.25, torch.tensor(SPECIALS)[pick], x)
     return x.to(dtype).to(device)
 
 
@@ -40,38 +54,79 @@ def check(scores, k, lengths=None, order="score", **kw):
                          width=kw.get("width"))
     got = got.cpu()
     assert got.dtype == torch.int32 and got.shape == ref.shape
-    # ids as sets first (a clearer failure), then the exact order
-    for r in range(got.shape[0]):
+    for r in range(got.shape[0]):  # ids as sets first (a clearer failure), then the exact order
         assert set(got[r][got[r] >= 0].tolist()) == set(ref[r][ref[r] >= 0].tolist()), f"row {r}"
     assert torch.equal(got, ref)
     return got
 
 
-def test_awkward_rows_both_orders():
+def adversarial_rows(N, G, seed=0):
+    """Rows that defeat a delegate threshold (or its tie handling), plus all-invalid rows."""
+    g = torch.Generator().manual_seed(seed)
+    period = torch.randn(G, generator=g)
+    rows = [torch.arange(N).float(),  # ascending: every top element sits in the last columns
+            -torch.arange(N).float(),  # descending
+            period.repeat(N // G + 1)[:N],  # periodic with the delegate period: every column ties
+            torch.where(torch.arange(N) % 3 == 0, 0.5, torch.randn(N, generator=g).clamp(max=0.4)),  # plateau
+            torch.full((N,), 2.0),  # all equal
+            torch.where(torch.arange(N) % 2 == 0, float("nan"), float("-inf")),  # nothing selectable
+            torch.full((N,), float("-inf"))]
+    return torch.stack(rows).to(DEVICE)
+
+
+def test_awkward_rows_both_orders(path):
     """Ties, specials, lengths 0/1/full and k beyond the row, in one batch (N not a power of two)."""
-    x = make_scores(6, 37, seed=1, specials=True)
+    x = make_scores(6, 300, seed=1, specials=True)
     x[1] = 1.5  # an all-equal row: ties to the lower id
-    x[2, :10] = torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), float("-inf"), float("inf"), 0.0, -0.0, 1.0],
-                             device=DEVICE)
-    lengths = torch.tensor([37, 30, 10, 1, 0, 25], device=DEVICE)
+    x[2, :10] = torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), float("-inf"), float("inf"), 0.0, -0.0, 1.0])
+    lengths = torch.tensor([300, 230, 10, 1, 0, 25], device=DEVICE)
     for order in ("score", "index", "none"):
         check(x, 9, lengths, order=order)
-    check(x, 40, lengths)  # k larger than every row: fewer ids, -1 padded
+    check(x, 40, lengths, order="index")  # k larger than some rows: fewer ids, -1 padded
 
 
-def test_forced_row_splitting_matches():
-    """The split path (partial histograms combined with atomics) on a small row."""
-    x = make_scores(3, 70, seed=2, ties=True, specials=True)
-    lengths = torch.tensor([70, 41, 3], device=DEVICE)
-    check(x, 13, lengths, splits=4)
-    check(x, 13, lengths, order="index", splits=7)
+def test_adversarial_rows(path):
+    """Ascending, descending, periodic with the delegate period, plateaus, all equal, nothing valid."""
+    x = adversarial_rows(517, 128)
+    for order in ("index", "score"):
+        check(x, 6, order=order)
+    check(x, 6, torch.tensor([517, 3, 300, 517, 100, 517, 0], device=DEVICE), order="index")
 
 
-def test_tile_loop_path_matches(monkeypatch):
-    """One program per row looping over tiles (used for unsplit rows too long for registers), forced small."""
-    monkeypatch.setitem(topk_module.TUNING, "register_row", 0)
-    x = make_scores(3, 53, seed=12, ties=True, specials=True)
-    check(x, 7, torch.tensor([53, 20, 0], device=DEVICE), splits=1)
+def test_zero_signs_tie_at_the_threshold(path):
+    """The k-th value is 0 and several -0.0 / +0.0 tie there: the lowest ids win, whatever their sign."""
+    x = torch.full((2, 200), -1.0)
+    x[:, 7], x[:, 50], x[:, 120] = 3.0, 2.0, 1.0
+    zeros = torch.tensor([5, 9, 33, 60, 61, 150, 199])
+    x[0, zeros] = torch.tensor([-0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0])
+    x[1, zeros] = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0])
+    got = check(x.to(DEVICE), 5, order="index")
+    assert got[:, :].tolist() == [[5, 7, 9, 50, 120]] * 2
+
+
+def test_long_path_flags(monkeypatch):
+    """The long-row path keeps random rows off the fallback, flags rows that overflow the slots."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = make_scores(3, 1000, seed=2)
+    out = torch.empty(3, 5, dtype=torch.int32, device=DEVICE)
+    flags = topk_module.launch_topk(x, 5, None, None, out)
+    assert flags.tolist() == [0, 0, 0]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
+    x = adversarial_rows(1000, 128)[:5]
+    flags = topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5))
+    # ascending, descending and periodic rows fit the 128 slots here; the plateau and the all-equal row do not
+    assert flags.tolist() == [0, 0, 0, 1, 1]
+    monkeypatch.setitem(topk_module.TUNING, "slots", 2)
+    assert topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5)).tolist() == [1] * 5
+
+
+def test_forced_fallback_for_wide_k(monkeypatch):
+    """k too large for the delegates (2k > max_delegates) sends every row to the exact fallback."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    monkeypatch.setitem(topk_module.TUNING, "max_delegates", 64)
+    check(make_scores(2, 150, seed=3, ties=True, specials=True), 40, order="index")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -87,26 +142,34 @@ def test_edge_sizes():
     assert topk(torch.empty(0, 5, device=DEVICE), 2).shape == (0, 2)
 
 
-def test_per_row_k_tensor():
-    x = make_scores(4, 23, seed=6, ties=True)
-    k = torch.tensor([0, 3, 23, 7], device=DEVICE)
-    check(x, k, width=8)
-    check(x, k, order="index")  # width read from k.max() eagerly
+def test_per_row_k_tensor(path):
+    """Per-row k, including an int64 k at and above 2**31 (clamped on the host, never wrapped)."""
+    x = make_scores(5, 230, seed=6, ties=True)
+    k = torch.tensor([0, 3, 2**31, 7, 2**40], device=DEVICE)
+    check(x, k, width=8, order="index")
+    check(x, k.int().clamp(0, 9), order="score")  # width read from k.max() eagerly
 
 
-@settings(max_examples=10, deadline=None)
-@given(R=st.integers(1, 3), N=st.integers(0, 60), k=st.integers(0, 66), ties=st.booleans(), specials=st.booleans(),
-       splits=st.sampled_from([None, 1, 2, 3]), order=st.sampled_from(["score", "index"]),
+@settings(max_examples=12, deadline=None)
+@given(R=st.integers(1, 3), N=st.integers(0, 200), k=st.integers(0, 40), ties=st.booleans(), specials=st.booleans(),
+       path=st.sampled_from(list(PATHS)), order=st.sampled_from(["score", "index"]),
        dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16),
        data=st.data())
-def test_property_matches_reference(R, N, k, ties, specials, splits, order, dtype, seed, data):
-    x = make_scores(R, N, seed=seed, ties=ties, specials=specials, dtype=dtype)
-    lengths = torch.tensor(data.draw(st.lists(st.integers(0, N), min_size=R, max_size=R)), device=DEVICE)
-    check(x, k, lengths, order=order, splits=splits)
+def test_property_matches_reference(R, N, k, ties, specials, path, order, dtype, seed, data):
+    saved = dict(topk_module.TUNING)
+    topk_module.TUNING.update(PATHS[path])
+    try:
+        x = make_scores(R, N, seed=seed, ties=ties, specials=specials, dtype=dtype)
+        lengths = torch.tensor(data.draw(st.lists(st.integers(0, N), min_size=R, max_size=R)), device=DEVICE)
+        check(x, k, lengths, order=order)
+    finally:
+        topk_module.TUNING.clear()
+        topk_module.TUNING.update(saved)
 
 
 def test_kernel_clamps_bad_lengths(monkeypatch):
     """While a CUDA graph captures, lengths are not checked on the host: the kernel clamps them to [0, N]."""
+    monkeypatch.setattr(checks, "capturing", lambda: True)
     monkeypatch.setattr(topk_module, "capturing", lambda: True)
     x = make_scores(3, 11, seed=7)
     got = topk(x, 4, torch.tensor([-5, 99, 6], device=DEVICE))
@@ -117,26 +180,25 @@ def test_kernel_clamps_bad_lengths(monkeypatch):
 # Input errors: raised before any launch, naming the argument, what was expected and the fix.
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("call, match", [
-    (lambda x: topk(x.double(), 2), "float32, float16 or bfloat16"),
+    (lambda x: topk(x.double(), 2), "float32 or torch.float16 or torch.bfloat16"),
     (lambda x: topk(x[0], 2), "2-D"),
     (lambda x: topk(x.t(), 2), "unit stride"),
     (lambda x: topk(x.tolist(), 2), "torch.Tensor"),
-    (lambda x: topk(x, -1), "k must be an int >= 0"),
-    (lambda x: topk(x, 2.5), "k must be an int >= 0"),
+    (lambda x: topk(x, -1), r"topk: k: expected an int in \[0"),
+    (lambda x: topk(x, 2.5), "topk: k: expected an int"),
     (lambda x: topk(x, 5000), "at most 4096"),
-    (lambda x: topk(x, 2, order="random"), "order must be one of"),
-    (lambda x: topk(x, torch.tensor([1.0, 2.0, 3.0], device=x.device)), "k as a tensor"),
-    (lambda x: topk(x, torch.tensor([1, 2], device=x.device)), "k as a tensor"),
-    (lambda x: topk(x, torch.tensor([1, -2, 3], device=x.device)), "k must be >= 0"),
-    (lambda x: topk(x, 2, torch.tensor([1.0, 2.0, 3.0], device=x.device)), "lengths must be an int32/int64"),
-    (lambda x: topk(x, 2, torch.tensor([1, 2], device=x.device)), "lengths must be an int32/int64"),
-    (lambda x: topk(x, 2, torch.tensor([1, 2, 9], device=x.device)), r"lengths must lie in \[0, 8\]"),
-    (lambda x: topk(x, 2, torch.tensor([-1, 2, 3], device=x.device)), r"lengths must lie in \[0, 8\]"),
-    (lambda x: topk(x, 2, out=torch.empty(3, 2, dtype=torch.int64, device=x.device)), "out must be"),
-    (lambda x: topk(x, 2, splits=0), "splits must be"),
-    (lambda x: topk(x, 2, width=-1), "width must be an int >= 0"),
-    (lambda x: topk(x.to("meta"), 2), "must be on a CUDA device"),
-    (lambda x: topk(x, 2, torch.tensor([1, 2, 3], device="meta")), "same device"),
+    (lambda x: topk(x, 2, order="random"), "order: expected one of"),
+    (lambda x: topk(x, torch.tensor([1.0, 2.0, 3.0], device=x.device)), "topk: k: expected dtype"),
+    (lambda x: topk(x, torch.tensor([1, 2], device=x.device)), r"topk: k: expected shape \[3\]"),
+    (lambda x: topk(x, torch.tensor([1, -2, 3], device=x.device)), "topk: k: expected values in"),
+    (lambda x: topk(x, 2, torch.tensor([1.0, 2.0, 3.0], device=x.device)), "lengths: expected dtype"),
+    (lambda x: topk(x, 2, torch.tensor([1, 2], device=x.device)), r"lengths: expected shape \[3\]"),
+    (lambda x: topk(x, 2, torch.tensor([1, 2, 9], device=x.device)), r"lengths: expected values in \[0, 8\]"),
+    (lambda x: topk(x, 2, torch.tensor([-1, 2, 3], device=x.device)), r"lengths: expected values in \[0, 8\]"),
+    (lambda x: topk(x, 2, out=torch.empty(3, 2, dtype=torch.int64, device=x.device)), "out: expected dtype"),
+    (lambda x: topk(x, 2, width=-1), "width: expected an int in"),
+    (lambda x: topk(x.to("meta"), 2), "a tensor with data"),
+    (lambda x: topk(x, 2, torch.tensor([1, 2, 3], device="meta")), "lengths: expected a tensor with data"),
 ])
 def test_input_errors(call, match):
     x = torch.randn(3, 8, device=DEVICE)
@@ -149,15 +211,24 @@ def test_input_errors(call, match):
 # GPU: realistic sizes, CUDA graphs
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("R, N, k, splits", [(4, 131072, 2048, None), (1, 131072, 2048, None), (8, 16384, 512, None),
-                                              (5, 10_000, 4096, None), (3, 20_000, 100, 1),
-                                              (2, 1 << 20, 4096, None), (3, 100_003, 4096, 5), (64, 65536, 2048, 1)])
-def test_gpu_large_rows(R, N, k, splits):
+@pytest.mark.parametrize("R, N, k", [(4, 131072, 2048), (1, 131072, 2048), (8, 16384, 512), (5, 10_000, 4096),
+                                     (3, 20_000, 100), (2, 1 << 20, 4096), (3, 100_003, 4096), (64, 65536, 2048),
+                                     (16, 8192, 128), (7, 6000, 2047)])
+def test_gpu_large_rows(R, N, k):
     x = make_scores(R, N, seed=8, device="cuda")
     x[0, ::7] = 0.25  # a big block of ties
     lengths = torch.randint(N // 2, N + 1, (R,), device="cuda")
-    check(x, k, lengths, splits=splits)
-    check(x, k, lengths, order="index", splits=splits)
+    check(x, k, lengths)
+    check(x, k, lengths, order="index")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, k", [(65536, 2048), (131072, 2048), (8192, 128), (20_000, 1000)])
+def test_gpu_adversarial_rows(N, k):
+    G = max(256, 1 << (2 * k - 1).bit_length())
+    x = adversarial_rows(N, min(G, N)).cuda()
+    check(x, k, order="index")
+    check(x, k, order="score")
 
 
 @pytest.mark.gpu
@@ -169,18 +240,21 @@ def test_gpu_matches_torch_topk_sets():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_and_replay():
-    x = make_scores(8, 40_000, seed=9, ties=True, device="cuda")
-    lengths = torch.randint(0, 40_001, (8,), device="cuda")
+@pytest.mark.parametrize("N", [5000, 40_000])
+def test_gpu_cuda_graph_capture_and_replay(N):
+    x = make_scores(8, N, seed=9, ties=True, device="cuda")
+    lengths = torch.randint(0, N + 1, (8,), device="cuda")
     out = torch.empty(8, 512, dtype=torch.int32, device="cuda")
     topk(x, 512, lengths, out=out)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         topk(x, 512, lengths, out=out)
-    for seed in (10, 11):
-        x.copy_(make_scores(8, 40_000, seed=seed, device="cuda"))
-        lengths.copy_(torch.randint(0, 40_001, (8,)))
+    for seed in (10, 11, 12):
+        x.copy_(make_scores(8, N, seed=seed, ties=seed == 12, device="cuda"))
+        if seed == 11:
+            x[2] = torch.arange(N, device="cuda").float()  # a fallback row inside the graph
+        lengths.copy_(torch.randint(0, N + 1, (8,)))
         out.fill_(-7)
         graph.replay()
         torch.cuda.synchronize()

@@ -1,0 +1,201 @@
+"""One GPU run for the delegate-threshold top-k and the fused page selection: exactness, timings, knobs.
+
+    python benchmarks/gpu_topk.py [--quick] [--no-sweep] [--reps N]
+
+1. **Exactness** (eager and CUDA-graph replay) against ``topk_reference`` for every shape and
+   distribution (randn, indexer-like, clustered, ascending-sorted, plateau), both orders, and of
+   ``select_pages_triton`` against ``select_pages``.
+2. **Candidates**: per-row candidate counts of the delegate filter (min / median / max) and how many
+   rows took the fallback (long rows: read from the kernels; register rows: the same rule in torch).
+3. **Timings** (CUDA-graph replay, L2 flushed by zeroing 1 GiB before each call, median): ours
+   ``order="index"`` vs ``torch.topk(sorted=False)``, ``order="score"`` vs ``torch.topk(sorted=True)``;
+   the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch
+   ``select_pages``.
+4. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
+
+Prints a compact table at the end; exits 1 on any exactness failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from functools import partial
+
+import torch
+
+import sparse_ref  # noqa: F401  (interpreter set-up; a GPU is required here)
+from sparse_ref.bench import Timer, make_distribution
+from sparse_ref.config import SparseConfig
+from sparse_ref.kernels.page_select import select_pages_triton
+from sparse_ref.kernels.topk import TUNING, launch_topk, topk
+from sparse_ref.selection import select_pages, topk_reference
+
+SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
+DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
+SWEEP = {"chunk": [2048, 8192], "delegate_cols": [256, 1024], "num_warps": [4, 16], "min_delegates": [8192],
+         "slots_per_delegate": [2], "register_row": [16384]}
+failures: list[str] = []
+
+
+def check(label, got, ref):
+    if not torch.equal(got.cpu(), ref.cpu()):
+        bad = (got.cpu() != ref.cpu()).any(1).nonzero().flatten().tolist()
+        failures.append(f"{label}: rows {bad[:8]} differ")
+        print(f"  FAIL {label}: rows {bad[:8]} differ", flush=True)
+
+
+def candidate_stats(x, k):
+    """(per-row candidate counts, fallback rows) of the delegate filter for this call."""
+    R, N = x.shape
+    out = torch.empty(R, k, dtype=torch.int32, device=x.device)
+    stats: dict = {}
+    launch_topk(x, k, None, None, out, stats)
+    p = stats["plan"]
+    if "counts" in stats:
+        counts = stats["counts"].sum(1)
+        return counts, int(stats["flags"].sum())
+    # register rows: the kernel's rule in torch (keys, strided delegates, k-th delegate cut to 16 bits)
+    f = x.float() + 0.0
+    i = f.view(torch.int32)
+    none = torch.iinfo(torch.int32).min
+    key = torch.where(torch.isnan(f) | (f == float("-inf")), none, i ^ ((i >> 31) & 0x7FFFFFFF))
+    pad = p["n_pad"] - N
+    keyp = torch.nn.functional.pad(key, (0, pad), value=none)
+    dele = keyp.view(R, p["n_pad"] // p["G"], p["G"]).amax(1)
+    t = dele.topk(min(k, p["G"]), dim=1).values[:, -1]
+    t = ((t.long() + 2**31) >> 16 << 16) - 2**31  # the two-round (16-bit) prefix of the k-th delegate
+    counts = (key.long() >= t[:, None]).sum(1)
+    return counts, int((counts > p["slots"]).sum())
+
+
+def run_shape(R, N, k, dist, timer, device) -> dict:
+    """Exactness (eager, graph replay), candidate counts and the four timings for one shape."""
+    copies = [make_distribution(dist, R, N, device, seed=s) for s in range(4)]
+    x = copies[0]
+    for order in ("index", "score"):
+        check(f"{R}x{N} k={k} {dist} {order}", topk(x, k, order=order), topk_reference(x, k, order=order))
+    # CUDA graph: captured on copy 0, replayed on copy 1 (the counters must have reset themselves)
+    out = torch.empty(R, k, dtype=torch.int32, device=device)
+    buf = x.clone()
+    topk(buf, k, order="index", out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk(buf, k, order="index", out=out)
+    for c in copies[1:3]:
+        buf.copy_(c)
+        graph.replay()
+        check(f"{R}x{N} k={k} {dist} graph replay", out, topk_reference(c, k, order="index"))
+    counts, fallback = candidate_stats(x, k)
+    cand = (f"{int(counts.min())}/{int(counts.float().median())}/{int(counts.max())}")
+    t_ti = timer.cold([partial(torch.topk, c, k, dim=1, sorted=False) for c in copies])
+    t_oi = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
+    t_ts = timer.cold([partial(torch.topk, c, k, dim=1, sorted=True) for c in copies])
+    t_os = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
+    row = dict(shape=f"{R}x{N}", k=k, dist=dist, torch_unsorted=t_ti, ours_index=t_oi, torch_sorted=t_ts,
+               ours_score=t_os, cand=cand, fallback=f"{fallback}/{R}")
+    print(f"  {row['shape']:>10} k={k:<5} {dist:<9} torch(sorted=False) {t_ti:7.1f} | index {t_oi:7.1f} "
+          f"(x{t_ti / t_oi:4.2f}) | torch(sorted=True) {t_ts:7.1f} | score {t_os:7.1f} (x{t_ts / t_os:4.2f})"
+          f" | cand min/med/max {cand} | fallback rows {fallback}/{R}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="randn and sorted only, fewer reps")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--reps", type=int, default=100)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    device = torch.device("cuda")
+    timer = Timer(device, reps=30 if args.quick else args.reps)
+    dists = ["randn", "sorted"] if args.quick else DISTS
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, TUNING {TUNING}", flush=True)
+    table = []
+    for R, N, k in SHAPES:
+        for dist in dists:
+            try:
+                table.append(run_shape(R, N, k, dist, timer, device))
+            except Exception as e:  # noqa: BLE001  (report and go on: one GPU call should give all it can)
+                failures.append(f"{R}x{N} k={k} {dist}: {type(e).__name__}: {str(e)[-300:]}")
+                print(f"  FAIL {failures[-1]}", flush=True)
+
+    # fused page selection, 32 x 8192 pages, k = 128 + 4 recent pages
+    bs, pages, page_size, k = 32, 8192, 16, 128
+    config = SparseConfig(page_budget=k, num_recent_pages=4)
+    g = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(pages * page_size * 3 // 4, pages * page_size + 1, (bs,), generator=g).to(device)
+    seq_lens[0] = pages * page_size
+    mask = torch.ones(bs, dtype=torch.bool, device=device)
+    sel_rows = []
+    for dist in dists:
+        try:
+            copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(4)]
+            got = select_pages_triton(copies[0], seq_lens, mask, page_size, config)
+            ref = select_pages(copies[0], seq_lens, mask, page_size, config)
+            check(f"select {dist} selected", got[0], ref[0])
+            check(f"select {dist} lengths", got[1][None], ref[1][None])
+            t_ours = timer.cold([partial(select_pages_triton, c, seq_lens, mask, page_size, config) for c in copies])
+            t_topk = timer.cold([partial(torch.topk, c, k, dim=1, sorted=False) for c in copies])
+            t_sel = timer.cold([partial(select_pages, c, seq_lens, mask, page_size, config) for c in copies])
+            sel_rows.append((dist, t_ours, t_topk, t_sel))
+            print(f"  select 32x8192 k=128+4 {dist:<9} ours {t_ours:6.1f} | torch.topk alone {t_topk:6.1f} | "
+                  f"torch select_pages {t_sel:7.1f}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"select {dist}: {type(e).__name__}: {str(e)[-300:]}")
+            print(f"  FAIL {failures[-1]}", flush=True)
+
+    sweep_rows = []
+    if not args.no_sweep:
+        for R, N, k in [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (64, 16384, 2048)]:
+            copies = [make_distribution("randn", R, N, device, seed=s) for s in range(4)]
+            out = torch.empty(R, k, dtype=torch.int32, device=device)
+            base = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
+            sweep_rows.append((f"{R}x{N}", "default", base))
+            for knob, values in SWEEP.items():
+                for v in values:
+                    saved = TUNING[knob]
+                    TUNING[knob] = v
+                    try:
+                        check(f"sweep {R}x{N} {knob}={v}", topk(copies[0], k, order="index"),
+                              topk_reference(copies[0], k, order="index"))
+                        t = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
+                    except Exception as e:  # noqa: BLE001  (a knob may not compile: report, continue)
+                        print(f"  sweep {R}x{N} {knob}={v}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                        t = float("nan")
+                    finally:
+                        TUNING[knob] = saved
+                    sweep_rows.append((f"{R}x{N}", f"{knob}={v}", t))
+                    print(f"  sweep {R}x{N} {knob}={v}: {t:.1f} us (default {base:.1f})", flush=True)
+
+    print("\n== top-k, us (CUDA-graph replay, L2 flushed, median) ==")
+    print(f"{'shape':>10} {'k':>5} {'dist':<9} {'torch sF':>9} {'index':>8} {'x':>5} {'torch sT':>9} {'score':>8} "
+          f"{'x':>5} {'cand min/med/max':>18} {'fallback':>8}")
+    for r in table:
+        print(f"{r['shape']:>10} {r['k']:>5} {r['dist']:<9} {r['torch_unsorted']:9.1f} {r['ours_index']:8.1f} "
+              f"{r['torch_unsorted'] / r['ours_index']:5.2f} {r['torch_sorted']:9.1f} {r['ours_score']:8.1f} "
+              f"{r['torch_sorted'] / r['ours_score']:5.2f} {r['cand']:>18} {r['fallback']:>8}")
+    print("\n== fused page selection 32 x 8192 pages, k=128 + 4 recent, us ==")
+    for dist, t_ours, t_topk, t_sel in sel_rows:
+        print(f"{dist:<9} ours {t_ours:6.1f} | torch.topk alone {t_topk:6.1f} (x{t_topk / t_ours:4.2f}) | "
+              f"select_pages {t_sel:7.1f} (x{t_sel / t_ours:5.1f})")
+    if sweep_rows:
+        print("\n== knob sweep (index order, randn), us ==")
+        for shape in dict.fromkeys(s for s, _, _ in sweep_rows):
+            items = [(n, t) for s, n, t in sweep_rows if s == shape]
+            print(f"{shape:>10}: " + ", ".join(f"{n} {t:.1f}" for n, t in items))
+    if table:
+        print(f"\nmedian speedup index vs sorted=False: "
+              f"{statistics.median(r['torch_unsorted'] / r['ours_index'] for r in table):.2f}")
+    if failures:
+        print(f"\n{len(failures)} EXACTNESS FAILURES:\n" + "\n".join(failures))
+        return 1
+    print("\nall exact")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
-SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode`` or ``all``; several may be given
+SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa`` or ``all``; several may be given
 (``python -m sparse_ref.bench quest retrieve``).
 
 Without ``--out`` the JSON goes to ``build/bench/<suites>-<gpu|cpu>.json`` (ignored by git); the
@@ -33,6 +33,11 @@ What is measured, and how:
   kernel over every page), at bs=1 MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens,
   with fp32 and bf16 Quest bounds; each row gives the speedup, the byte-limit speedup (dense
   bytes / sparse bytes) and the time of each part.
+* **dsa**: paged FP8 indexer logits (``sparse_ref.kernels.dsa.paged_indexer_logits``; 64 heads,
+  D=128, page 64, random page order) and logits + top-2048 against the batched torch reference
+  (gather + fp32 bmm; + ``torch.topk``) at bs 1/8/64 x 4K..128K; a prefill row (8192 query
+  tokens, a causal last chunk of 64K keys); the batched ``LightningIndexer`` decode against its
+  per-request loop (bs=64, 32K). Bytes = keys + scales read once (132 B/token) + logits written.
 
 Timing: CUDA events around each call, median of many calls. **L2 cold** rows zero a 1 GiB
 buffer before every call (the H200's L2 is ~60 MB), which also keeps the GPU busy while Python
@@ -571,8 +576,146 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
     return rows
 
 
+# --------------------------------------------------------------------------- dsa (indexer logits)
+def make_dsa_logits_inputs(bs: int, ctx: int, device, *, heads: int = 64, dim: int = 128, page: int = 64,
+                           tokens_per_req: int = 1, seed: int = 0) -> dict:
+    """Inputs of ``paged_indexer_logits`` for ``bs`` requests of ``ctx`` keys in the production FP8 layout.
+
+    Pages are distinct and in random physical order (page 0 is padding); each request gets
+    ``tokens_per_req`` query tokens, the last ones of its context (decode: 1; a causal last chunk: many).
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages_per_req = -(-ctx // page)
+    num_pages = bs * pages_per_req + 1
+    buf = torch.randint(0, 256, (num_pages, page * (dim + 4)), dtype=torch.uint8, device=device)
+    keys = buf[:, : page * dim].view(torch.float8_e4m3fn).view(num_pages, page, dim)
+    keys.copy_(torch.randn(num_pages, page, dim, device=device).to(torch.float8_e4m3fn))  # no NaN bit patterns
+    scales = buf.view(torch.float32)[:, page * dim // 4:]
+    scales.copy_(torch.rand(num_pages, page, device=device) + 0.5)
+    perm = torch.randperm(num_pages - 1, generator=g) + 1
+    block_table = perm.view(bs, pages_per_req).to(torch.int32).to(device)
+    T = bs * tokens_per_req
+    token_req = torch.arange(bs, dtype=torch.int32).repeat_interleave(tokens_per_req).to(device)
+    bounds = (ctx - torch.arange(tokens_per_req - 1, -1, -1, dtype=torch.int32).repeat(bs)).to(device)
+    q = torch.randn(T, heads, dim, generator=g).to(device).to(torch.float8_e4m3fn)
+    w = torch.randn(T, heads, generator=g).to(device)
+    return dict(q=q, weights=w, keys=keys, scales=scales, block_table=block_table, token_req=token_req,
+                bounds=bounds, width=ctx)
+
+
+def _logits_then_topk(logits_fn, k, lengths, ids):
+    from sparse_ref.kernels.topk import topk
+
+    return topk(logits_fn(), k, lengths, order="index", width=k, out=ids)
+
+
+def _reference_then_topk(inp, k):
+    from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
+
+    return torch.topk(paged_indexer_logits_reference(**inp), k, dim=1)
+
+
+def bench_dsa(device, timer, copy_bw, quick, on_cpu):
+    """Paged FP8 indexer logits (and + top-2048) against the batched torch reference; the batched indexer."""
+    from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
+    from sparse_ref.kernels.dsa import paged_indexer_logits
+
+    if on_cpu:
+        shapes, heads, dim, prefill = [(1, 256), (2, 200)], 8, 32, (64, 256)
+    else:
+        heads, dim, prefill = 64, 128, (8192, 65536)
+        shapes = [(1, 65536), (8, 65536), (64, 16384), (64, 65536)] if quick else \
+            [(bs, ctx) for bs in (1, 8, 64) for ctx in (4096, 16384, 65536, 131072)]
+    base_timer = Timer(device, reps=3 if on_cpu else 10)
+    rows = []
+    for bs, ctx in shapes:
+        inp = make_dsa_logits_inputs(bs, ctx, device, heads=heads, dim=dim)
+        out = torch.empty(bs, ctx, dtype=torch.float32, device=device)
+        ours = partial(paged_indexer_logits, **inp, fill_tail=False, out=out)
+        want = paged_indexer_logits_reference(**inp)
+        got = ours()
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        nbytes = bs * ctx * (dim + 4) + bs * ctx * 4
+        t_ours = timer.cold([ours])
+        m_ours = timer.mode
+        t_torch = base_timer.cold([partial(paged_indexer_logits_reference, **inp)])
+        shape = f"bs={bs} ctx={ctx}"
+        rows.append(_row(shape, None, "randn", "cold", t_torch, t_ours, nbytes, copy_bw, "dsa_logits",
+                         baseline="paged_indexer_logits_reference (batched torch gather + fp32 bmm)",
+                         torch_timing=base_timer.mode, ours_timing=m_ours, max_err_rel_to_max=err,
+                         bytes_note="keys+scales read once (132 B/token at D=128) + fp32 logits written"))
+        k = min(2048, ctx)
+        lengths = inp["bounds"]
+        ids = torch.empty(bs, k, dtype=torch.int32, device=device)
+        t_ours_k = timer.cold([partial(_logits_then_topk, ours, k, lengths, ids)])
+        m_ours_k = timer.mode
+        t_torch_k = base_timer.cold([partial(_reference_then_topk, inp, k)])
+        rows.append(_row(shape, k, "randn", "cold", t_torch_k, t_ours_k, nbytes + bs * ctx * 4 + bs * k * 4, copy_bw,
+                         "dsa_logits+topk", baseline="torch reference + torch.topk", torch_timing=base_timer.mode,
+                         ours_timing=m_ours_k))
+        del inp, out, want, got
+    T, ctx = prefill  # a causal last chunk: T query tokens of one request over ctx keys
+    inp = make_dsa_logits_inputs(1, ctx, device, heads=heads, dim=dim, tokens_per_req=T)
+    out = torch.empty(T, ctx, dtype=torch.float32, device=device)
+    t_ours = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out)])
+    flops = 2 * heads * dim * (T * ctx - T * (T - 1) // 2)
+    rows.append(_row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
+                     ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
+                     baseline="none (the torch reference would take seconds)", tflops=round(flops / t_ours / 1e6, 1)))
+    del inp, out
+    rows += _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu)
+    return rows
+
+
+def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
+    """``LightningIndexer`` decode (batched, Triton on CUDA) against its per-request loop reference."""
+    from sparse_ref.algorithms.dsa import IndexerConfig, IndexerKeyCache, LightningIndexer
+    from sparse_ref.batch import decode_step
+    from sparse_ref.memory import KVCacheManager
+
+    if on_cpu:
+        bs, ctx, cfg = 2, 128, IndexerConfig(hidden_size=64, q_lora_rank=32, n_heads=8, head_dim=32, rope_dim=16,
+                                             index_topk=16)
+    else:
+        bs, ctx, cfg = 64, 32768, IndexerConfig()
+    page = 64
+    mgr = KVCacheManager.create(max_requests=bs, max_context_len=ctx + page, num_pages=bs * (ctx // page + 2) + 1,
+                                page_size=page, num_layers=1, device=device)
+    idx = LightningIndexer(cfg, device=device).attach_cache(IndexerKeyCache.for_manager(mgr, cfg))
+    reqs = [mgr.admit(ctx - 1) for _ in range(bs)]
+    slots = torch.cat([mgr.req_to_token_pool.req_to_token[r.req_pool_idx, : ctx - 1] for r in reqs]).long()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    keys = torch.randn(slots.shape[0], cfg.head_dim, generator=g).to(device)
+    idx.cache.write(0, slots, keys, torch.rand(slots.shape[0], generator=g).to(device) + 0.5)  # the cached history
+    fb = decode_step(mgr, reqs)
+    x = torch.randn(bs, cfg.hidden_size, generator=g).to(device)
+    ql = torch.randn(bs, cfg.q_lora_rank, generator=g).to(device)
+    batched = partial(idx, x, ql, fb.positions, fb, 0)
+
+    def loop():
+        return idx.select(idx.index_scores_loop(x, ql, fb.positions, fb, 0), fb.positions)
+
+    same = bool(torch.equal(batched(), loop()))
+    t_batched = timer.cold([batched])
+    m_batched = timer.mode
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loop()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return [_row(f"decode bs={bs} ctx={ctx}", cfg.index_topk, "randn", "cold", statistics.median(times), t_batched,
+                 bs * ctx * cfg.key_bytes_per_token, copy_bw, "dsa_indexer",
+                 baseline="index_scores_loop + select (per-request loop, wall clock, synced)",
+                 identical_to_loop=same, torch_timing="wall clock", ours_timing=m_batched,
+                 ours_backend="triton" if idx.uses_triton_scoring() else "torch")]
+
+
 SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,
-          "decode": bench_decode}
+          "decode": bench_decode, "dsa": bench_dsa}
 
 
 def main(argv=None) -> dict:

@@ -10,6 +10,10 @@ For each block of ``block_size`` consecutive values along the last dim:
 3. ``q = clamp(x / scale, -448, 448)`` cast to ``torch.float8_e4m3fn``. The clamp
    matters: out-of-range casts are not saturating on every backend.
 
+Non-finite input is refused (``SparseRefError``: an inf would make the block's scale inf and
+every value of the block NaN or 0). While a CUDA graph captures, the check (a host sync) is
+skipped and values are clamped to the fp32 range first, so an inf saturates to +-448 instead.
+
 Dequantisation is ``q.float() * scale``. e4m3 keeps 3 mantissa bits, so a value in
 the normal range comes back within a relative error of ``2**-4``; below
 ``2**-6 * scale`` the grid is uniform with step ``2**-9 * scale``.
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from sparse_ref.checks import capturing
 from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -48,7 +54,14 @@ def block_scales(x: torch.Tensor, block_size: int, ue8m0: bool = False) -> torch
 def quantize_fp8(x: torch.Tensor, block_size: int = 128, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x [..., n]`` to (``float8_e4m3fn [..., n]``, fp32 scales ``[..., n // block_size]``)."""
     blocks = _blocks(x, block_size)
-    scale = block_scales(x, block_size, ue8m0)
+    if not capturing() and blocks.numel() and not bool(torch.isfinite(blocks).all()):
+        bad = int((~torch.isfinite(blocks)).sum())
+        raise SparseRefError(f"x: expected finite values, got {bad} inf/NaN entries. An inf makes its block's scale "
+                             "inf (every value of the block NaN or 0). Fix: clip the activations before quantising.")
+    blocks = blocks.clamp(-FP32_MAX, FP32_MAX)
+    amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    scale = amax / FP8_E4M3_MAX
+    scale = round_scale_ue8m0(scale) if ue8m0 else scale
     q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
     return q.reshape(x.shape), scale
 

@@ -109,7 +109,7 @@ def test_retrieve_input_errors():
         algo.retrieve_topk(None, 0, fb.req_pool_indices, mask, **{**ok, "forward_batch": object()})
     with pytest.raises(BatchError, match="req_pool_indices: differ"):
         algo.retrieve_topk(None, 0, fb.req_pool_indices.flip(0), mask, **ok)
-    with pytest.raises(ShapeError, match="sparse_mask: expected 2 entries"):
+    with pytest.raises(ShapeError, match=r"sparse_mask: expected shape \[2\]"):
         algo.retrieve_topk(None, 0, fb.req_pool_indices, torch.ones(3, dtype=torch.bool), **ok)
     with pytest.raises(ShapeError, match="sparse_mask: expected dtype torch.bool"):
         algo.retrieve_topk(None, 0, fb.req_pool_indices, torch.ones(2), **ok)
@@ -188,6 +188,28 @@ def test_topk_covering_the_history_equals_dense_attention():
 def test_lifecycle_hooks_are_no_ops():
     mgr, indexer, reqs, algo = setup()
     fb = build_extend_batch(mgr, reqs)
-    algo.construct_representations(0, fb, mgr.token_to_kv_pool.get_key_buffer(0))
-    algo.update_representations(1, fb, mgr.token_to_kv_pool.get_key_buffer(1))
-    assert not indexer.cache.written[0].any()
+    pool = mgr.token_to_kv_pool
+    pool.set_kv(0, fb.out_cache_loc, torch.randn(15, H_KV, D), torch.randn(15, H_KV, D))
+    before = [t.clone() for t in (pool.get_key_buffer(0), pool.get_key_buffer(1), pool.get_value_buffer(0))]
+    assert algo.construct_representations(0, fb, pool.get_key_buffer(0)) is None
+    assert algo.update_representations(1, fb, pool.get_key_buffer(1)) is None
+    after = (pool.get_key_buffer(0), pool.get_key_buffer(1), pool.get_value_buffer(0))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # the KV cache is untouched
+    with pytest.raises(PoolError, match="layer_id"):
+        algo.construct_representations(2, fb, pool.get_key_buffer(0))  # still checks its layers
+
+
+def test_decode_with_req_pool_indices_of_another_batch_is_refused():
+    """A second, independent check: the same rows in another order, and a batch of other requests."""
+    mgr, indexer, reqs, algo = setup((6, 9, 3))
+    fb = build_extend_batch(mgr, reqs)
+    indexer(*token_inputs(CFG, 18, 4), fb.positions, fb, 0)
+    fb = decode_step(mgr, reqs)
+    x, ql = token_inputs(CFG, 3, 5)
+    kw = dict(indexer=indexer, forward_batch=fb, x=x, q_lora=ql, positions=fb.positions)
+    mask = torch.ones(3, dtype=torch.bool)
+    for wrong in (fb.req_pool_indices[[1, 0, 2]], fb.req_pool_indices + 1):
+        with pytest.raises(BatchError, match="req_pool_indices: differ from forward_batch.req_pool_indices"):
+            algo.retrieve_topk(None, 0, wrong, mask, **kw)
+    sel, _ = algo.retrieve_topk(None, 0, fb.req_pool_indices.int(), mask, **kw)  # int32 of the same rows is fine
+    assert sel.shape == (3, CFG.index_topk)

@@ -95,3 +95,15 @@ def test_bad_shapes_raise():
         dequantize_fp8(q, s[:, :1], 64)
     with pytest.raises(ShapeError, match="dtype"):
         dequantize_fp8(q.float(), s, 64)
+
+
+def test_non_finite_input_is_refused():
+    x = torch.randn(2, 128)
+    x[1, 5] = float("inf")
+    with pytest.raises(SparseRefError, match="x: expected finite values, got 1 inf/NaN"):
+        quantize_fp8(x, 128)
+    x[1, 5] = float("nan")
+    with pytest.raises(SparseRefError, match="finite"):
+        quantize_fp8(x, 64)
+    q, s = quantize_fp8(torch.full((1, 128), 3.0e38), 128)  # huge but finite: a finite scale, values +-448
+    assert torch.isfinite(s).all() and torch.equal(q.float(), torch.full((1, 128), 448.0))

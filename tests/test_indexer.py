@@ -132,8 +132,9 @@ def test_fp8_matches_formula_on_quantised_values():
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
     # The cache holds exactly those FP8 keys and scales, 132 bytes per token at head_dim 128.
     slots = mgr.req_to_token_pool.req_to_token[r.req_pool_idx, :40].long()
-    assert idx.cache.keys[0].dtype == FP8_DTYPE
-    assert torch.equal(idx.cache.keys[0][slots].float(), k8) and torch.equal(idx.cache.scales[0][slots], ks)
+    assert idx.cache.key_pages(0).dtype == FP8_DTYPE
+    keys, scales = idx.cache.read(0, slots)
+    assert torch.equal(keys, k8) and torch.equal(scales, ks)
     assert IndexerConfig().key_bytes_per_token == 132
 
 
@@ -209,8 +210,7 @@ def test_extend_then_decode_equals_one_extend(use_fp8):
     for r, r2 in zip(reqs, reqs2, strict=True):
         slots = mgr.req_to_token_pool.req_to_token[r.req_pool_idx, : r.seq_len].long()
         slots2 = mgr2.req_to_token_pool.req_to_token[r2.req_pool_idx, : r2.seq_len].long()
-        assert torch.equal(idx.cache.keys[0][slots].float(), idx2.cache.keys[0][slots2].float())
-        assert torch.equal(idx.cache.scales[0][slots], idx2.cache.scales[0][slots2])
+        assert all(torch.equal(a, b) for a, b in zip(idx.cache.read(0, slots), idx2.cache.read(0, slots2), strict=True))
 
 
 @given(lengths=st.lists(st.integers(1, 14), min_size=1, max_size=3), cut=st.floats(0.0, 1.0),
@@ -366,16 +366,16 @@ def test_forward_input_errors():
         LightningIndexer(SMALL)(x, ql, pos, fb, 0)
     with pytest.raises(ShapeError, match="x: expected dtype"):
         idx(x.long(), ql, pos, fb, 0)
-    with pytest.raises(ShapeError, match=r"x: expected shape \(5, 48\)"):
+    with pytest.raises(ShapeError, match=r"x: expected shape \[5, 48\]"):
         idx(x[:, :40], ql, pos, fb, 0)
-    with pytest.raises(ShapeError, match=r"q_lora: expected shape \(5, 24\)"):
+    with pytest.raises(ShapeError, match=r"q_lora: expected shape \[5, 24\]"):
         idx(x, ql[:4], pos, fb, 0)
     with pytest.raises(ShapeError, match="positions: expected dtype"):
         idx(x, ql, pos.float(), fb, 0)
     with pytest.raises(ShapeError, match="expected a tensor on cpu"):
         idx(x.to("meta"), ql, pos, fb, 0)
-    with pytest.raises(BatchError, match="4 entries but forward_batch has 5"):
-        idx(x[:4], ql[:4], pos[:4], fb, 0)
+    with pytest.raises(ShapeError, match=r"positions: expected shape \[5\]"):
+        idx(x, ql, pos[:4], fb, 0)
     with pytest.raises(BatchError, match="differ from forward_batch.positions"):
         idx(x, ql, pos.flip(0), fb, 0)
     with pytest.raises(PoolError, match="layer_id"):
@@ -384,7 +384,7 @@ def test_forward_input_errors():
         idx(x, ql, pos, SimpleNamespace(**vars(fb)), 0)
     bad_len = dataclasses.replace(fb)
     bad_len.seq_lens = torch.tensor([4])  # changed after construction, as a buggy engine might
-    with pytest.raises(BatchError, match=r"positions\[4\] = 4 is outside \[0, seq_len=4\)"):
+    with pytest.raises(BatchError, match=r"positions\[4\]: expected a position in \[0, seq_len=4\) of request 0"):
         idx(x, ql, pos, bad_len, 0)
     bad_loc = ForwardBatch(ForwardMode.EXTEND, fb.req_pool_indices, fb.seq_lens, pos, fb.out_cache_loc + 1,
                            fb.extend_prefix_lens, fb.extend_seq_lens)
@@ -401,10 +401,69 @@ def test_cache_errors():
     mgr, idx = make()
     with pytest.raises(PoolError, match="page 0 is padding"):
         idx.cache.write(0, torch.tensor([1]), torch.zeros(1, 32), torch.ones(1))
-    with pytest.raises(ShapeError, match="expected keys"):
+    with pytest.raises(ShapeError, match=r"keys: expected shape \[1, 32\]"):
         idx.cache.write(0, torch.tensor([5]), torch.zeros(1, 16), torch.ones(1))
     other = IndexerKeyCache.from_pools(mgr.token_to_kv_pool, mgr.req_to_token_pool,
-                                       dataclasses.replace(SMALL, use_fp8=False))
+                                       dataclasses.replace(SMALL, use_fp8=False), page_allocator=mgr.allocator)
     with pytest.raises(ConfigError, match="use_fp8"):
         idx.attach_cache(other)
     assert other.bytes_per_token == 32 * 4 + 4 and idx.cache.bytes_per_token == 32 + 4
+
+
+def test_read_refuses_negative_and_float_slots():
+    mgr, idx = make()
+    idx.cache.write(0, torch.tensor([5, 6]), torch.ones(2, 32), torch.ones(2))
+    keys, scales = idx.cache.read(0, torch.tensor([5, 6, 0]))
+    assert torch.equal(keys[:2], torch.ones(2, 32)) and torch.equal(scales, torch.tensor([1.0, 1.0, 0.0]))
+    with pytest.raises(PoolError, match=r"slots: expected values in \[0, "):
+        idx.cache.read(0, torch.tensor([5, -1]))  # would wrap to the last slot
+    with pytest.raises(PoolError, match="slots: expected dtype"):
+        idx.cache.read(0, torch.tensor([5.7]))  # would truncate to slot 5
+    with pytest.raises(PoolError, match="slots: expected values"):
+        idx.cache.read(0, torch.tensor([idx.cache.num_slots]))
+    with pytest.raises(PoolError, match="loc: expected values"):
+        idx.cache.write(0, torch.tensor([-3]), torch.zeros(1, 32), torch.ones(1))
+    with pytest.raises(PoolError, match="layer_id"):
+        idx.cache.read(1.0, torch.tensor([5]))
+
+
+def test_page_layout_keys_then_scales():
+    """One uint8 buffer per layer: a page is all P keys (token-major, D bytes each), then all P fp32 scales."""
+    mgr = KVCacheManager.create(max_requests=2, max_context_len=32, num_pages=6, page_size=4)
+    cache = IndexerKeyCache.for_manager(mgr, SMALL)
+    P, D = 4, SMALL.head_dim
+    buf = cache.buffers[0]
+    assert buf.dtype == torch.uint8 and tuple(buf.shape) == (6, P * (D + 4))
+    keys = torch.randn(3, D).to(FP8_DTYPE)
+    scales = torch.tensor([0.5, 2.0, 3.25])
+    cache.write(0, torch.tensor([9, 10, 4]), keys.float(), scales)  # page 2 offsets 1, 2; page 1 offset 0
+    page2 = buf[2]
+    assert torch.equal(page2[1 * D: 2 * D].view(FP8_DTYPE).float(), keys[0].float())
+    assert torch.equal(page2[2 * D: 3 * D].view(FP8_DTYPE).float(), keys[1].float())
+    assert torch.equal(page2[P * D:].view(torch.float32), torch.tensor([0.0, 0.5, 2.0, 0.0]))
+    assert torch.equal(buf[1, P * D:].view(torch.float32)[0], torch.tensor(3.25))
+    assert cache.key_pages(0).data_ptr() == buf.data_ptr()  # views, not copies
+    assert cache.scale_pages(0).data_ptr() == buf.data_ptr() + P * D
+    full = IndexerKeyCache.for_manager(mgr, dataclasses.replace(SMALL, use_fp8=False))
+    assert full.buffers is None and full.key_pages(0).dtype == torch.float32
+    assert tuple(full.key_pages(0).shape) == (6, P, D) and tuple(full.scale_pages(0).shape) == (6, P)
+
+
+def test_from_pools_forgets_freed_keys_without_opt_in():
+    """The 4-argument SGLang-shaped call subscribes to the allocator the pool carries; with none, it refuses."""
+    mgr = KVCacheManager.create(max_requests=2, max_context_len=32, num_pages=4, page_size=4)
+    with pytest.raises(PoolError, match="page_allocator"):
+        IndexerKeyCache.from_pools(SimpleNamespace(num_pages=4, page_size=4, num_layers=1, device="cpu"),
+                                   mgr.req_to_token_pool, SMALL)
+    pool = mgr.token_to_kv_pool
+    if getattr(pool, "allocator", None) is None:
+        pool.allocator = mgr.allocator  # what a pool that carries its allocator looks like
+    idx = LightningIndexer(SMALL).attach_cache(IndexerKeyCache.from_pools(pool, mgr.req_to_token_pool, SMALL))
+    a = mgr.admit(8)
+    fb = build_extend_batch(mgr, [a])
+    idx(*inputs(SMALL, 8, 0), fb.positions, fb, 0)
+    mgr.release(a)
+    b = mgr.admit(8)
+    fb = build_extend_batch(mgr, [b], prefix_lens=[4])  # claims a prefix it never indexed, on a's old pages
+    with pytest.raises(BatchError, match="no key for positions"):
+        idx(*inputs(SMALL, 4, 1), fb.positions, fb, 0)

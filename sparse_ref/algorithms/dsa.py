@@ -24,19 +24,28 @@ its request that attention will read. It follows DeepSeek-V3.2-Exp's reference `
 
 ``use_fp8=False`` runs the same pipeline with no quantisation (scales are 1).
 
-**The key cache.** ``IndexerKeyCache`` keeps, per layer and per physical KV slot, the
-quantised key (``head_dim`` bytes of FP8) and its fp32 scale: 132 bytes per token at
-``head_dim=128``. It is addressed like the KV pool: logical token ``t`` of request ``r``
-lives at slot ``req_to_token[r, t]`` (page 0 is padding and never written). Attach it
-once: ``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))`` (or ``from_pools``
-with the two pools; ``for_manager`` also forgets the keys of freed pages). Then
-``indexer(x, q_lora, positions, forward_batch, layer_id)``:
+**The key cache.** ``IndexerKeyCache`` keeps, per layer, pages of ``page_size`` tokens (the
+KV pool's page size; 64 for DeepSeek on Hopper) as one uint8 buffer: per page all FP8 keys
+(``head_dim`` bytes each, token-major), then all fp32 scales: 132 bytes per token at
+``head_dim=128``, the layout SGLang and DeepGEMM use. It is addressed like the KV pool: logical
+token ``t`` of request ``r`` lives at slot ``s = req_to_token[r, t]``, page ``s // page_size``,
+offset ``s % page_size`` (page 0 is padding and never written). Attach it once:
+``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))`` (or ``from_pools`` with
+the two pools); either way it listens to the page allocator and forgets the keys of freed pages.
+Then ``indexer(x, q_lora, positions, forward_batch, layer_id)``:
 
 * writes the new tokens' keys at ``forward_batch.out_cache_loc``;
 * EXTEND (prefill, or a chunk after ``extend_prefix_lens`` cached tokens): scores each new
   token against its request's keys ``0 .. position`` (cached prefix + this chunk);
 * DECODE: scores the one new token per request against the whole history;
 * returns the selected positions, int32 ``[T, index_topk]``.
+
+**Scoring backends** (``LightningIndexer(scoring_backend=...)``): the whole batch is scored at
+once through a page table ``req_to_token[rows, ::P] // P``, by the Triton kernel
+``sparse_ref.kernels.dsa.paged_indexer_logits`` (``"triton"``; ``"auto"`` picks it on CUDA) or its
+batched torch reference ``paged_indexer_logits_reference`` (``"torch"``). Neither loops over
+requests nor reads values back to the host, so a decode step can be captured in a CUDA graph.
+``index_scores_loop`` is the readable per-request version; the tests hold all three equal.
 
 **DSAAlgorithm** (registered as ``deepseek_dsa``) wraps that call in the retrieval contract,
 as SGLang's ``deepseek_dsa.py`` does: ``retrieve_topk(...)`` needs ``indexer``,
@@ -53,22 +62,26 @@ from torch import nn
 
 from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.batch import ForwardBatch, ForwardMode
-from sparse_ref.errors import (
-    SEED_DSA_REQUIRED,
-    BatchError,
-    ConfigError,
-    PoolError,
-    RetrievalError,
-    ShapeError,
+from sparse_ref.checks import (
+    INDEX_DTYPES,
+    capturing,
+    check_choice,
+    check_int,
+    check_range,
+    check_rows,
+    check_same_device,
     check_tensor,
     describe,
+    fail,
 )
+from sparse_ref.errors import SEED_DSA_REQUIRED, BatchError, ConfigError, PoolError, RetrievalError, ShapeError
 from sparse_ref.fp8 import FP8_DTYPE, quantize_fp8
 from sparse_ref.hadamard import hadamard_rotate, is_power_of_two
 from sparse_ref.rope import apply_rope
 from sparse_ref.selection import topk_reference
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCORING_BACKENDS = ("auto", "torch", "triton")
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -149,61 +162,89 @@ class IndexerConfig:
 
 # ----------------------------------------------------------------------------- the key cache
 class IndexerKeyCache:
-    """Per layer: keys ``[num_slots, head_dim]`` (FP8, or fp32 when ``use_fp8=False``) and fp32 scales ``[num_slots]``.
+    """The indexer's keys, per layer, in pages of ``page_size`` tokens: the layout GPU kernels read.
 
-    One entry per physical KV slot, so the indexer's key for logical token ``t`` of
-    request ``r`` is at slot ``req_to_token[r, t]``, exactly where the KV pool keeps that
-    token's K and V. Slots ``0 .. page_size-1`` (page 0) are padding and never written.
-    ``written[layer]`` marks slots that hold a key, so reading a history that was never
-    indexed (e.g. a chunk whose prefix skipped the indexer) raises instead of scoring zeros.
+    **FP8 layout** (``use_fp8=True``, as SGLang and DeepGEMM keep it): one uint8 buffer per layer,
+    ``[num_pages, page_size * (head_dim + 4)]``. A page holds first all its keys, token-major
+    (``page_size * head_dim`` FP8 bytes), then all its fp32 scales (``page_size * 4`` bytes): the
+    keys and the scales are NOT interleaved per token, although the same 132 bytes per token are
+    spent at ``head_dim=128``. ``key_pages(layer)`` and ``scale_pages(layer)`` are views of that one
+    buffer (``buf.view(float8_e4m3fn)`` / ``buf.view(float32)``), ``[num_pages, P, D]`` and ``[num_pages, P]``.
+
+    **Full-precision layout** (``use_fp8=False``): keys in an fp32 tensor ``[num_pages, P, D]`` and
+    scales (always 1) in a separate fp32 tensor ``[num_pages, P]``; the same views, no shared buffer.
+
+    **Addressing**: like the KV pool. Logical token ``t`` of request ``r`` lives at slot
+    ``s = req_to_token[r, t]``, i.e. in page ``s // page_size`` at offset ``s % page_size``, so the
+    cache's page size must be the KV pool's (``from_pools`` takes it from the pool; 64 is only the
+    default of DSA configs, any page size works). Page 0 is padding and never written.
+    ``written[layer]`` (bool per slot) marks slots that hold a key, so reading a history that was
+    never indexed raises instead of scoring zeros or a previous owner's keys.
     """
 
-    def __init__(self, num_slots: int, num_layers: int, config: IndexerConfig, req_to_token_pool, *,
-                 page_size: int = 1, device=None):
+    def __init__(self, num_pages: int, num_layers: int, config: IndexerConfig, req_to_token_pool, *,
+                 page_size: int = 64, device=None):
         if not isinstance(config, IndexerConfig):
-            raise ConfigError(f"IndexerKeyCache: config must be an IndexerConfig, got {type(config).__name__}.")
-        for name, value in (("num_slots", num_slots), ("num_layers", num_layers), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PoolError(f"IndexerKeyCache: {name} must be a positive int, got {value!r}.")
-        if num_slots <= page_size:
-            raise PoolError(f"IndexerKeyCache: num_slots={num_slots} leaves no slot past the padding page "
-                            f"(page_size={page_size}).")
+            fail("IndexerKeyCache: config", "an IndexerConfig", describe(config), error=ConfigError)
+        num_pages = check_int("IndexerKeyCache: num_pages", num_pages, low=2, error=PoolError,
+                              fix="page 0 is padding, so at least 2 pages.")
+        num_layers = check_int("IndexerKeyCache: num_layers", num_layers, low=1, error=PoolError)
+        page_size = check_int("IndexerKeyCache: page_size", page_size, low=1, error=PoolError)
+        if config.use_fp8 and (page_size * config.head_dim) % 4:
+            fail("IndexerKeyCache: page_size", f"page_size * head_dim ({config.head_dim}) a multiple of 4 (the "
+                 "scales that follow the keys are fp32)", repr(page_size), error=PoolError)
         if not hasattr(req_to_token_pool, "req_to_token"):
-            raise PoolError(f"IndexerKeyCache: req_to_token_pool must be a ReqToTokenPool, got "
-                            f"{type(req_to_token_pool).__name__}.")
+            fail("IndexerKeyCache: req_to_token_pool", "a ReqToTokenPool", describe(req_to_token_pool),
+                 error=PoolError)
         self.config = config
-        self.num_slots, self.num_layers, self.page_size = num_slots, num_layers, page_size
+        self.num_pages, self.num_layers, self.page_size = num_pages, num_layers, page_size
+        self.num_slots = num_pages * page_size
         self.req_to_token_pool = req_to_token_pool
         self.device = torch.device(device) if device is not None else req_to_token_pool.req_to_token.device
-        key_dtype = FP8_DTYPE if config.use_fp8 else torch.float32
-        self.keys = [torch.zeros(num_slots, config.head_dim, dtype=key_dtype, device=self.device)
-                     for _ in range(num_layers)]
-        self.scales = [torch.zeros(num_slots, dtype=torch.float32, device=self.device) for _ in range(num_layers)]
-        self.written = [torch.zeros(num_slots, dtype=torch.bool, device=self.device) for _ in range(num_layers)]
+        P, D = page_size, config.head_dim
+        if config.use_fp8:
+            self.buffers = [torch.zeros(num_pages, P * (D + 4), dtype=torch.uint8, device=self.device)
+                            for _ in range(num_layers)]
+            self._keys = [b[:, : P * D].view(FP8_DTYPE).view(num_pages, P, D) for b in self.buffers]
+            self._scales = [b.view(torch.float32)[:, P * D // 4:] for b in self.buffers]
+        else:
+            self.buffers = None
+            self._keys = [torch.zeros(num_pages, P, D, device=self.device) for _ in range(num_layers)]
+            self._scales = [torch.zeros(num_pages, P, device=self.device) for _ in range(num_layers)]
+        self.written = [torch.zeros(self.num_slots, dtype=torch.bool, device=self.device) for _ in range(num_layers)]
 
     @classmethod
-    def from_pools(cls, token_to_kv_pool, req_to_token_pool, config: IndexerConfig,
-                   num_layers: int | None = None) -> IndexerKeyCache:
-        """A cache with one entry per slot of ``token_to_kv_pool`` (and its layer count, unless given)."""
-        return cls(token_to_kv_pool.num_slots, num_layers or token_to_kv_pool.num_layers, config, req_to_token_pool,
-                   page_size=token_to_kv_pool.page_size, device=token_to_kv_pool.device)
+    def from_pools(cls, token_to_kv_pool, req_to_token_pool, config: IndexerConfig, num_layers: int | None = None,
+                   *, page_allocator=None) -> IndexerKeyCache:
+        """A cache with the KV pool's pages, page size and layer count (unless ``num_layers`` is given).
+
+        Safe on its own: it subscribes to the page allocator's frees (``page_allocator``, or the
+        allocator the pool carries as ``token_to_kv_pool.allocator``), so a freed page's keys are
+        forgotten and never pass for the next owner's history. Without a reachable allocator there
+        is no way to tell a reused page from a live one, so it refuses (PoolError) rather than risk it.
+        """
+        allocator = page_allocator if page_allocator is not None else getattr(token_to_kv_pool, "allocator", None)
+        if not callable(getattr(allocator, "add_free_listener", None)):
+            fail("IndexerKeyCache.from_pools: page_allocator", "the pool's page allocator (something with "
+                 "add_free_listener), so freed pages' keys are forgotten", describe(allocator),
+                 "IndexerKeyCache.for_manager(manager, config), or pass page_allocator=manager.allocator.",
+                 PoolError)
+        cache = cls(token_to_kv_pool.num_pages, num_layers or token_to_kv_pool.num_layers, config, req_to_token_pool,
+                    page_size=token_to_kv_pool.page_size, device=token_to_kv_pool.device)
+        allocator.add_free_listener(cache.invalidate_pages)
+        return cache
 
     @classmethod
     def for_manager(cls, manager, config: IndexerConfig, num_layers: int | None = None) -> IndexerKeyCache:
-        """``from_pools`` for a ``KVCacheManager``, also told when pages are freed (``invalidate_pages``).
-
-        The recommended constructor: a freed page may be handed to another request, and its
-        stale keys must then never pass for that request's history.
-        """
-        cache = cls.from_pools(manager.token_to_kv_pool, manager.req_to_token_pool, config, num_layers)
-        manager.allocator.add_free_listener(cache.invalidate_pages)
-        return cache
+        """``from_pools`` for a ``KVCacheManager`` (listening to its allocator's frees)."""
+        return cls.from_pools(manager.token_to_kv_pool, manager.req_to_token_pool, config, num_layers,
+                              page_allocator=manager.allocator)
 
     def invalidate_pages(self, pages: torch.Tensor) -> None:
         """Forget the keys of freed physical pages (every layer): reading them again raises until rewritten."""
         pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.device)
+        pages = pages[(pages >= 0) & (pages < self.num_pages)]
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
-        slots = slots[(slots >= 0) & (slots < self.num_slots)]
         for written in self.written:
             written[slots] = False
 
@@ -212,35 +253,98 @@ class IndexerKeyCache:
         """Bytes one token takes in one layer: 132 at head_dim 128 in FP8 (128 key bytes + a 4-byte scale)."""
         return self.config.key_bytes_per_token
 
-    def check_layer(self, layer_id) -> None:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
-            raise PoolError(f"layer_id: expected an int in [0, {self.num_layers}) (the indexer cache's layers), "
-                            f"got {layer_id!r}.")
+    def check_layer(self, layer_id) -> int:
+        return check_int("layer_id", layer_id, low=0, high=self.num_layers - 1, error=PoolError,
+                         fix=f"the indexer cache has layers [0, {self.num_layers}).")
+
+    def key_pages(self, layer_id: int) -> torch.Tensor:
+        """Keys of one layer as ``[num_pages, page_size, head_dim]`` (FP8: a view of the page buffer)."""
+        return self._keys[self.check_layer(layer_id)]
+
+    def scale_pages(self, layer_id: int) -> torch.Tensor:
+        """Scales of one layer as fp32 ``[num_pages, page_size]`` (FP8: a view of the page buffer)."""
+        return self._scales[self.check_layer(layer_id)]
+
+    def _slots(self, name: str, slots, low: int) -> torch.Tensor:
+        check_tensor(name, slots, dtype=INDEX_DTYPES, dims=1, device=self.device.type, error=PoolError,
+                     fix="pass int32/int64 physical slots (req_to_token entries).")
+        check_range(name, slots, low, self.num_slots - 1, error=PoolError,
+                    fix=f"slots index the cache's {self.num_slots} slots" + (" (page 0 is padding)" if low else ""))
+        return slots.long()
 
     def write(self, layer_id: int, loc: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor) -> None:
         """Store ``keys`` ``[n, head_dim]`` and ``scales`` ``[n]`` at physical slots ``loc`` ``[n]``."""
-        self.check_layer(layer_id)
-        check_tensor("loc", loc, dtype=(torch.int32, torch.int64), dims=1, device=self.device.type)
+        layer_id = self.check_layer(layer_id)
+        loc = self._slots("loc", loc, self.page_size)
         n = loc.shape[0]
-        want = (n, self.config.head_dim)
-        if tuple(keys.shape) != want or tuple(scales.shape) != (n,):
-            raise ShapeError(f"IndexerKeyCache.write: expected keys {want} and scales ({n},), got "
-                             f"{tuple(keys.shape)} and {tuple(scales.shape)}.")
-        if n:
-            lo, hi = int(loc.min()), int(loc.max())
-            if lo < self.page_size or hi >= self.num_slots:
-                raise PoolError(f"IndexerKeyCache.write: slots must lie in [{self.page_size}, {self.num_slots}) "
-                                f"(page 0 is padding), got min {lo}, max {hi}.")
-        loc = loc.long()
-        self.keys[layer_id][loc] = keys.to(self.keys[layer_id].dtype)
-        self.scales[layer_id][loc] = scales.float()
+        check_tensor("keys", keys, shape=(n, self.config.head_dim), fix="one key per slot of loc.")
+        check_tensor("scales", scales, shape=(n,), fix="one scale per slot of loc.")
+        page, offset = loc // self.page_size, loc % self.page_size
+        self._keys[layer_id][page, offset] = keys.to(self._keys[layer_id].dtype)
+        self._scales[layer_id][page, offset] = scales.float()
         self.written[layer_id][loc] = True
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (as fp32 values: FP8 values are exact in fp32) and scales at ``slots``."""
-        self.check_layer(layer_id)
-        slots = slots.long()
-        return self.keys[layer_id][slots].float(), self.scales[layer_id][slots]
+        """Keys (as fp32 values: FP8 values are exact in fp32) and scales at physical ``slots``."""
+        layer_id = self.check_layer(layer_id)
+        slots = self._slots("slots", slots, 0)
+        page, offset = slots // self.page_size, slots % self.page_size
+        return self._keys[layer_id][page, offset].float(), self._scales[layer_id][page, offset]
+
+    def check_history(self, layer_id: int, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+        """BatchError unless positions ``0 .. prefix_lens[i] - 1`` of every request hold keys (one host sync)."""
+        table = self.req_to_token_pool.req_to_token[req_pool_indices.long()].long()
+        in_prefix = torch.arange(table.shape[1], device=table.device)[None, :] < prefix_lens[:, None]
+        missing = in_prefix & ~self.written[layer_id][table]
+        if bool(missing.any()):
+            i = int(missing.any(1).nonzero()[0, 0])
+            where = missing[i].nonzero().squeeze(1)
+            raise BatchError(
+                f"request {i} (req_to_token row {int(req_pool_indices[i])}): the indexer cache of layer {layer_id} "
+                f"holds no key for positions {where[:8].tolist()}{'...' if where.numel() > 8 else ''} of its "
+                "history. Fix: run the indexer over every earlier chunk (prefix) of the request first."
+            )
+
+    def block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """int32 ``[bs, ceil(max_context_len / P)]``: the physical page of each logical page of each request.
+
+        ``req_to_token[rows, ::P] // P``, as SGLang builds its page table (unused entries are page 0).
+        """
+        req_to_token = self.req_to_token_pool.req_to_token
+        return (req_to_token[req_pool_indices.long(), :: self.page_size] // self.page_size).to(torch.int32)
+
+
+def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
+                                   block_table: torch.Tensor, token_req: torch.Tensor, bounds: torch.Tensor,
+                                   width: int, *, chunk_elements: int = 1 << 27) -> torch.Tensor:
+    """Batched torch reference of ``sparse_ref.kernels.dsa.paged_indexer_logits``: fp32 ``[T, width]``.
+
+    Gathers every request's keys through ``block_table`` (one gather for the whole batch), then for
+    each query token ``t`` computes ``scales[s] * sum_h w[t, h] * relu(q[t, h] · k[s])`` for ``s < bounds[t]``
+    and ``-inf`` for ``bounds[t] <= s < width``. No Python loop over requests and no host sync:
+    query tokens are processed in chunks of at most ``chunk_elements`` fp32 intermediates (a loop
+    whose trip count depends only on shapes).
+    """
+    T, H, D = q.shape
+    P = keys.shape[1]
+    n_pages = -(-width // P)
+    pages = block_table[:, :n_pages].long()
+    if pages.shape[1] < n_pages:  # rows shorter than the width: pad with the padding page
+        pages = torch.nn.functional.pad(pages, (0, n_pages - pages.shape[1]))
+    raw = keys.view(torch.uint8) if keys.dtype == FP8_DTYPE else keys  # gather FP8 as bytes (any device)
+    k_all = raw[pages].reshape(pages.shape[0], n_pages * P, D)[:, :width]  # [bs, width, D]
+    s_all = scales[pages].reshape(pages.shape[0], n_pages * P)[:, :width]
+    out = torch.empty(T, width, dtype=torch.float32, device=q.device)
+    step = max(1, chunk_elements // max(1, width * (D + H)))
+    pos = torch.arange(width, device=q.device)
+    for lo in range(0, T, step):
+        rows = token_req[lo: lo + step].long()
+        k_rows = k_all[rows].view(FP8_DTYPE) if keys.dtype == FP8_DTYPE else k_all[rows]
+        dots = torch.bmm(k_rows.float(), q[lo: lo + step].float().transpose(1, 2))  # [c, width, H]
+        logits = (dots.clamp_min(0) * weights[lo: lo + step, None, :].float()).sum(-1) * s_all[rows]
+        visible = pos[None, :] < bounds[lo: lo + step, None]
+        out[lo: lo + step] = torch.where(visible, logits, torch.full_like(logits, float("-inf")))
+    return out
 
 
 # ----------------------------------------------------------------------------- the indexer
@@ -275,10 +379,14 @@ class LightningIndexer(nn.Module):
     the same config and seed are identical. The key cache is attached with ``attach_cache``.
     """
 
-    def __init__(self, config: IndexerConfig, *, seed: int = 0, device="cpu", cache: IndexerKeyCache | None = None):
+    def __init__(self, config: IndexerConfig, *, seed: int = 0, device="cpu", cache: IndexerKeyCache | None = None,
+                 scoring_backend: str = "auto"):
         super().__init__()
         if not isinstance(config, IndexerConfig):
             raise ConfigError(f"LightningIndexer: config must be an IndexerConfig, got {type(config).__name__}.")
+        self.scoring_backend = check_choice(
+            "scoring_backend", scoring_backend, SCORING_BACKENDS,
+            "\"auto\" (Triton kernel on CUDA, torch otherwise), \"torch\" or \"triton\" (on CPU: TRITON_INTERPRET=1).")
         self.config = config
         c = config
         self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
@@ -372,47 +480,91 @@ class LightningIndexer(nn.Module):
         return IndexerQK(q8, q_scale, self.head_weights(x, q_scale), k8, k_scale)
 
     # ------------------------------------------------------------------ scoring over the cache
+    def uses_triton_scoring(self) -> bool:
+        """Whether scoring runs the Triton kernel (``scoring_backend``: auto = Triton on CUDA)."""
+        if self.scoring_backend == "auto":
+            return self.device.type == "cuda" and (not self.config.use_fp8
+                                                   or torch.cuda.get_device_capability(self.device) >= (8, 9))
+        return self.scoring_backend == "triton"
+
+    @torch.no_grad()
+    def logits(self, qk: IndexerQK, forward_batch: ForwardBatch, layer_id: int, width: int, *,
+               fill_tail: bool = True) -> torch.Tensor:
+        """fp32 ``[T, width]`` scores of the new tokens over their requests' cached keys, batched.
+
+        Row ``t`` holds ``I[t, s]`` for ``s <= positions[t]``; past it ``-inf`` (``fill_tail``) or
+        unwritten (then read only the first ``positions[t] + 1`` entries). One page table for the
+        batch, then the Triton kernel or the batched torch reference: no loop over requests, no sync.
+        """
+        fb, cache = forward_batch, self.cache
+        T = fb.positions.shape[0]
+        if fb.forward_mode is ForwardMode.DECODE:
+            token_req = torch.arange(T, dtype=torch.int32, device=self.device)
+        else:
+            token_req = torch.repeat_interleave(torch.arange(fb.batch_size, dtype=torch.int32, device=self.device),
+                                                fb.extend_seq_lens, output_size=T)
+        bounds = (fb.positions + 1).to(torch.int32)
+        block_table = cache.block_table(fb.req_pool_indices)
+        keys, scales = cache.key_pages(layer_id), cache.scale_pages(layer_id)
+        if self.uses_triton_scoring():
+            from sparse_ref.kernels.dsa import paged_indexer_logits
+
+            return paged_indexer_logits(qk.q.contiguous(), qk.weights.float().contiguous(), keys, scales, block_table,
+                                        token_req, bounds, width, fill_tail=fill_tail)
+        return paged_indexer_logits_reference(qk.q, qk.weights, keys, scales, block_table, token_req, bounds, width)
+
     @torch.no_grad()
     def index_scores(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
-                     forward_batch: ForwardBatch, layer_id: int) -> torch.Tensor:
-        """Write the new keys, then score every new token causally: fp32 ``[T, max(seq_lens)]``.
+                     forward_batch: ForwardBatch, layer_id: int, *, width: int | None = None) -> torch.Tensor:
+        """Write the new keys, then score every new token causally: fp32 ``[T, width]``, batched.
 
         Entry ``[t, s]`` is ``I[t, s]`` for ``s <= positions[t]`` of token t's request, ``-inf`` past it.
+        ``width`` defaults to ``max(seq_lens)`` (read from the device: pass it, e.g. the pool's
+        ``max_context_len``, for a call with no host sync).
         """
-        token_req, starts = self._check_call(x, q_lora, positions, forward_batch, layer_id)
+        self._check_call(x, q_lora, positions, forward_batch, layer_id)
+        if width is None:
+            width = int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
+        check_int("width", width, low=0, high=self.cache.req_to_token_pool.req_to_token.shape[1], error=ShapeError)
         qk = self.prepare(x, q_lora, positions)
-        cache = self.cache
-        cache.write(layer_id, forward_batch.out_cache_loc, qk.k, qk.k_scale)
+        self.cache.write(layer_id, forward_batch.out_cache_loc, qk.k, qk.k_scale)
+        return self.logits(qk, forward_batch, layer_id, width)
 
-        req_to_token = cache.req_to_token_pool.req_to_token
-        seq_lens = forward_batch.seq_lens.tolist()
-        counts = torch.bincount(token_req, minlength=len(seq_lens)).tolist()
-        T = positions.shape[0]
-        width = max(seq_lens) if seq_lens else 0
-        scores = torch.full((T, width), float("-inf"), dtype=torch.float32, device=x.device)
-        for i, (seq_len, start, n) in enumerate(zip(seq_lens, starts, counts, strict=True)):
-            if n == 0:
-                continue
-            slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len].long()
-            written = cache.written[layer_id][slots]
-            if not bool(written.all()):
-                missing = (~written).nonzero().squeeze(1)[:8].tolist()
-                raise BatchError(
-                    f"request {i} (req_to_token row {int(forward_batch.req_pool_indices[i])}): the indexer cache "
-                    f"of layer {layer_id} holds no key for positions {missing}{'...' if (~written).sum() > 8 else ''}"
-                    f" of its history. Fix: run the indexer over every earlier chunk (prefix) of the request first."
-                )
-            keys, key_scales = cache.read(layer_id, slots)
+    @torch.no_grad()
+    def index_scores_loop(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+                          forward_batch: ForwardBatch, layer_id: int) -> torch.Tensor:
+        """The readable reference of ``index_scores``: request by request, keys read slot by slot."""
+        self._check_call(x, q_lora, positions, forward_batch, layer_id)
+        fb, cache = forward_batch, self.cache
+        qk = self.prepare(x, q_lora, positions)
+        cache.write(layer_id, fb.out_cache_loc, qk.k, qk.k_scale)
+        seq_lens = fb.seq_lens.tolist()
+        counts = [1] * len(seq_lens) if fb.forward_mode is ForwardMode.DECODE else fb.extend_seq_lens.tolist()
+        scores = torch.full((positions.shape[0], max(seq_lens, default=0)), float("-inf"), device=x.device)
+        start = 0
+        for i, (seq_len, n) in enumerate(zip(seq_lens, counts, strict=True)):
             rows = slice(start, start + n)
+            start += n
+            slots = cache.req_to_token_pool.req_to_token[fb.req_pool_indices[i], :seq_len]
+            keys, key_scales = cache.read(layer_id, slots)
             logits = indexer_logits(qk.q[rows], qk.weights[rows], keys, key_scales)
             causal = torch.arange(seq_len, device=x.device)[None, :] <= positions[rows, None]
             scores[rows, :seq_len] = torch.where(causal, logits, torch.full_like(logits, float("-inf")))
         return scores
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor, order: str = "index") -> torch.Tensor:
-        """Top ``index_topk`` positions per row of ``scores``, int32 ``[T, index_topk]``, -1 padded."""
-        return topk_reference(scores, self.config.index_topk, positions.long() + 1, order=order,
-                              width=self.config.index_topk)
+        """Top ``index_topk`` positions per row of ``scores``, int32 ``[T, index_topk]``, -1 padded.
+
+        Reads only the first ``positions[t] + 1`` entries of row ``t``. The Triton top-k
+        (``sparse_ref.kernels.topk.topk``) on the Triton scoring path, ``topk_reference`` otherwise.
+        """
+        lengths = positions.long() + 1
+        k = self.config.index_topk
+        if self.uses_triton_scoring():
+            from sparse_ref.kernels.topk import topk
+
+            return topk(scores, k, lengths, order=order, width=k)
+        return topk_reference(scores, k, lengths, order=order, width=k)
 
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch, layer_id: int, *, order: str = "index") -> torch.Tensor:
@@ -421,14 +573,25 @@ class LightningIndexer(nn.Module):
         int32 ``[T, index_topk]``: for each new token, the logical positions of its own request
         (all ``<= its position``) with the best index scores, ascending (``order="score"``:
         best first), -1 padded when the history is shorter than ``index_topk``.
+
+        DECODE runs with no host sync (scores as wide as ``max_context_len``, tails unwritten: the
+        top-k reads each row up to its position), so it can be captured in a CUDA graph. EXTEND
+        reads ``max(seq_lens)`` once for the width of its scores.
         """
-        scores = self.index_scores(x, q_lora, positions, forward_batch, layer_id)
-        return self.select(scores, positions, order)
+        self._check_call(x, q_lora, positions, forward_batch, layer_id)
+        fb = forward_batch
+        if fb.forward_mode is ForwardMode.DECODE:
+            width = self.cache.req_to_token_pool.req_to_token.shape[1]
+        else:
+            width = int(fb.seq_lens.max()) if fb.batch_size else 0
+        qk = self.prepare(x, q_lora, positions)
+        self.cache.write(layer_id, fb.out_cache_loc, qk.k, qk.k_scale)
+        return self.select(self.logits(qk, fb, layer_id, width, fill_tail=False), positions, order)
 
     # ------------------------------------------------------------------ input checks
-    def _check_call(self, x, q_lora, positions, forward_batch, layer_id) -> tuple[torch.Tensor, list[int]]:
-        """Every check before any work. Returns each token's request index and each request's first token."""
-        c = self.config
+    def _check_call(self, x, q_lora, positions, forward_batch, layer_id) -> None:
+        """Every check before any work (value checks need a host sync and are skipped while capturing)."""
+        c, dev = self.config, self.device.type
         if self.cache is None:
             raise ConfigError(
                 "LightningIndexer: no key cache attached. Fix: indexer.attach_cache(IndexerKeyCache.for_manager("
@@ -436,69 +599,52 @@ class LightningIndexer(nn.Module):
                 "indexer.config)."
             )
         if not isinstance(forward_batch, ForwardBatch):
-            raise BatchError(f"forward_batch: expected a sparse_ref.ForwardBatch, got {describe(forward_batch)}. "
-                             "Fix: build it with build_extend_batch / build_decode_batch.")
+            fail("forward_batch", "a sparse_ref.ForwardBatch", describe(forward_batch),
+                 "build it with build_extend_batch / build_decode_batch.", BatchError)
         self.cache.check_layer(layer_id)
-        dev = self.device.type
-        check_tensor("x", x, dtype=FLOAT_DTYPES, dims=2, device=dev,
-                     fix=f"pass the hidden states of the new tokens, [num_tokens, hidden_size={c.hidden_size}].")
-        check_tensor("q_lora", q_lora, dtype=FLOAT_DTYPES, dims=2, device=dev,
-                     fix=f"pass the low-rank query latents, [num_tokens, q_lora_rank={c.q_lora_rank}].")
-        check_tensor("positions", positions, dtype=(torch.int32, torch.int64), dims=1, device=dev,
-                     fix="pass forward_batch.positions.")
-        T = positions.shape[0]
-        for name, t, width in (("x", x, c.hidden_size), ("q_lora", q_lora, c.q_lora_rank)):
-            if tuple(t.shape) != (T, width):
-                raise ShapeError(f"{name}: expected shape ({T}, {width}) (one row per entry of positions, "
-                                 f"width {'hidden_size' if name == 'x' else 'q_lora_rank'}), got {tuple(t.shape)}.")
         fb = forward_batch
-        for name in ("req_pool_indices", "seq_lens", "positions", "out_cache_loc"):
-            t = getattr(fb, name)
-            if t.device.type != dev:
-                raise ShapeError(f"forward_batch.{name} is on {t.device} but the indexer is on {self.device}. "
-                                 "Fix: build the batch on the indexer's device.")
-        if fb.positions.shape[0] != T:
-            raise BatchError(f"positions has {T} entries but forward_batch has {fb.positions.shape[0]} new tokens. "
-                             "Fix: pass the batch's own tokens (x, q_lora and positions of forward_batch).")
+        T = fb.positions.shape[0]
+        check_tensor("x", x, dtype=FLOAT_DTYPES, shape=(T, c.hidden_size), device=dev,
+                     fix=f"pass the hidden states of the batch's {T} new tokens, [T, hidden_size].")
+        check_tensor("q_lora", q_lora, dtype=FLOAT_DTYPES, shape=(T, c.q_lora_rank), device=dev,
+                     fix=f"pass the low-rank query latents of the batch's {T} new tokens, [T, q_lora_rank].")
+        check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(T,), device=dev,
+                     fix="pass forward_batch.positions.")
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+            check_tensor(f"forward_batch.{name}", getattr(fb, name), device=dev,
+                         fix="build the batch on the indexer's device.")
+        bs = fb.batch_size
+        counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else None
+        if counts is not None:
+            check_rows("forward_batch.extend_seq_lens", counts, bs, error=BatchError)
+        if capturing() or bs == 0:
+            return
+        req_to_token = self.cache.req_to_token_pool.req_to_token
+        rows, max_len = req_to_token.shape
+        check_range("forward_batch.req_pool_indices", fb.req_pool_indices, 0, rows - 1, error=BatchError)
+        check_range("forward_batch.seq_lens", fb.seq_lens, 0, max_len, error=BatchError,
+                    fix="seq_lens may not exceed max_context_len.")
         if not torch.equal(positions.long(), fb.positions):
             raise BatchError("positions: differ from forward_batch.positions; RoPE and the causal mask would use "
                              "other positions than the cache. Fix: pass positions=forward_batch.positions.")
-        bs = fb.batch_size
-        seq_lens = fb.seq_lens
-        req_to_token = self.cache.req_to_token_pool.req_to_token
-        if bs:
-            rows, max_len = req_to_token.shape
-            lo, hi = int(fb.req_pool_indices.min()), int(fb.req_pool_indices.max())
-            if lo < 0 or hi >= rows:
-                raise BatchError(f"forward_batch.req_pool_indices: expected rows in [0, {rows}), got [{lo}, {hi}].")
-            if int(seq_lens.min()) < 0 or int(seq_lens.max()) > max_len:
-                raise BatchError(f"forward_batch.seq_lens: expected values in [0, {max_len}] (max_context_len), got "
-                                 f"[{int(seq_lens.min())}, {int(seq_lens.max())}].")
-        if fb.forward_mode is ForwardMode.DECODE:
-            counts = torch.ones(bs, dtype=torch.int64, device=positions.device)
-        else:
-            counts = fb.extend_seq_lens
-        if counts.shape[0] != bs or (bs and int(counts.min()) < 0) or int(counts.sum()) != T:
+        counts = torch.ones_like(fb.seq_lens) if counts is None else counts
+        if int(counts.min()) < 0 or int(counts.sum()) != T:
             raise BatchError(f"forward_batch: new tokens per request {counts.tolist()} do not add up to the {T} "
                              "tokens of positions. Fix: build the batch with build_extend_batch / build_decode_batch.")
         token_req = torch.repeat_interleave(torch.arange(bs, device=positions.device), counts)
-        starts = (torch.cumsum(counts, 0) - counts).tolist()
-        if T:
-            own_len = seq_lens[token_req]
-            bad = (positions < 0) | (positions >= own_len)
-            if bool(bad.any()):
-                t = int(bad.nonzero()[0, 0])
-                raise BatchError(f"positions[{t}] = {int(positions[t])} is outside [0, seq_len={int(own_len[t])}) of "
-                                 f"its request {int(token_req[t])}. Fix: seq_lens must count the new tokens.")
-            expected_loc = req_to_token[fb.req_pool_indices[token_req], positions.long()].long()
-            if not torch.equal(expected_loc, fb.out_cache_loc):
-                t = int((expected_loc != fb.out_cache_loc).nonzero()[0, 0])
-                raise BatchError(
-                    f"forward_batch.out_cache_loc[{t}] = {int(fb.out_cache_loc[t])} but req_to_token maps that token "
-                    f"(request {int(token_req[t])}, position {int(positions[t])}) to slot {int(expected_loc[t])}: "
-                    "its key would be written where its request never reads it. Fix: build the batch from the pool."
-                )
-        return token_req, starts
+        own_len = fb.seq_lens[token_req]
+        bad = (positions < 0) | (positions >= own_len)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0, 0])
+            fail(f"positions[{t}]", f"a position in [0, seq_len={int(own_len[t])}) of request {int(token_req[t])}",
+                 str(int(positions[t])), "seq_lens must count the new tokens.", BatchError)
+        expected = req_to_token[fb.req_pool_indices[token_req], positions.long()].long()
+        if not torch.equal(expected, fb.out_cache_loc):
+            t = int((expected != fb.out_cache_loc).nonzero()[0, 0])
+            fail(f"forward_batch.out_cache_loc[{t}]", f"slot {int(expected[t])}, where req_to_token keeps that "
+                 "token (its key would be written where its request never reads it)", str(int(fb.out_cache_loc[t])),
+                 "build the batch from the pool.", BatchError)
+        self.cache.check_history(layer_id, fb.req_pool_indices, fb.seq_lens - counts)
 
 
 # ----------------------------------------------------------------------------- the algorithm
@@ -535,33 +681,28 @@ class DSAAlgorithm(SparseAlgorithm):
         missing = [name for name in DSA_REQUIRED if kwargs.get(name) is None]
         if missing:
             raise RetrievalError(missing_dsa_kwargs_message(missing))
-        indexer, forward_batch = kwargs["indexer"], kwargs["forward_batch"]
+        indexer, fb = kwargs["indexer"], kwargs["forward_batch"]
         if not callable(indexer):
-            raise RetrievalError(f"indexer: expected the model's LightningIndexer (a callable module), got "
-                                 f"{describe(indexer)}.")
-        if not isinstance(forward_batch, ForwardBatch):
-            raise RetrievalError(f"forward_batch: expected a sparse_ref.ForwardBatch, got {describe(forward_batch)}.")
+            fail("indexer", "the model's LightningIndexer (a callable module)", describe(indexer), error=RetrievalError)
+        if not isinstance(fb, ForwardBatch):
+            fail("forward_batch", "a sparse_ref.ForwardBatch", describe(fb), error=RetrievalError)
         if self.req_to_token_pool is not None:
             self.check_layer(layer_id)
-        bs = forward_batch.batch_size
-        check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+        check_tensor("req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, shape=(fb.batch_size,),
                      fix="pass forward_batch.req_pool_indices.")
-        if not torch.equal(req_pool_indices.long().cpu(), forward_batch.req_pool_indices.cpu()):
-            raise BatchError("req_pool_indices: differ from forward_batch.req_pool_indices. "
-                             "Fix: pass forward_batch.req_pool_indices.")
-        check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1,
+        check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, shape=(fb.batch_size,),
                      fix="pass a bool tensor [bs], True for requests that may go sparse.")
-        if sparse_mask.shape[0] != bs:
-            raise ShapeError(f"sparse_mask: expected {bs} entries (one per request), got {sparse_mask.shape[0]}.")
+        check_same_device("retrieve_topk", "req_pool_indices", {"req_pool_indices": req_pool_indices,
+                          "sparse_mask": sparse_mask, "forward_batch.req_pool_indices": fb.req_pool_indices})
+        if not capturing() and not torch.equal(req_pool_indices.long(), fb.req_pool_indices):
+            raise BatchError("req_pool_indices: differ from forward_batch.req_pool_indices (another request's "
+                             "row would be scored). Fix: pass forward_batch.req_pool_indices.")
         selection = indexer(x=kwargs["x"], q_lora=kwargs["q_lora"], positions=kwargs["positions"],
-                            forward_batch=forward_batch, layer_id=layer_id)
-        if forward_batch.forward_mode is ForwardMode.DECODE:
-            counts = torch.ones(bs, dtype=torch.int64)
-        else:
-            counts = forward_batch.extend_seq_lens.cpu()
-        dense_tokens = torch.repeat_interleave(~sparse_mask.cpu(), counts).to(selection.device)
-        selection = torch.where(dense_tokens[:, None], torch.full_like(selection, -1), selection)
-        return selection, None
+                            forward_batch=fb, layer_id=layer_id)
+        T = selection.shape[0]
+        counts = torch.ones_like(fb.seq_lens) if fb.forward_mode is ForwardMode.DECODE else fb.extend_seq_lens
+        dense_tokens = torch.repeat_interleave(~sparse_mask, counts, output_size=T)
+        return selection.masked_fill(dense_tokens[:, None], -1), None
 
     def retrieve_topk_loop(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                            sparse_mask: torch.Tensor, attn_metadata=None, **kwargs):

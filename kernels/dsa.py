@@ -1,0 +1,451 @@
+"""Paged FP8 lightning-indexer logits: ``I[t, s] = k_scale[s] * sum_h w[t, h] * relu(q[t, h] · k[s])``.
+
+The torch reference is ``sparse_ref.algorithms.dsa.paged_indexer_logits_reference``; this kernel
+computes the same thing reading each key straight from the paged key cache.
+
+**Inputs** (the launcher checks them all before the launch):
+
+* ``q``: ``[T, H, D]`` FP8 e4m3 queries (or fp32 for the full-precision cache), one row per
+  query token; ``weights``: fp32 ``[T, H]`` head weights (q's scale already folded in).
+* ``keys``: ``[num_pages, P, D]`` and ``scales``: fp32 ``[num_pages, P]``, views of one layer of
+  ``IndexerKeyCache``. In FP8 mode both are views of ONE uint8 buffer ``[num_pages, P*(D+4)]``:
+  a page is ``P*D`` key bytes (token-major) followed by ``P`` fp32 scales, so ``keys`` has page
+  stride ``P*(D+4)`` bytes and ``scales`` page stride ``P*(D+4)/4`` floats.
+* ``block_table``: int32 ``[bs, max_pages]``, physical page of logical page ``j`` of request ``b``
+  (``req_to_token[rows, ::P] // P``).
+* ``token_req``: int32 ``[T]``, the block-table row of each query token; ``bounds``: int32
+  ``[T]``, its causal bound: it sees keys ``0 .. bounds[t] - 1`` (position + 1). Decode is
+  ``T = bs`` with ``token_req = arange(bs)``; extend and chunked prefill have many tokens per
+  request, each with its own bound.
+
+**Output**: fp32 ``[T, width]``. Entries ``s < bounds[t]`` hold the logit. With
+``fill_tail=True`` entries ``bounds[t] <= s < width`` hold ``-inf`` (a self-contained score
+matrix); with ``fill_tail=False`` they are left unwritten and a top-k must read only the first
+``bounds[t]`` entries of a row (``topk(..., lengths=bounds)`` does).
+
+**Tile math** (one program = one query token x ``TILES`` tiles of ``BLOCK_T`` key tokens):
+tokens on M and heads on N, ``tl.dot(K [BLOCK_T, D], Q^T [D, H]) -> [BLOCK_T, H]`` fp32, then
+``relu``, ``* w[None, :]`` and ``tl.sum(axis=1)``: one token's heads sit in one warp, so the head
+sum never leaves registers. ``k_scale`` multiplies after the head sum (``relu(s x) = s relu(x)`` for
+``s > 0``: exact, and 1 multiply per token instead of H). Q and w are loaded once per program.
+When ``BLOCK_T`` divides the page size a tile lies inside one page: one page id per tile and
+contiguous rows; otherwise (small pages) every row finds its own page.
+
+**Work split**: ``TILES`` (tiles per program) is chosen so the grid has about 8 programs per SM
+(measured best on H200: ~1000 programs), from ``T`` and ``width`` only: no value is read back to
+the host, so decode is CUDA-graph capturable. Programs past a row's bound exit at once (or only
+write ``-inf``).
+
+**Interpreter**: loops have a constexpr trip count plus masks (``RUNTIME_LOOP=False``), because
+Triton < 3.7's interpreter fails on runtime loop bounds; compiled, the loop stops at the bound.
+FP8 ``tl.dot`` is exact in the interpreter (it widens to fp16 and multiplies in fp32).
+
+**GPUs without FP8** (compute capability < 8.9): the launcher refuses FP8 inputs with a clear
+error; ``LightningIndexer(scoring_backend="auto")`` then uses the torch path.
+
+A TMA variant (``variant="tma"``, GPU only, compute capability >= 9.0) loads each page with a
+tensor descriptor instead of pointer gathers; it needs pages of exactly ``BLOCK_T`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_ref.checks import capturing, check_int, check_tensor, fail
+from sparse_ref.device import triton_interpreted
+from sparse_ref.errors import ShapeError, SparseRefError
+
+FP8 = torch.float8_e4m3fn
+BLOCK_T = 64  # key tokens per tile (the page size DeepGEMM and SGLang use on Hopper)
+MAX_TILES = 64  # tiles per program, at most
+PROGRAMS_PER_SM = 8
+VARIANTS = ("pointer", "tma")
+
+
+@triton.jit
+def _tile_rows(block_table_ptr, bt_row, tile_start, max_pages, num_pages, bound,
+               PAGE: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_STRIDE_K: tl.constexpr,
+               PAGE_STRIDE_S: tl.constexpr, D: tl.constexpr):
+    """Key-row and scale offsets of the ``BLOCK_T`` key tokens starting at ``tile_start``, and their mask."""
+    offs = tl.arange(0, BLOCK_T)
+    pos = tile_start + offs
+    valid = pos < bound
+    if PAGE % BLOCK_T == 0:  # the tile lies inside one page: one page id, contiguous rows
+        lp = tile_start // PAGE
+        page = tl.load(block_table_ptr + bt_row + lp, mask=lp < max_pages, other=0).to(tl.int64)
+        in_page = tile_start % PAGE + offs
+    else:  # small pages: each row looks up its own page
+        lp = pos // PAGE
+        page = tl.load(block_table_ptr + bt_row + lp, mask=valid & (lp < max_pages), other=0).to(tl.int64)
+        in_page = pos % PAGE
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # never read outside the cache
+    key_rows = page * PAGE_STRIDE_K + in_page * D
+    scale_idx = page * PAGE_STRIDE_S + in_page
+    return pos, valid, key_rows, scale_idx
+
+
+@triton.jit
+def _indexer_logits_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, token_req_ptr, bounds_ptr, out_ptr,
+                           H, width, max_pages, num_pages,
+                           PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_T: tl.constexpr, TILES: tl.constexpr, PAGE_STRIDE_K: tl.constexpr,
+                           PAGE_STRIDE_S: tl.constexpr, FP8: tl.constexpr, FILL_TAIL: tl.constexpr,
+                           RUNTIME_LOOP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    bt_row = tl.load(token_req_ptr + t).to(tl.int64) * max_pages
+    bound = tl.minimum(tl.load(bounds_ptr + t), width)
+    first = split * (TILES * BLOCK_T)
+    out_row = out_ptr + t * width
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + t * H * D + h[:, None] * D + d[None, :], mask=(h[:, None] < H) & d_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0)
+    qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]: heads on N
+
+    if RUNTIME_LOOP:  # compiled: stop at the bound
+        n_tiles = tl.minimum(tl.maximum(bound - first + BLOCK_T - 1, 0) // BLOCK_T, TILES)
+    else:  # interpreter: a constant trip count, masks do the rest
+        n_tiles = TILES
+    for i in range(0, n_tiles):
+        pos, valid, key_rows, scale_idx = _tile_rows(block_table_ptr, bt_row, first + i * BLOCK_T, max_pages,
+                                                     num_pages, bound, PAGE, BLOCK_T, PAGE_STRIDE_K, PAGE_STRIDE_S, D)
+        k = tl.load(keys_ptr + key_rows[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+        if FP8:
+            s = tl.dot(k, qt)  # [BLOCK_T, BLOCK_H] fp32
+        else:
+            s = tl.dot(k, qt, input_precision="ieee")
+        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+        logit = logit * tl.load(scales_ptr + scale_idx, mask=valid, other=0.0)
+        if FILL_TAIL:
+            tl.store(out_row + pos, tl.where(valid, logit, float("-inf")), mask=pos < width)
+        else:
+            tl.store(out_row + pos, logit, mask=valid)
+    if RUNTIME_LOOP and FILL_TAIL:  # the program's tiles past the bound: -inf only, nothing to read
+        for i in range(n_tiles, TILES):
+            pos = first + i * BLOCK_T + tl.arange(0, BLOCK_T)
+            tl.store(out_row + pos, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=pos < width)
+
+
+@triton.jit
+def _indexer_logits_tma_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, token_req_ptr, bounds_ptr,
+                               out_ptr, H, width, max_pages, num_pages,
+                               PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr,
+                               PAGE_STRIDE_K: tl.constexpr, PAGE_STRIDE_S: tl.constexpr,
+                               SCALE_OFFSET: tl.constexpr, FILL_TAIL: tl.constexpr):
+    """GPU-only: one page per step loaded through TMA descriptors (page size == tile, FP8, D a power of two)."""
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    bt_row = tl.load(token_req_ptr + t).to(tl.int64) * max_pages
+    bound = tl.minimum(tl.load(bounds_ptr + t), width)
+    first = split * (TILES * PAGE)
+    out_row = out_ptr + t * width
+    k_desc = tl.make_tensor_descriptor(keys_ptr, shape=[num_pages, PAGE, D], strides=[PAGE_STRIDE_K, D, 1],
+                                       block_shape=[1, PAGE, D])
+    s_desc = tl.make_tensor_descriptor(scales_ptr, shape=[num_pages, PAGE_STRIDE_S], strides=[PAGE_STRIDE_S, 1],
+                                       block_shape=[1, PAGE])
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + t * H * D + h[:, None] * D + d[None, :], mask=h[:, None] < H, other=0.0)
+    w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0)
+    qt = tl.trans(q)
+    n_tiles = tl.minimum(tl.maximum(bound - first + PAGE - 1, 0) // PAGE, TILES)
+    lp0 = first // PAGE
+    for i in range(0, n_tiles):
+        lp = lp0 + i
+        page = tl.load(block_table_ptr + bt_row + lp, mask=lp < max_pages, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        k = k_desc.load([page, 0, 0]).reshape(PAGE, D)
+        s = tl.dot(k, qt)
+        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+        logit = logit * s_desc.load([page, SCALE_OFFSET]).reshape(PAGE)
+        pos = first + i * PAGE + tl.arange(0, PAGE)
+        if FILL_TAIL:
+            tl.store(out_row + pos, tl.where(pos < bound, logit, float("-inf")), mask=pos < width)
+        else:
+            tl.store(out_row + pos, logit, mask=pos < bound)
+    if FILL_TAIL:
+        for i in range(n_tiles, TILES):
+            pos = first + i * PAGE + tl.arange(0, PAGE)
+            tl.store(out_row + pos, tl.full([PAGE], float("-inf"), tl.float32), mask=pos < width)
+
+
+@triton.jit
+def _indexer_logits_multiq_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, token_req_ptr, bounds_ptr,
+                                  out_ptr, T, H, width, max_pages, num_pages,
+                                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                                  BLOCK_T: tl.constexpr, TILES: tl.constexpr, QB: tl.constexpr,
+                                  PAGE_STRIDE_K: tl.constexpr, PAGE_STRIDE_S: tl.constexpr, FP8: tl.constexpr,
+                                  FILL_TAIL: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+    """``QB`` query tokens per program share each key tile: one dot with N = QB * heads (prefill).
+
+    Rows of one request form a segment; a program walks its segments (usually one in a prefill)
+    and, per segment, the key tiles up to the segment's largest bound.
+    """
+    g = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    first = split * (TILES * BLOCK_T)
+    rows = g * QB + tl.arange(0, QB)
+    row_ok = rows < T
+    reqs = tl.load(token_req_ptr + rows, mask=row_ok, other=-1)
+    bnds = tl.minimum(tl.load(bounds_ptr + rows, mask=row_ok, other=0), width)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    qrow = rows[:, None] * H + h[None, :]  # [QB, BLOCK_H]
+    qmask = row_ok[:, None] & (h[None, :] < H)
+    q = tl.load(q_ptr + qrow[:, :, None] * D + d[None, None, :], mask=qmask[:, :, None] & d_ok[None, None, :],
+                other=0.0)
+    qt = tl.trans(tl.reshape(q, [QB * BLOCK_H, BLOCK_D]))  # [BLOCK_D, QB * BLOCK_H]
+    w = tl.load(w_ptr + qrow, mask=qmask, other=0.0)  # [QB, BLOCK_H]
+    prev = tl.full([], -2, tl.int32)
+    for j in range(0, QB):
+        req = tl.load(token_req_ptr + g * QB + j, mask=g * QB + j < T, other=-1)
+        if (req >= 0) & (req != prev):  # the first row of a segment: process every row of this request
+            in_seg = reqs == req
+            seg_bound = tl.max(tl.where(in_seg, bnds, 0), axis=0)
+            bt_row = req.to(tl.int64) * max_pages
+            if RUNTIME_LOOP:
+                n_tiles = tl.minimum(tl.maximum(seg_bound - first + BLOCK_T - 1, 0) // BLOCK_T, TILES)
+            else:
+                n_tiles = TILES
+            for i in range(0, n_tiles):
+                pos, valid, key_rows, scale_idx = _tile_rows(block_table_ptr, bt_row, first + i * BLOCK_T,
+                                                             max_pages, num_pages, seg_bound, PAGE, BLOCK_T,
+                                                             PAGE_STRIDE_K, PAGE_STRIDE_S, D)
+                k = tl.load(keys_ptr + key_rows[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :],
+                            other=0.0)
+                if FP8:
+                    sc = tl.dot(k, qt)  # [BLOCK_T, QB * BLOCK_H]
+                else:
+                    sc = tl.dot(k, qt, input_precision="ieee")
+                sc = tl.reshape(tl.maximum(sc, 0.0), [BLOCK_T, QB, BLOCK_H]) * w[None, :, :]
+                logit = tl.sum(sc, axis=2) * tl.load(scales_ptr + scale_idx, mask=valid, other=0.0)[:, None]
+                keep = (pos[:, None] < bnds[None, :]) & in_seg[None, :]
+                tl.store(out_ptr + rows[None, :] * width + pos[:, None], logit, mask=keep)
+        prev = req
+    if FILL_TAIL:
+        for i in range(0, TILES):
+            pos = first + i * BLOCK_T + tl.arange(0, BLOCK_T)
+            tail = (pos[:, None] >= bnds[None, :]) & (pos[:, None] < width) & row_ok[None, :]
+            tl.store(out_ptr + rows[None, :] * width + pos[:, None], tl.full([BLOCK_T, QB], float("-inf"), tl.float32),
+                     mask=tail)
+
+
+# ----------------------------------------------------------------------------- launch plan
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_tiles(num_tokens: int, width: int, device: torch.device, block_t: int = BLOCK_T) -> int:
+    """Tiles per program (a power of two in ``[1, MAX_TILES]``) for about 8 programs per SM.
+
+    Work is estimated from ``num_tokens`` and ``width`` alone (no lengths read back): e.g. 64 tokens
+    x 64K keys at 132 SMs gives 64 tiles per program, 1024 programs.
+    """
+    total = num_tokens * triton.cdiv(max(width, 1), block_t)
+    want = triton.cdiv(total, PROGRAMS_PER_SM * _sm_count(device))
+    return max(1, min(MAX_TILES, triton.next_power_of_2(want)))
+
+
+def _block_sizes(H: int, D: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(H)), max(32, triton.next_power_of_2(D))
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_tma_allocator() -> None:
+    """In-kernel tensor descriptors need scratch memory from a Triton allocator (set once)."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 e4m3 ``tl.dot`` compiles on compute capability >= 8.9 (and always runs in the interpreter)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
+                         block_table: torch.Tensor, token_req: torch.Tensor, bounds: torch.Tensor, width: int, *,
+                         fill_tail: bool = True, out: torch.Tensor | None = None, tiles: int | None = None,
+                         block_t: int = BLOCK_T, num_warps: int = 4, num_stages: int | None = None,
+                         variant: str = "pointer", queries_per_program: int = 1) -> torch.Tensor:
+    """fp32 ``[T, width]`` indexer logits read through the page table (see the module docstring).
+
+    Launch knobs: ``tiles`` (tiles of ``block_t`` key tokens per program; None: ~8 programs per SM),
+    ``block_t`` (a power of two >= 16), ``num_warps``, ``num_stages``, ``variant`` ("pointer", or
+    "tma" on compute capability >= 9.0 with ``block_t`` == page size), ``queries_per_program`` (a
+    power of two: that many consecutive query tokens share each key tile, for prefill).
+    """
+    fn = "paged_indexer_logits"
+    check_tensor("q", q, dtype=(FP8, torch.float32), dims=3, contiguous=True,
+                 fix="pass the indexer's queries [T, H, D] (FP8, or fp32 for a full-precision cache).")
+    T, H, D = q.shape
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), contiguous=True,
+                 fix=f"pass the fp32 head weights [T={T}, H={H}].")
+    check_tensor("keys", keys, dtype=q.dtype, dims=3, fix="pass IndexerKeyCache.key_pages(layer_id).")
+    num_pages, page, kd = keys.shape
+    if kd != D or keys.stride(2) != 1 or keys.stride(1) != D:
+        fail(f"{fn}: keys", f"[num_pages, page_size, D={D}] with token-major rows of D contiguous values",
+             f"shape {tuple(keys.shape)}, strides {keys.stride()}", "pass IndexerKeyCache.key_pages(layer_id).")
+    check_tensor("scales", scales, dtype=torch.float32, shape=(num_pages, page),
+                 fix="pass IndexerKeyCache.scale_pages(layer_id).")
+    if scales.stride(1) != 1:
+        fail(f"{fn}: scales", "one page's scales contiguous", f"strides {scales.stride()}",
+             "pass IndexerKeyCache.scale_pages(layer_id).")
+    check_tensor("block_table", block_table, dtype=torch.int32, dims=2, contiguous=True,
+                 fix="pass req_to_token[req_pool_indices, ::page_size] // page_size as int32.")
+    bs, max_pages = block_table.shape
+    check_tensor("token_req", token_req, dtype=torch.int32, shape=(T,), contiguous=True,
+                 fix=f"pass the block-table row of each query token, int32 [T={T}].")
+    check_tensor("bounds", bounds, dtype=torch.int32, shape=(T,), contiguous=True,
+                 fix=f"pass each query token's position + 1, int32 [T={T}].")
+    width = check_int("width", width, low=0, high=2**31 - 1, error=ShapeError)
+    if out is None:
+        out = torch.empty((T, width), dtype=torch.float32, device=q.device)
+    check_tensor("out", out, dtype=torch.float32, shape=(T, width), contiguous=True,
+                 fix=f"pass out=None, or torch.empty({T}, {width}) in fp32.")
+    device = q.device
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
+        fail(f"{fn}: q", "a tensor on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"one on {device}",
+             "move the cache and queries to the GPU, or use LightningIndexer(scoring_backend='torch').")
+    for name, t in (("weights", weights), ("keys", keys), ("scales", scales), ("block_table", block_table),
+                    ("token_req", token_req), ("bounds", bounds), ("out", out)):
+        if t.device != device:
+            fail(f"{fn}: {name}", f"a tensor on {device} (the device of q)", f"one on {t.device}",
+                 f"move it with {name}.to({str(device)!r}).")
+    fp8 = q.dtype == FP8
+    if fp8 and not fp8_supported(device):
+        raise SparseRefError(f"{fn}: FP8 e4m3 tl.dot needs compute capability >= 8.9, this GPU has "
+                             f"{torch.cuda.get_device_capability(device)}. Fix: use "
+                             f"LightningIndexer(scoring_backend='torch') (dequantised keys), or a Hopper/Ada GPU.")
+    if fp8 and (keys.stride(0) % 4 or (scales.data_ptr() - keys.data_ptr()) % 4):
+        fail(f"{fn}: keys", "pages whose byte size is a multiple of 4", f"page stride {keys.stride(0)} bytes",
+             "use a page_size * head_dim that is a multiple of 4.")
+    block_t = check_int("block_t", block_t, low=16, high=256, error=SparseRefError)
+    if block_t & (block_t - 1):
+        fail(f"{fn}: block_t", "a power of two in [16, 256]", repr(block_t), error=SparseRefError)
+    if variant not in VARIANTS:
+        fail(f"{fn}: variant", f"one of {VARIANTS}", repr(variant), "variant='pointer'", SparseRefError)
+    if T and not capturing():
+        lo, hi = (int(x) for x in token_req.aminmax())
+        if lo < 0 or hi >= bs:
+            fail(f"{fn}: token_req", f"rows in [0, {bs}) of block_table", f"min {lo}, max {hi}",
+                 "one block-table row per query token's request.")
+        lo, hi = (int(x) for x in bounds.aminmax())
+        if lo < 0 or hi > min(width, max_pages * page):
+            fail(f"{fn}: bounds", f"values in [0, {min(width, max_pages * page)}] (width, and the pages of "
+                 "block_table)", f"min {lo}, max {hi}", "bounds are positions + 1, within the row width.")
+        if block_table.numel():
+            lo, hi = (int(x) for x in block_table.aminmax())
+            if lo < 0 or hi >= num_pages:
+                fail(f"{fn}: block_table", f"page ids in [0, {num_pages})", f"min {lo}, max {hi}",
+                     "build it from req_to_token of the cache's own pools.")
+    if T == 0 or width == 0:
+        return out
+    if tiles is None:
+        tiles = plan_tiles(T, width, device, block_t)
+    tiles = check_int("tiles", tiles, low=1, high=1024, error=SparseRefError)
+    block_h, block_d = _block_sizes(H, D)
+    stride_s = scales.stride(0)
+    if fp8:  # both views of one buffer: the scale view's offset from the page start, in floats
+        scale_offset = (scales.data_ptr() - keys.data_ptr()) // 4
+    else:
+        scale_offset = 0
+        if keys.data_ptr() % 4 or scales.data_ptr() % 4:
+            raise SparseRefError(f"{fn}: misaligned fp32 pages.")
+    grid = (T, triton.cdiv(width, tiles * block_t))
+    if grid[1] > 65535:
+        fail(f"{fn}: tiles", f"at least {triton.cdiv(width, 65535 * block_t)} for width {width}", repr(tiles),
+             "leave tiles=None.", SparseRefError)
+    opts = dict(num_warps=num_warps, **({"num_stages": num_stages} if num_stages is not None else {}))
+    if variant == "tma":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0) or not fp8:
+            raise SparseRefError(f"{fn}: variant='tma' needs FP8 inputs on a GPU of compute capability >= 9.0. "
+                                 "Fix: variant='pointer'.")
+        if block_t != page or D & (D - 1) or D < 32 or H > block_h:
+            raise SparseRefError(f"{fn}: variant='tma' needs block_t == page_size ({page}), got {block_t}, and "
+                                 f"head_dim a power of two >= 32, got {D}. Fix: variant='pointer'.")
+        _ensure_tma_allocator()
+        # the descriptor walks whole pages of the float view of the buffer: start it at the buffer's start
+        scales_base = torch.as_strided(scales, (num_pages, stride_s), (stride_s, 1),
+                                       scales.storage_offset() - scale_offset)
+        _indexer_logits_tma_kernel[grid](q, weights, keys, scales_base, block_table, token_req, bounds, out,
+                                         H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_H=block_h,
+                                         TILES=tiles, PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s,
+                                         SCALE_OFFSET=scale_offset, FILL_TAIL=fill_tail, **opts)
+        return out
+    qb = check_int("queries_per_program", queries_per_program, low=1, high=16, error=SparseRefError)
+    if qb > 1:
+        if qb & (qb - 1):
+            fail(f"{fn}: queries_per_program", "a power of two in [1, 16]", repr(qb), error=SparseRefError)
+        grid = (triton.cdiv(T, qb), grid[1])
+        _indexer_logits_multiq_kernel[grid](q, weights, keys, scales, block_table, token_req, bounds, out, T,
+                                            H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_D=block_d,
+                                            BLOCK_H=block_h, BLOCK_T=block_t, TILES=tiles, QB=qb,
+                                            PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s, FP8=fp8,
+                                            FILL_TAIL=fill_tail, RUNTIME_LOOP=not triton_interpreted(), **opts)
+        return out
+    _indexer_logits_kernel[grid](q, weights, keys, scales, block_table, token_req, bounds, out,
+                                 H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_D=block_d, BLOCK_H=block_h,
+                                 BLOCK_T=block_t, TILES=tiles, PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s,
+                                 FP8=fp8, FILL_TAIL=fill_tail,
+                                 RUNTIME_LOOP=not triton_interpreted(), **opts)
+    return out
+
+
+# ----------------------------------------------------------------------------- ahead-of-time compile list
+def _aot(page, d, h, tiles, fp8=True, fill_tail=True, block_t=BLOCK_T, runtime_loop=True, num_warps=4):
+    dt = "*fp8e4nv" if fp8 else "*fp32"
+    block_h, block_d = _block_sizes(h, d)
+    stride_k = page * (d + 4) if fp8 else page * d
+    stride_s = stride_k // 4 if fp8 else page
+    sig = {"q_ptr": dt, "w_ptr": "*fp32", "keys_ptr": dt, "scales_ptr": "*fp32", "block_table_ptr": "*i32",
+           "token_req_ptr": "*i32", "bounds_ptr": "*i32", "out_ptr": "*fp32", "H": "i32", "width": "i32",
+           "max_pages": "i32", "num_pages": "i32"}
+    const = dict(PAGE=page, D=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_T=block_t, TILES=tiles,
+                 PAGE_STRIDE_K=stride_k, PAGE_STRIDE_S=stride_s, FP8=fp8, FILL_TAIL=fill_tail,
+                 RUNTIME_LOOP=runtime_loop)
+    return (_indexer_logits_kernel, sig, const, {"num_warps": num_warps})
+
+
+def _aot_multiq(page, d, h, tiles, qb, fill_tail=False, runtime_loop=True, num_warps=4):
+    kernel, sig, const, opts = _aot(page, d, h, tiles, fill_tail=fill_tail, runtime_loop=runtime_loop,
+                                    num_warps=num_warps)
+    sig = {**{k: v for k, v in sig.items() if k != "H"}, "T": "i32", "H": "i32"}
+    sig = {k: sig[k] for k in ("q_ptr", "w_ptr", "keys_ptr", "scales_ptr", "block_table_ptr", "token_req_ptr",
+                               "bounds_ptr", "out_ptr", "T", "H", "width", "max_pages", "num_pages")}
+    return (_indexer_logits_multiq_kernel, sig, {**const, "QB": qb}, opts)
+
+
+def _aot_tma(page=64, d=128, h=64, tiles=64):
+    sig = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "keys_ptr": "*fp8e4nv", "scales_ptr": "*fp32",
+           "block_table_ptr": "*i32", "token_req_ptr": "*i32", "bounds_ptr": "*i32", "out_ptr": "*fp32",
+           "H": "i32", "width": "i32", "max_pages": "i32", "num_pages": "i32"}
+    const = dict(PAGE=page, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), TILES=tiles,
+                 PAGE_STRIDE_K=page * (d + 4), PAGE_STRIDE_S=page * (d + 4) // 4, SCALE_OFFSET=page * d // 4,
+                 FILL_TAIL=False)
+    return (_indexer_logits_tma_kernel, sig, const, {"num_warps": 4})
+
+
+# DeepSeek's shape (page 64, D=128, 64 heads) at every tile count the planner picks, both tail modes,
+# small pages (per-row gather), the full-precision cache, and the TMA variant.
+AOT_VARIANTS = (
+    [_aot(64, 128, 64, tiles) for tiles in (1, 2, 4, 8, 16, 32, 64)]
+    + [_aot(64, 128, 64, 64, fill_tail=False), _aot(64, 128, 64, 16, num_warps=8),
+       _aot(16, 128, 64, 8), _aot(64, 64, 8, 4, fp8=False), _aot(16, 32, 4, 2, runtime_loop=False),
+       _aot_tma()]
+    + [_aot_multiq(64, 128, 64, 64, qb) for qb in (2, 4)]
+    + [_aot_multiq(64, 128, 64, 64, 2, fill_tail=True, num_warps=8), _aot_multiq(16, 32, 4, 2, 2, runtime_loop=False)]
+)

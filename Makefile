@@ -1,7 +1,8 @@
 # sparse_ref: two commands do everything.
 #   make tutorial   set up .venv, execute every notebook, write executed copies + HTML to build/
 #   make test       set up .venv, run pytest on tests/ and nbmake on notebooks/
-# Other targets: setup, lab (JupyterLab), lint, clean-notebooks, clean, distclean (also removes .venv).
+# Other targets: setup, demo (python -m sparse_ref.demo), lab (JupyterLab), lint, clean-notebooks, clean,
+#   distclean (also removes .venv).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,7 +21,7 @@ NBCONVERT := $(BIN)/python -m nbconvert
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_ARGS ?=
 
-.PHONY: setup tutorial test lab lint clean-notebooks clean distclean
+.PHONY: setup tutorial demo test lab lint clean-notebooks clean distclean
 
 setup: $(VENV)/.installed
 
@@ -41,7 +42,7 @@ endif
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@
 
-tutorial: setup
+tutorial: setup demo
 	@mkdir -p $(BUILD)/notebooks $(BUILD)/html
 	@for nb in $(NOTEBOOKS); do \
 	  echo "== executing $$nb"; \
@@ -52,6 +53,10 @@ tutorial: setup
 	@echo ""
 	@echo "Executed notebooks (with plots): $(abspath $(BUILD)/notebooks)"
 	@echo "HTML for browsing:               $(abspath $(BUILD)/html)"
+
+# The decode engine end to end: a table of accuracy (and time, on a GPU) per budget, and a plot.
+demo: setup
+	$(BIN)/python -m sparse_ref.demo --out $(BUILD)/demo.png
 
 test: setup
 	$(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=900 -q

@@ -9,10 +9,17 @@
    full-precision cache, every launch knob of the sweep and the TMA variant; then the whole
    ``LightningIndexer`` (Triton vs torch scoring paths, prefill + decode, DeepSeek's shapes) and a
    CUDA-graph capture of its decode step.
-   Tolerance: the tensor cores accumulate FP8 products in reduced precision, so per row
-   ``max |kernel - reference| <= 1e-3 * max |reference|`` and, over a case,
+   Tolerance: Hopper's FP8 tensor cores accumulate the products of a dot in reduced precision
+   (about 14 mantissa bits, not fp32's 24), so a dot's error is ~2^-14 times the sum of the
+   |products| it adds, and a logit's error follows the MAGNITUDE of its terms,
+   ``M[t, s] = k_scale[s] * sum_h |w[t, h]| relu(q[t, h] · k[s])`` (the reference with |w|), not
+   its signed value: with signed head weights a short row's logits can nearly cancel (the
+   indexer's row of position 0 holds one logit), so "relative to the row's max |logit|" blows up
+   there (1.1e-3 seen on prefill rows while calc_diff stayed 8e-9). The check: per row
+   ``max |kernel - reference| <= 1e-3 * max M`` (measured ~1e-4), and, over a case,
    ``calc_diff = 1 - 2 sum(x y) / sum(x^2 + y^2) <= 1e-5`` (DeepGEMM's metric); ``-inf`` entries
-   must match exactly, and a rerun must be bitwise identical.
+   must match exactly, and a rerun must be bitwise identical. The old ratio to ``max |logit|`` is
+   printed too (``vs |I|``).
 2. **Timing**: CUDA-graph replay of one call, 1 GiB L2 flush before each, median (the
    ``sparse_ref.bench`` harness), against the device-to-device copy bandwidth of the same run.
    Byte floor = keys + scales read once (132 B/token) + fp32 logits written.
@@ -46,19 +53,23 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
 
 
-def compare(name: str, got: torch.Tensor, want: torch.Tensor, bounds: torch.Tensor, fill_tail: bool = True) -> None:
+def compare_logits(name: str, got: torch.Tensor, want: torch.Tensor, bounds: torch.Tensor, fill_tail: bool = True,
+            magnitude: torch.Tensor | None = None) -> None:
+    """``magnitude``: the reference computed with |weights| (same shape); None: ``|want|``."""
     cols = torch.arange(want.shape[1], device=want.device)[None, :]
     visible = cols < bounds[:, None].long()
     ok_inf = True
     if fill_tail:
         ok_inf = bool(torch.equal(torch.isinf(got), torch.isinf(want))) and bool((got[~visible] == -torch.inf).all())
     g, w = got.masked_fill(~visible, 0), want.masked_fill(~visible, 0)
-    row_max = w.abs().amax(1).clamp_min(1e-30)
-    rel = float(((g - w).abs().amax(1) / row_max).max()) if g.numel() else 0.0
+    m = w.abs() if magnitude is None else magnitude.masked_fill(~visible, 0).abs()
+    err = (g - w).abs().amax(1) if g.numel() else torch.zeros(0, device=g.device)
+    rel = float((err / m.amax(1).clamp_min(1e-30)).max()) if g.numel() else 0.0
+    rel_signed = float((err / w.abs().amax(1).clamp_min(1e-30)).max()) if g.numel() else 0.0
     cd = calc_diff(g[visible], w[visible]) if visible.any() else 0.0
     good = ok_inf and rel <= MAX_REL and cd <= MAX_CALC_DIFF and not torch.isnan(g).any()
-    print(f"  {'ok  ' if good else 'FAIL'} {name:<58} max rel {rel:.1e}  calc_diff {cd:.1e}  -inf ok {ok_inf}",
-          flush=True)
+    print(f"  {'ok  ' if good else 'FAIL'} {name:<58} max rel {rel:.1e} (vs |I| {rel_signed:.1e})  calc_diff "
+          f"{cd:.1e}  -inf ok {ok_inf}", flush=True)
     if not good:
         FAILURES.append(name)
 
@@ -99,6 +110,8 @@ def check_kernel(quick: bool) -> None:
     }
     for name, (inp, tma_ok) in cases.items():
         want = paged_indexer_logits_reference(**inp)
+        magnitude = paged_indexer_logits_reference(**dict(inp, weights=inp["weights"].abs()))
+        compare = partial(compare_logits, magnitude=magnitude)
         got = paged_indexer_logits(**inp)
         compare(name, got, want, inp["bounds"])
         again = paged_indexer_logits(**inp)
@@ -138,8 +151,8 @@ def check_kernel(quick: bool) -> None:
     keys32 = inp["keys"].float().contiguous()
     scales32 = inp["scales"].contiguous()
     inp32 = dict(inp, q=inp["q"].float(), keys=keys32, scales=scales32)
-    compare("full-precision cache (fp32 keys)", paged_indexer_logits(**inp32), paged_indexer_logits_reference(**inp32),
-            inp["bounds"])
+    compare_logits("full-precision cache (fp32 keys)", paged_indexer_logits(**inp32),
+                   paged_indexer_logits_reference(**inp32), inp["bounds"])
 
 
 def check_indexer(quick: bool, cfg: IndexerConfig | None = None, lengths: list[int] | None = None) -> None:
@@ -164,16 +177,18 @@ def check_indexer(quick: bool, cfg: IndexerConfig | None = None, lengths: list[i
         fb = build_extend_batch(mgr, reqs)
         pre = idx.index_scores(x, ql, fb.positions, fb, 0)
         sel_pre = idx.select(pre, fb.positions)
+        qk = idx.prepare(x, ql, fb.positions)  # the magnitude of each logit's terms: the scores with |w|
+        magnitude = idx.logits(qk._replace(weights=qk.weights.abs()), fb, 0, pre.shape[1])
         steps = []
         for _ in range(2):
             fb = decode_step(mgr, reqs)
             xd = torch.randn(len(lengths), cfg.hidden_size, generator=g).to(dev)
             qd = torch.randn(len(lengths), cfg.q_lora_rank, generator=g).to(dev)
             steps.append(idx(xd, qd, fb.positions, fb, 0))
-        runs[backend] = (pre, sel_pre, steps, idx, mgr, reqs)
-    (pre_t, sel_t, steps_t, *_), (pre_k, sel_k, steps_k, idx, mgr, reqs) = runs["torch"], runs["triton"]
+        runs[backend] = (pre, sel_pre, steps, idx, mgr, reqs, magnitude)
+    (pre_t, sel_t, steps_t, *_, mag_t), (pre_k, sel_k, steps_k, idx, mgr, reqs, _) = runs["torch"], runs["triton"]
     bounds = torch.cat([torch.arange(1, n + 1) for n in lengths]).to(dev)
-    compare("prefill scores, Triton vs torch", pre_k, pre_t, bounds)
+    compare_logits("prefill scores, Triton vs torch", pre_k, pre_t, bounds, magnitude=mag_t)
     overlap = selection_overlap(sel_k, sel_t)
     print(f"  prefill top-{cfg.index_topk}: mean fraction of the torch path's selection also selected by the Triton "
           f"path {overlap:.5f}", flush=True)
@@ -239,7 +254,8 @@ def timings(quick: bool, sweep: bool) -> list[dict]:
             print(f"  {op:<16} bs={bs} ctx={ctx} {knobs}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
             return None
         nbytes = bs * ctx * 132 + T * ctx * 4
-        tiles = knobs.get("tiles") or plan_tiles(T, ctx, dev, knobs.get("block_t", 64))
+        qb = knobs.get("queries_per_program") or (4 if tokens_per_req >= 4 and knobs.get("variant") != "tma" else 1)
+        tiles = knobs.get("tiles") or plan_tiles(-(-T // qb), ctx, dev, knobs.get("block_t", 64))
         label = ",".join(f"{k}={v}" for k, v in knobs.items() if k != "tiles") or "default"
         row(op, f"{bs}x{ctx}" if tokens_per_req == 1 else f"T={T}x{ctx}", f"tiles={tiles} {label}", us, nbytes,
             timer.mode)
@@ -265,9 +281,9 @@ def timings(quick: bool, sweep: bool) -> list[dict]:
     inp = make_dsa_logits_inputs(64, 65536, dev)
     out = torch.empty(64, 65536, dtype=torch.float32, device=dev)
     ids = torch.empty(64, 2048, dtype=torch.int32, device=dev)
-    for variant in ("pointer", "tma"):
-        def both(variant=variant, inp=inp, out=out, ids=ids):
-            paged_indexer_logits(**inp, fill_tail=False, out=out, variant=variant)
+    for variant, knobs in (("pointer", {}), ("tma", dict(tiles=64, num_stages=2))):
+        def both(variant=variant, knobs=knobs, inp=inp, out=out, ids=ids):
+            paged_indexer_logits(**inp, fill_tail=False, out=out, variant=variant, **knobs)
             return topk(out, 2048, inp["bounds"], order="index", width=2048, out=ids)
         try:
             us = timer.cold([both])
@@ -282,9 +298,8 @@ def timings(quick: bool, sweep: bool) -> list[dict]:
     row("torch reference", "64x16384", "gather+fp32 bmm", us, 64 * 16384 * 136, ref_timer.mode)
     del inp, out, small
     # prefill: 8192 query tokens, a causal last chunk of 64K keys
-    for knobs in ({}, dict(tiles=16), dict(tiles=64, num_warps=8), dict(queries_per_program=2),
-                  dict(queries_per_program=4), dict(queries_per_program=2, num_warps=8),
-                  dict(queries_per_program=4, num_warps=8), dict(queries_per_program=8, num_warps=8)):
+    for knobs in ({}, dict(queries_per_program=1), dict(queries_per_program=2), dict(queries_per_program=4, tiles=32),
+                  dict(queries_per_program=8)):
         us = time_logits(1, 65536, knobs, op="prefill", tokens_per_req=8192)
         if us:
             flops = 2 * 64 * 128 * (8192 * 65536 - 8192 * 8191 // 2)
@@ -299,10 +314,13 @@ def indexer_vs_loop() -> None:
     dev = DEV
     timer = Timer(dev, reps=20)
     r = bench._bench_dsa_indexer(dev, timer, float("nan"), False, False)[0]
-    print(f"  batched indexer {r['ours_us']:.1f} us ({r['ours_timing']}) vs loop {r['torch_us']:.1f} us: "
-          f"x{r['speedup']:.1f}, identical selection {r['identical_to_loop']}", flush=True)
-    if not r["identical_to_loop"]:
-        print("  (not identical: near-ties between the loop's torch scores and the kernel's)", flush=True)
+    print(f"  batched indexer {r['ours_us']:.1f} us ({r['ours_timing']}; eager {r['ours_eager_us']:.1f} us) vs loop "
+          f"{r['torch_us']:.1f} us: x{r['speedup']:.1f}; parts {r['parts_us']}", flush=True)
+    for key in ("identical_to_loop", "torch_batched_identical_to_loop",
+                "torch_batched_agrees_with_loop_up_to_ties_1e-5", "ours_agrees_with_loop_up_to_ties_1e-3"):
+        print(f"  {key}: {r[key]}", flush=True)
+    if not (r["ours_agrees_with_loop_up_to_ties_1e-3"] and r["torch_batched_agrees_with_loop_up_to_ties_1e-5"]):
+        FAILURES.append("batched selection differs from the loop beyond near-ties")
 
 
 def main() -> int:

@@ -9,7 +9,10 @@ byte floor is "the bounds of every scored page, read once".
 Inputs (the launcher checks them all before the launch):
 
 * ``q_pos``, ``q_neg``: fp32 ``[bs, H_kv, D]`` (or ``[bs, H_kv*D]``), from ``split_query_sign``:
-  the GQA mean / per-KV-head sum and the sign split stay in torch (they are tiny).
+  the GQA mean / per-KV-head sum and the sign split, in torch. They are tiny, but each torch op
+  is a launch of a few microseconds, which at bs=1 costs as much as the scoring itself; so
+  ``quest_page_scores_from_queries`` (what ``QuestAlgorithm`` runs) folds them, and the page
+  mapping below, into the same kernel: one launch from the raw queries and ``req_to_token``.
 * ``page_min``, ``page_max``: ``[num_pages, H_kv, D]`` fp32 (or fp16/bf16: loaded and widened to
   fp32; accumulation is always fp32), indexed by PHYSICAL page.
 * ``page_valid``: bool ``[num_pages]``. An invalid page scores exactly ``-inf``, and its bounds
@@ -32,13 +35,13 @@ aligned for vector loads) rather than a constexpr: one compiled kernel serves ev
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.checks import check_choice, check_int, check_range, check_same_device, check_tensor, fail
+from sparse_ref.device import triton_interpreted
+from sparse_ref.errors import SparseRefError
 
 BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,38 +74,86 @@ def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid
     tl.store(out_ptr + row * max_pages + j, score, mask=in_row)
 
 
-def interpreted() -> bool:
-    """True when Triton runs kernels through its interpreter (CPU tensors allowed)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+@triton.jit
+def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr,
+                                      out_ptr, max_pages, num_pages, HD, head_dim, r2t_rows, r2t_width, page_size,
+                                      GROUP: tl.constexpr, MEAN: tl.constexpr,
+                                      BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """``_quest_scores_kernel`` with the two torch steps before it folded in (one launch instead of about ten).
+
+    The physical page of logical page ``j`` is read from ``req_to_token[row, j * P] // P``
+    (``QuestAlgorithm.physical_pages``) and the signed query from the raw queries
+    ``[bs, H_q, D]`` (``split_query_sign``: the GQA group's mean, or its per-head sum, split by sign).
+    """
+    r = tl.program_id(1).to(tl.int64)
+    req = tl.load(rows_ptr + r).to(tl.int64)
+    req = tl.minimum(tl.maximum(req, 0), r2t_rows - 1)
+    j = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_row = j < max_pages
+    first_token = tl.minimum(j.to(tl.int64) * page_size, r2t_width - 1)
+    slot = tl.load(req_to_token_ptr + req * r2t_width + first_token, mask=in_row, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(slot // page_size, 0), num_pages - 1)  # never read outside the pool
+    valid = tl.load(valid_ptr + page, mask=in_row, other=0) != 0
+    read = in_row & valid
+    base = page * HD
+    q_row = q_ptr + r * HD * GROUP  # this request's H_q * D query values
+    acc = tl.zeros([BLOCK_P, BLOCK_HD], dtype=tl.float32)
+    for start in range(0, HD, BLOCK_HD):
+        d = start + tl.arange(0, BLOCK_HD)
+        in_hd = d < HD
+        q_offs = (d // head_dim) * GROUP * head_dim + d % head_dim  # query head kvh * GROUP + g, element d % D
+        if MEAN:
+            q = tl.zeros([BLOCK_HD], dtype=tl.float32)
+            for g in tl.static_range(GROUP):
+                q += tl.load(q_row + q_offs + g * head_dim, mask=in_hd, other=0.0).to(tl.float32)
+            q = q / GROUP
+            qp = tl.maximum(q, 0.0)
+            qn = tl.minimum(q, 0.0)
+        else:
+            qp = tl.zeros([BLOCK_HD], dtype=tl.float32)
+            qn = tl.zeros([BLOCK_HD], dtype=tl.float32)
+            for g in tl.static_range(GROUP):
+                x = tl.load(q_row + q_offs + g * head_dim, mask=in_hd, other=0.0).to(tl.float32)
+                qp += tl.maximum(x, 0.0)
+                qn += tl.minimum(x, 0.0)
+        m = read[:, None] & in_hd[None, :]
+        offs = base[:, None] + d[None, :]
+        mx = tl.load(page_max_ptr + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        mn = tl.load(page_min_ptr + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc += mx * qp[None, :] + mn * qn[None, :]
+    score = tl.sum(acc, axis=1)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_ptr + r * max_pages + j, score, mask=in_row)
 
 
-def capturing() -> bool:
-    """True while a CUDA graph is being captured: then no check may read device data."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+PROGRAMS_PER_SM = 4  # the default blocks aim for at least this many programs per SM (memory latency hiding)
 
 
-def _check(fn: str, name: str, t, dtypes, shape, fix: str) -> None:
-    """ShapeError unless ``t`` is a contiguous tensor of one of ``dtypes`` with ``shape`` (None: any size)."""
-    if not isinstance(t, torch.Tensor):
-        raise ShapeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}. Fix: {fix}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise ShapeError(f"{fn}: {name} must have dtype {want}, got {t.dtype}. Fix: {fix}")
-    if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape, strict=True)):
-        want = "[" + ", ".join("any" if w is None else str(w) for w in shape) + "]"
-        raise ShapeError(f"{fn}: {name} must have shape {want}, got {tuple(t.shape)}. Fix: {fix}")
-    if not t.is_contiguous():
-        raise ShapeError(f"{fn}: {name} must be contiguous, got strides {t.stride()}. Fix: pass {name}.contiguous().")
+def _default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_HD)``: 16 pages x 256 values per step, or fewer pages (and wider steps) when few programs.
+
+    At bs=1 and 32K tokens (2048 pages) 16 pages per program leave 128 programs on a 132-SM H200:
+    one per SM, bound by memory latency. There a program takes fewer pages and a wider slice of
+    ``H_kv*D`` per step (the tile stays 4096 values), so the grid has a few programs per SM.
+    """
+    block_p, tile = 16, 4096
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(index).multi_processor_count
+        while block_p > 2 and bs * triton.cdiv(max_pages, block_p) < want:
+            block_p //= 2
+    return block_p, min(tile // block_p, triton.next_power_of_2(max(hd, 16)))
 
 
-def _block_sizes(hd: int, block_p, block_hd, num_warps) -> tuple[int, int, int]:
-    block_hd = min(256, triton.next_power_of_2(max(hd, 16))) if block_hd is None else block_hd
-    block_p = 16 if block_p is None else block_p
+def _block_sizes(hd: int, block_p, block_hd, num_warps, bs: int = 1, max_pages: int = 0,
+                 device: torch.device | None = None) -> tuple[int, int, int]:
+    default_p, default_hd = _default_blocks(hd, bs, max_pages, device or torch.device("cpu"))
+    block_hd = default_hd if block_hd is None else block_hd
+    block_p = default_p if block_p is None else block_p
     num_warps = 4 if num_warps is None else num_warps
     for name, v, lo in (("block_p", block_p, 2), ("block_hd", block_hd, 8), ("num_warps", num_warps, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
-            raise SparseRefError(f"quest_page_scores: {name} must be a power of two >= {lo}, got {v!r}. "
-                                 f"Fix: leave {name}=None for the default.")
+            fail(name, f"a power of two >= {lo}", repr(v), f"leave {name}=None for the default.", SparseRefError)
     return block_p, block_hd, num_warps
 
 
@@ -116,45 +167,38 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
     ``block_hd``, ``num_warps``: launch knobs (powers of two); None picks the defaults.
     """
     fn = "quest_page_scores"
-    _check(fn, "page_min", page_min, BOUND_DTYPES, (None, None, None),
-           "pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
+    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
+                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
     num_pages, num_kv_heads, head_dim = page_min.shape
     hd = num_kv_heads * head_dim
-    _check(fn, "page_max", page_max, (page_min.dtype,), tuple(page_min.shape),
-           "pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
-    _check(fn, "page_valid", page_valid, (torch.bool,), (num_pages,),
-           "pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
-    _check(fn, "pages", pages, (torch.int32, torch.int64), (None, None),
-           "pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
+    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
+                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), contiguous=True,
+                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
+    check_tensor("pages", pages, dtype=(torch.int32, torch.int64), dims=2, contiguous=True,
+                 fix="pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
     bs, max_pages = pages.shape
     for name, q in (("q_pos", q_pos), ("q_neg", q_neg)):
         shape = (bs, num_kv_heads, head_dim) if isinstance(q, torch.Tensor) and q.dim() == 3 else (bs, hd)
-        _check(fn, name, q, (torch.float32,), shape,
-               f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
+        check_tensor(name, q, dtype=torch.float32, shape=shape, contiguous=True,
+                     fix=f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
     if out is not None:
-        _check(fn, "out", out, (torch.float32,), (bs, max_pages), "pass torch.empty(bs, max_pages) in fp32.")
-    tensors = {"q_pos": q_pos, "q_neg": q_neg, "page_max": page_max, "page_valid": page_valid, "pages": pages,
-               **({"out": out} if out is not None else {})}
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
+                     fix="pass torch.empty(bs, max_pages) in fp32.")
     device = page_min.device
-    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
-        raise ShapeError(f"{fn}: tensors must be on a CUDA device (or on CPU with TRITON_INTERPRET=1), got "
-                         f"{device}. Fix: move the pools and queries to the GPU, or use the torch scoring backend.")
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ShapeError(f"{fn}: {name} must be on the same device as page_min ({device}), got {t.device}. "
-                             f"Fix: {name}.to({str(device)!r}).")
-    block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps)
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
+        fail(f"{fn}: page_min", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"{device}",
+             "move the pools and queries to the GPU, or use the torch scoring backend.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "q_pos": q_pos, "q_neg": q_neg, "page_max": page_max,
+                                       "page_valid": page_valid, "pages": pages, "out": out})
+    block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps, bs, max_pages, device)
     if pages.numel() and num_pages == 0:
-        raise ShapeError(f"{fn}: pages names {pages.numel()} pages but the pool has none (page_min has shape "
-                         f"{tuple(page_min.shape)}). Fix: allocate the Quest pools before scoring.")
-    if pages.numel() and not capturing():
-        lo, hi = (int(x) for x in pages.aminmax())
-        if lo < 0 or hi >= num_pages:
-            raise ShapeError(f"{fn}: pages must lie in [0, {num_pages}) (the pool's physical pages), got min {lo}, "
-                             f"max {hi}. Fix: build pages with QuestAlgorithm.physical_pages (which clamps), "
-                             f"from a req_to_token filled through KVCacheManager.")
+        fail("page_min", "a pool with pages", f"shape {tuple(page_min.shape)} for {pages.numel()} pages to score",
+             "allocate the Quest pools before scoring.")
+    check_range("pages", pages, 0, num_pages - 1, "build pages with QuestAlgorithm.physical_pages (which clamps), "
+                "from a req_to_token filled through KVCacheManager.")
     if bs > 65535:
-        raise ShapeError(f"{fn}: at most 65535 requests per launch, got bs={bs}. Fix: score the batch in chunks.")
+        fail("pages", "at most 65535 requests (rows) per launch", f"bs={bs}", "score the batch in chunks.")
     if out is None:
         out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
     if bs == 0 or max_pages == 0:
@@ -166,12 +210,90 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
     return out
 
 
+def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
+                                   page_valid: torch.Tensor, req_to_token: torch.Tensor,
+                                   req_pool_indices: torch.Tensor, page_size: int, max_pages: int,
+                                   gqa_mode: str = "mean", *, out: torch.Tensor | None = None,
+                                   block_p: int | None = None, block_hd: int | None = None,
+                                   num_warps: int | None = None) -> torch.Tensor:
+    """fp32 ``[bs, max_pages]`` Quest scores straight from the raw queries and ``req_to_token``, in one launch.
+
+    Equals ``quest_page_scores(*split_query_sign(queries, H_kv, D, gqa_mode), page_min, page_max,
+    page_valid, pages)`` with ``pages = req_to_token[req_pool_indices, j * P] // P`` clamped into
+    the pool (``QuestAlgorithm.physical_pages``); scores may differ in the last bits (the group
+    sum is taken in another order). ``queries``: ``[bs, H_q, D]`` or ``[bs, H_q * D]``, fp32/bf16/fp16;
+    ``gqa_mode``: "mean" or "per_kv_head".
+    """
+    fn = "quest_page_scores_from_queries"
+    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
+                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
+    num_pages, num_kv_heads, head_dim = page_min.shape
+    hd = num_kv_heads * head_dim
+    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
+                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), contiguous=True,
+                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, fix="pass ReqToTokenPool.req_to_token.")
+    check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+                 fix="pass forward_batch.req_pool_indices, one row of req_to_token per request.")
+    bs = req_pool_indices.shape[0]
+    check_tensor("queries", queries, dtype=BOUND_DTYPES, dims=(2, 3), fix="pass the float decode queries.")
+    num_q_heads = queries.shape[1] if queries.dim() == 3 else queries.shape[1] // head_dim
+    width = queries.shape[2] if queries.dim() == 3 else queries.shape[1] % head_dim + head_dim
+    if queries.shape[0] != bs or width != head_dim or num_q_heads == 0 or num_q_heads % num_kv_heads:
+        fail("queries", f"[bs={bs}, H_q, {head_dim}] or [bs, H_q * {head_dim}] with H_q a multiple of the "
+             f"{num_kv_heads} KV heads", f"shape {tuple(queries.shape)}",
+             "pass all query heads of the layer, one decode query per request.")
+    group = num_q_heads // num_kv_heads
+    check_choice("gqa_mode", gqa_mode, ("mean", "per_kv_head"), "pass SparseConfig.gqa_mode.", SparseRefError)
+    check_int("page_size", page_size, low=1, fix="pass the pool's page size.", error=SparseRefError)
+    check_int("max_pages", max_pages, low=0, fix="pass QuestAlgorithm.max_pages.", error=SparseRefError)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
+                     fix="pass torch.empty(bs, max_pages) in fp32.")
+    device = page_min.device
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
+        fail(f"{fn}: page_min", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"{device}",
+             "move the pools and queries to the GPU, or use the torch scoring backend.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "queries": queries, "page_max": page_max,
+                                       "page_valid": page_valid, "req_to_token": req_to_token,
+                                       "req_pool_indices": req_pool_indices, "out": out})
+    r2t_rows, r2t_width = req_to_token.shape
+    if bs and max_pages and (num_pages == 0 or r2t_rows == 0 or r2t_width == 0):
+        fail("page_min", "allocated pools", f"page_min {tuple(page_min.shape)}, req_to_token "
+             f"{tuple(req_to_token.shape)}", "allocate the pools before scoring.")
+    check_range("req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass forward_batch.req_pool_indices.")
+    if bs > 65535:
+        fail("req_pool_indices", "at most 65535 requests per launch", f"bs={bs}", "score the batch in chunks.")
+    block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps, bs, max_pages, device)
+    if out is None:
+        out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
+    if bs == 0 or max_pages == 0:
+        return out
+    grid = (triton.cdiv(max_pages, block_p), bs)
+    _quest_scores_from_queries_kernel[grid](
+        queries.contiguous(), page_min, page_max, page_valid.view(torch.uint8), req_to_token.contiguous(),
+        req_pool_indices, out, max_pages, num_pages, hd, head_dim, r2t_rows, r2t_width, page_size,
+        GROUP=group, MEAN=gqa_mode == "mean", BLOCK_P=block_p, BLOCK_HD=block_hd, num_warps=num_warps)
+    return out
+
+
 # Ahead-of-time compile variants (tests/test_aot_compile.py): the launcher's default blocks.
 AOT_VARIANTS = [
     (_quest_scores_kernel,
      {"q_pos_ptr": "*fp32", "q_neg_ptr": "*fp32", "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8",
       "pages_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32",
       "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
-     {"BLOCK_P": 16, "BLOCK_HD": 256}, {"num_warps": 4})
-    for dtype in ("*fp32", "*bf16")
+     {"BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p}, {"num_warps": 4})
+    for dtype in ("*fp32", "*bf16") for block_p in (16, 8, 4, 2)
+] + [
+    (_quest_scores_from_queries_kernel,
+     {"q_ptr": q_dtype, "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8", "req_to_token_ptr": "*i32",
+      "rows_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32", "head_dim": "i32",
+      "r2t_rows": "i32", "r2t_width": "i32", "page_size": "i32", "GROUP": "constexpr", "MEAN": "constexpr",
+      "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
+     {"GROUP": group, "MEAN": mean, "BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p}, {"num_warps": 4})
+    for q_dtype in ("*fp32", "*bf16") for dtype in ("*fp32", "*bf16") for group, mean in ((1, True), (4, True),
+                                                                                     (4, False))
+    for block_p in (16, 4)
 ]

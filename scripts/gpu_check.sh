@@ -32,7 +32,7 @@ fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
   log "== pytest: kernel tests, compiled (GPU-only tests included)"
-  files=$(ls tests/test_{topk,page_select,page_table,decode_attention,dsa_kernel,quest_kernel,cuda_graph}.py 2>/dev/null)
+  files=$(ls tests/test_{topk,page_select,page_table,decode_attention,dsa_kernel,quest_kernel,quest_fused,cuda_graph}.py 2>/dev/null)
   timeout "${T_TESTS:-240}" "$PY" -m pytest $files -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -n 25 \
     || status=1
 fi

@@ -22,13 +22,26 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
-from sparse_ref.selection import capturing, ceil_div
+from sparse_ref.checks import (
+    INDEX_DTYPES,
+    INT32_MAX,
+    capturing,
+    check_choice,
+    check_int,
+    check_range,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    describe,
+    fail,
+)
+from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.selection import ceil_div
 
 
 def lengths_from_selection(selected: torch.Tensor) -> torch.Tensor:
     """int32 ``[bs]``: entries ``>= 0`` per row of a -1 padded selection (e.g. DSA's top-k tokens)."""
-    check_tensor("selected", selected, dtype=(torch.int32, torch.int64), dims=2)
+    check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2)
     return (selected >= 0).sum(dim=1).to(torch.int32)
 
 
@@ -37,43 +50,40 @@ def page_table_width(selection_width: int, max_context_len: int, page_size: int)
     return max(selection_width, ceil_div(max_context_len, page_size))
 
 
-def _check_inputs(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size, out) -> None:
-    check_tensor("selected", selected, dtype=(torch.int32, torch.int64), dims=2,
+def _check_inputs(selected, lengths, sparse_mask, forward_batch, req_to_token, page_size, out) -> None:
+    check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2,
                  fix="pass the selection returned by retrieve_topk, int32 [bs, W].")
     bs, width = selected.shape
-    device = selected.device.type
-    check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), dims=1, device=device)
-    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1, device=device)
-    check_tensor("forward_batch.seq_lens", seq_lens, dtype=(torch.int32, torch.int64), dims=1, device=device)
-    check_tensor("forward_batch.req_pool_indices", rows, dtype=(torch.int32, torch.int64), dims=1, device=device)
-    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=device)
-    for name, t in (("lengths", lengths), ("sparse_mask", sparse_mask), ("forward_batch.seq_lens", seq_lens),
-                    ("forward_batch.req_pool_indices", rows)):
-        if t.shape[0] != bs:
-            raise ShapeError(f"{name}: expected {bs} entries (one per row of selected), got {t.shape[0]}.")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise SparseRefError(f"page_size: expected a positive int, got {page_size!r}.")
+    seq_lens = getattr(forward_batch, "seq_lens", None)
+    rows = getattr(forward_batch, "req_pool_indices", None)
+    tensors = {"selected": selected, "lengths": lengths, "sparse_mask": sparse_mask, "forward_batch.seq_lens": seq_lens,
+               "forward_batch.req_pool_indices": rows}
+    for name, t in list(tensors.items())[1:]:
+        check_tensor(name, t, dtype=torch.bool if name == "sparse_mask" else INDEX_DTYPES, dims=1,
+                     fix="pass the ForwardBatch of this step." if "." in name else "")
+        check_rows(name, t, bs, "one per row of selected")
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2)
+    check_same_device("to_attention_metadata", "selected", {**tensors, "req_to_token": req_to_token})
+    check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
     w_out = page_table_width(width, req_to_token.shape[1], page_size)
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise ShapeError("out: expected a tuple (page_table, kv_lens, cu_kv_lens) of preallocated buffers.")
+            fail("out", "a tuple (page_table, kv_lens, cu_kv_lens) of preallocated buffers", describe(out))
         for name, t, shape in (("page_table", out[0], (bs, w_out)), ("kv_lens", out[1], (bs,)),
                                ("cu_kv_lens", out[2], (bs + 1,))):
-            check_tensor(f"out {name}", t, dtype=torch.int32, device=device)
-            if tuple(t.shape) != shape:
-                raise ShapeError(f"out {name}: expected shape {shape}, got {tuple(t.shape)}.")
+            check_tensor(f"out {name}", t, dtype=torch.int32, shape=shape, device=selected.device)
     if bs == 0 or capturing():
         return
     # Eager value checks (each syncs with the host, so none of them runs while a graph captures).
-    if int(seq_lens.min()) < 0 or int(seq_lens.max()) > req_to_token.shape[1]:
-        raise ShapeError(f"forward_batch.seq_lens: expected values in [0, {req_to_token.shape[1]}], "
-                         f"got min {int(seq_lens.min())}, max {int(seq_lens.max())}.")
-    if int(rows.min()) < 0 or int(rows.max()) >= req_to_token.shape[0]:
-        raise ShapeError(f"forward_batch.req_pool_indices: expected rows in [0, {req_to_token.shape[0]}), "
-                         f"got min {int(rows.min())}, max {int(rows.max())}.")
-    if int(lengths.min()) < 0 or int(lengths.max()) > width:
-        raise ShapeError(f"lengths: expected values in [0, {width}] (the width of selected), "
-                         f"got min {int(lengths.min())}, max {int(lengths.max())}.")
+    check_range("forward_batch.seq_lens", seq_lens, 0, req_to_token.shape[1])
+    check_range("forward_batch.req_pool_indices", rows, 0, req_to_token.shape[0] - 1)
+    check_range("lengths", lengths, 0, width, "(the width of selected).")
+    t = torch.arange(req_to_token.shape[1], device=selected.device)
+    padding = (t[None, :] < seq_lens[:, None]) & (req_to_token[rows.long()] < page_size)
+    if bool(padding.any()):
+        r, tok = (int(x) for x in padding.nonzero()[0])
+        fail("forward_batch.seq_lens", "lengths within each request's tokens", f"row {r} has seq_len "
+             f"{int(seq_lens[r])} but token {tok} maps to padding page 0", "pass the batch built for these requests.")
     n = ceil_div(seq_lens.long(), page_size)
     cols = torch.arange(width, device=selected.device)
     live = cols[None, :] < lengths[:, None]
@@ -104,14 +114,22 @@ def _check_inputs(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, 
 
 
 def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, forward_batch,
-                          req_to_token: torch.Tensor, page_size: int, out=None):
+                          req_to_token: torch.Tensor, page_size: int, out=None, backend: str = "auto"):
     """``(page_table, kv_lens, cu_kv_lens)`` for paged attention (see the module docstring).
 
     ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers written in place (CUDA
     graph replay); they are returned. Batched torch, no host sync once the eager checks are skipped.
+    ``backend``: "torch" (the batched torch below), "triton" (the same result in one launch,
+    ``sparse_ref.kernels.page_table``) or "auto" (triton on CUDA, torch elsewhere).
     """
+    _check_inputs(selected, lengths, sparse_mask, forward_batch, req_to_token, page_size, out)
     seq_lens, rows = forward_batch.seq_lens, forward_batch.req_pool_indices
-    _check_inputs(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size, out)
+    check_choice("backend", backend, ("auto", "torch", "triton"), "leave backend='auto'.", SparseRefError)
+    if backend == "triton" or (backend == "auto" and selected.device.type == "cuda"):
+        from sparse_ref.kernels.page_table import page_table_from_selection  # kernels import only when used
+
+        return page_table_from_selection(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size,
+                                         out=out, check_values=False)  # values were checked just above
     bs, width = selected.shape
     device = selected.device
     w_out = page_table_width(width, req_to_token.shape[1], page_size)

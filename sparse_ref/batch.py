@@ -20,8 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_ref.checks import (
+    INT64_MAX,
+    capturing,
+    check_range,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    describe,
+    fail,
+)
 from sparse_ref.errors import BatchError
 from sparse_ref.memory import KVCacheManager, Request
+
+EXTEND_FIELDS = ("extend_prefix_lens", "extend_seq_lens")
+_FIX_BUILD = "build the batch with build_extend_batch / build_decode_batch."
 
 
 class ForwardMode(enum.Enum):
@@ -50,53 +63,36 @@ class ForwardBatch:
         return int(self.req_pool_indices.shape[0])
 
     def __post_init__(self) -> None:
-        if not isinstance(self.forward_mode, ForwardMode):
-            raise BatchError(
-                f"ForwardBatch.forward_mode: expected ForwardMode.EXTEND or ForwardMode.DECODE, got "
-                f"{self.forward_mode!r}."
-            )
-        names = ["req_pool_indices", "seq_lens", "positions", "out_cache_loc"]
-        names += [n for n in ("extend_prefix_lens", "extend_seq_lens") if getattr(self, n) is not None]
-        for name in names:
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-                raise BatchError(f"ForwardBatch.{name}: expected a 1-D int64 tensor, got {got}.")
-            if t.device != self.req_pool_indices.device:
-                raise BatchError(
-                    f"ForwardBatch.{name}: on {t.device}, but req_pool_indices is on "
-                    f"{self.req_pool_indices.device}; every field must live on one device."
-                )
-        bs = self.req_pool_indices.shape[0]
-        if self.seq_lens.shape[0] != bs:
-            raise BatchError(f"ForwardBatch: seq_lens has {self.seq_lens.shape[0]} entries, req_pool_indices {bs}.")
-        if self.positions.shape != self.out_cache_loc.shape:
-            raise BatchError(
-                f"ForwardBatch: positions {tuple(self.positions.shape)} and out_cache_loc "
-                f"{tuple(self.out_cache_loc.shape)} must have one entry per new token each."
-            )
-        if self.forward_mode is ForwardMode.DECODE and self.positions.shape[0] != bs:
-            raise BatchError(f"ForwardBatch (DECODE): expected one new token per request ({bs}), "
-                             f"got {self.positions.shape[0]}.")
-        if self.forward_mode is ForwardMode.EXTEND:
-            if self.extend_prefix_lens is None or self.extend_seq_lens is None:
-                raise BatchError("ForwardBatch (EXTEND): extend_prefix_lens and extend_seq_lens are required.")
-            for name in ("extend_prefix_lens", "extend_seq_lens"):
-                if getattr(self, name).shape[0] != bs:
-                    raise BatchError(
-                        f"ForwardBatch (EXTEND): {name} has {getattr(self, name).shape[0]} entries, "
-                        f"expected one per request ({bs})."
-                    )
-            if not torch.equal(self.extend_prefix_lens + self.extend_seq_lens, self.seq_lens):
-                raise BatchError(
-                    f"ForwardBatch (EXTEND): extend_prefix_lens {self.extend_prefix_lens.tolist()} + "
-                    f"extend_seq_lens {self.extend_seq_lens.tolist()} must equal seq_lens {self.seq_lens.tolist()}."
-                )
-            if int(self.extend_seq_lens.sum()) != self.positions.shape[0]:
-                raise BatchError(
-                    f"ForwardBatch (EXTEND): extend_seq_lens sums to {int(self.extend_seq_lens.sum())} "
-                    f"but there are {self.positions.shape[0]} new tokens."
-                )
+        """Every field checked once, at construction: types, one device, shapes, ranges, the mode's rules."""
+        mode = self.forward_mode
+        if not isinstance(mode, ForwardMode):
+            fail("ForwardBatch.forward_mode", "ForwardMode.EXTEND or ForwardMode.DECODE", repr(mode), error=BatchError)
+        extend = mode is ForwardMode.EXTEND
+        names = ("req_pool_indices", "seq_lens", "positions", "out_cache_loc")
+        fields = {f"ForwardBatch.{n}": getattr(self, n) for n in names + EXTEND_FIELDS * extend}
+        for name, t in fields.items():
+            check_tensor(name, t, dtype=torch.int64, dims=1, error=BatchError, fix=_FIX_BUILD)
+        check_same_device("ForwardBatch", "ForwardBatch.req_pool_indices", fields, BatchError)
+        bs, new_tokens = self.batch_size, self.positions.shape[0]
+        for name, t in fields.items():
+            per_token = name.endswith(("positions", "out_cache_loc"))
+            if extend or not per_token:
+                check_rows(name, t, new_tokens if per_token else bs, "one per new token" if per_token else
+                           "one per request", BatchError)
+            else:
+                check_rows(name, t, bs, "DECODE: one new token per request", BatchError)
+            check_range(name, t, 0, INT64_MAX, "ids, lengths and slots are >= 0.", BatchError)
+        if capturing():
+            return
+        if not extend and not torch.equal(self.positions, self.seq_lens - 1):
+            fail("ForwardBatch.positions", f"seq_lens - 1 = {(self.seq_lens - 1).tolist()} (DECODE: the token being "
+                 "decoded is the last one of its request)", str(self.positions.tolist()), _FIX_BUILD, BatchError)
+        if extend and not torch.equal(self.extend_prefix_lens + self.extend_seq_lens, self.seq_lens):
+            fail("ForwardBatch.extend_seq_lens", f"seq_lens {self.seq_lens.tolist()} - extend_prefix_lens "
+                 f"{self.extend_prefix_lens.tolist()}", str(self.extend_seq_lens.tolist()), _FIX_BUILD, BatchError)
+        if extend and int(self.extend_seq_lens.sum()) != new_tokens:
+            fail("ForwardBatch.extend_seq_lens", f"a sum of {new_tokens} (the new tokens of positions)",
+                 f"a sum of {int(self.extend_seq_lens.sum())}", _FIX_BUILD, BatchError)
 
 
 def _int_or_none(value) -> int | None:
@@ -110,6 +106,10 @@ def _int_or_none(value) -> int | None:
 
 
 def _requests_checked(manager: KVCacheManager, requests: Sequence[Request]) -> None:
+    if not isinstance(manager, KVCacheManager):
+        fail("manager", "a KVCacheManager", describe(manager), error=BatchError)
+    if not isinstance(requests, (list, tuple)) or not all(isinstance(r, Request) for r in requests):
+        fail("requests", "a list or tuple of Request objects from manager.admit", describe(requests), error=BatchError)
     if len(requests) == 0:
         raise BatchError("a batch needs at least one request, got none.")
     seen = set()
@@ -131,6 +131,9 @@ def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
     earlier chunk of a chunked prefill.
     """
     _requests_checked(manager, requests)
+    if prefix_lens is not None and not isinstance(prefix_lens, (list, tuple, torch.Tensor)) or \
+            isinstance(prefix_lens, torch.Tensor) and prefix_lens.dim() != 1:
+        fail("prefix_lens", "a sequence of ints, one per request", describe(prefix_lens), error=BatchError)
     prefix_lens = [0] * len(requests) if prefix_lens is None else list(prefix_lens)
     if len(prefix_lens) != len(requests):
         raise BatchError(f"prefix_lens has {len(prefix_lens)} entries for {len(requests)} requests.")

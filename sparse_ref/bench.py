@@ -27,17 +27,24 @@ What is measured, and how:
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
   against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
 * **decode**: (a) the paged decode attention kernel (``sparse_ref.kernels.decode_attention``) at
-  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, against the copy bandwidth
-  (bytes = K + V read once) and the torch reference; (b) the sparse decode step (Quest scores +
-  selection + adaptor + sparse attention, one CUDA graph) against the dense step (the same
-  kernel over every page), at bs=1 MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens,
-  with fp32 and bf16 Quest bounds; each row gives the speedup, the byte-limit speedup (dense
-  bytes / sparse bytes) and the time of each part.
+  bs=64, 32 q / 8 KV heads, D=128, bf16 K/V, 32K context, page 16, and at bs=1 MHA (32 heads),
+  against the copy bandwidth (bytes = K + V read once) and the torch reference; (b) the sparse
+  decode step (Quest scores + selection + the one-launch page table + sparse attention, one CUDA
+  graph) against the dense step (the same kernel over every page), at bs=1 MHA 32K and 128K and
+  bs=64 GQA 32K, budget 2048 tokens, with fp32 and bf16 Quest bounds; each row gives the
+  speedup, the byte-limit speedup (dense bytes / sparse bytes), the time of each part (and of
+  the torch adaptor the page-table kernel replaces) and whether the Triton page table equals
+  the torch adaptor's.
 * **dsa**: paged FP8 indexer logits (``sparse_ref.kernels.dsa.paged_indexer_logits``; 64 heads,
   D=128, page 64, random page order) and logits + top-2048 against the batched torch reference
-  (gather + fp32 bmm; + ``torch.topk``) at bs 1/8/64 x 4K..128K; a prefill row (8192 query
-  tokens, a causal last chunk of 64K keys); the batched ``LightningIndexer`` decode against its
-  per-request loop (bs=64, 32K). Bytes = keys + scales read once (132 B/token) + logits written.
+  (gather + fp32 bmm; + ``torch.topk``) at bs 1/8/64 x 4K..128K (quick: 1x64K, 8x64K, 64x16K,
+  64x64K); a few other launch knobs at the target shapes (``dsa_logits_knobs``); prefill rows
+  (8192 query tokens, a causal last chunk of 64K keys; default 4 and 1 queries per program); the
+  batched ``LightningIndexer`` decode step (one CUDA graph) against its per-request loop
+  (``index_scores_loop`` + ``select``, same inputs; bs=64, 32K), with the step's parts timed alone,
+  its eager time, and whether the selections agree (loop vs batched torch path vs kernel path;
+  differences allowed only at near-ties of the 2048th score). Bytes = keys + scales read once
+  (132 B/token) + logits written.
 
 Timing: CUDA events around each call, median of many calls. **L2 cold** rows zero a 1 GiB
 buffer before every call (the H200's L2 is ~60 MB), which also keeps the GPU busy while Python
@@ -432,7 +439,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     from types import SimpleNamespace
 
     from sparse_ref.adaptor import page_table_width, to_attention_metadata
-    from sparse_ref.algorithms.quest import QuestAlgorithm
+    from sparse_ref.algorithms.quest import QuestAlgorithm, split_query_sign
     from sparse_ref.kernels.decode_attention import paged_decode_attention
     from sparse_ref.selection import selection_width
     from sparse_ref.workloads import make_planted_workload
@@ -464,11 +471,23 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def retrieve():
         return algo.retrieve_topk(q, 0, rows, mask, forward_batch=fb)
 
-    def adaptor(sel, lens):
-        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta)
+    def scores():  # the first half of retrieve: query sign split + physical pages + the Quest scoring kernel
+        return algo.score_pages(q, 0, rows, fb)
+
+    def scores_unfused():  # what score_pages ran before the fused kernel: torch sign split + page map + kernel
+        from sparse_ref.kernels.quest import quest_page_scores
+
+        q_pos, q_neg = split_query_sign(q, algo.num_kv_heads, algo.head_dim, config.gqa_mode)
+        return quest_page_scores(q_pos, q_neg, algo.page_min[0], algo.page_max[0], algo.page_valid[0],
+                                 algo.physical_pages(rows))
+
+    def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
+        return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
+
+    knobs = {"sparse": {}, "dense": {}}  # attention launch knobs of each step (the bench may tune both)
 
     def sparse_attention():
-        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
+        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse, **knobs["sparse"])
 
     def sparse_step():
         sel, lens = retrieve()
@@ -476,9 +495,10 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return sparse_attention()
 
     def dense_step():
-        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
+        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense, **knobs["dense"])
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
+    ns.scores, ns.scores_unfused, ns.knobs = scores, scores_unfused, knobs
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
@@ -507,6 +527,10 @@ def _eager_cold(timer, fn, reps):
     return statistics.median(times)
 
 
+ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=64),
+                        dict(num_warps=8)]
+
+
 def bench_decode(device, timer, copy_bw, quick, on_cpu):
     """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
     (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
@@ -514,27 +538,33 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
     rows = []
-    # (a) the dense kernel
-    bs, h_q, h_kv, d, ctx, P = (2, 4, 2, 16, 200, 4) if on_cpu else (64, 32, 8, 128, 32768, 16)
-    q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
-    out = torch.empty(q.shape, dtype=torch.float32, device=device)
-    got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
-    want = sparse_decode_attention(q, k, v, table, kv_lens, P)
-    max_abs_err = float((got - want).abs().max())
-    del want
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
-    t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
-    m_ours = timer.mode
-    t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
-    rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
-                     t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
-                     torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
-                     bytes_note="K + V of every token read once", target_pct_copy_bw=80))
-    del q, k, v, table, kv_lens, out
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    # (a) the dense kernel: bs=64 GQA (the 80%-of-copy target) and bs=1 MHA (the baseline of the bs=1 step rows).
+    # Timed first, on freshly allocated inputs, before the torch reference runs (its tens of GB of temporaries
+    # come after); the same call, timer and inputs as benchmarks/gpu_attn.py's kernel table.
+    if on_cpu:
+        dense_shapes = [(2, 4, 2, 16, 200, 4, 80), (1, 4, 4, 16, 200, 4, None)]
+    else:
+        dense_shapes = [(64, 32, 8, 128, 32768, 16, 80), (1, 32, 32, 128, 32768, 16, None)]
+    for bs, h_q, h_kv, d, ctx, P, target in dense_shapes:
+        q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
+        out = torch.empty(q.shape, dtype=torch.float32, device=device)
+        nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
+        t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
+        m_ours = timer.mode
+        got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
+        want = sparse_decode_attention(q, k, v, table, kv_lens, P)
+        max_abs_err = float((got - want).abs().max())
+        del want
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t_torch = _eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
+        rows.append(_row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
+                         t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
+                         torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
+                         bytes_note="K + V of every token read once", target_pct_copy_bw=target))
+        del q, k, v, table, kv_lens, out, got
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # (b) sparse step vs dense step, one kernel
     if on_cpu:
@@ -550,14 +580,44 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             ref = sparse_decode_attention(s.q, s.k, s.v, s.meta[0], s.meta[1], P)
             max_abs_err = float((s.out_sparse - ref).abs().max())
             kept_tokens = int(s.meta[1].max())
+            sel = s.retrieve()
+            torch_meta = s.adaptor(*sel, backend="torch")
+            torch_meta = tuple(t.clone() for t in torch_meta)
+            triton_meta = s.adaptor(*sel)
+            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip(torch_meta, triton_meta, strict=True))
+            # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
+            # side, so neither side is held back by a default chosen blind; the all-defaults step is timed too
+            cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
+            chosen = {}
+            for side, fn in (("dense", s.dense_step), ("sparse", s.sparse_attention)):
+                times = {}
+                for name, cand in cands.items():
+                    s.knobs[side] = dict(cand)
+                    try:
+                        times[name] = timer.cold([fn])
+                    except Exception as e:  # e.g. out of resources: not a candidate
+                        times[name] = f"failed: {type(e).__name__}"
+                best = min((t, name) for name, t in times.items() if isinstance(t, float))[1]
+                s.knobs[side] = dict(cands[best])
+                chosen[side] = {"knobs": best, "sweep_us": {k_: round(v_, 2) if isinstance(v_, float) else v_
+                                                             for k_, v_ in times.items()}}
             t_dense = timer.cold([s.dense_step])
             m_dense = timer.mode
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
-            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve])}
-            sel = s.retrieve()
-            parts["adaptor"] = timer.cold([partial(s.adaptor, *sel)])
-            parts["sparse attention"] = timer.cold([s.sparse_attention])
+            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve]),
+                     "retrieve: scores (one launch)": timer.cold([s.scores]),
+                     "retrieve: scores unfused (torch q split + page map + kernel, not used)":
+                         timer.cold([s.scores_unfused]),
+                     "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
+                     "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
+                     "sparse attention": timer.cold([s.sparse_attention])}
+            tuned_sparse = s.knobs["sparse"]
+            s.knobs["sparse"] = {}
+            t_sparse_default = timer.cold([s.sparse_step])  # both steps with default knobs, for comparison
+            s.knobs["sparse"] = tuned_sparse
+            t_dense_default = chosen["dense"]["sweep_us"]["default"]
+            s.sparse_step()  # leave the step's own outputs in meta / out_sparse
             ceiling = s.dense_bytes / s.sparse_bytes
             shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
             rows.append(_row(shape, None, "planted", "cold", t_dense, t_sparse, s.sparse_bytes, copy_bw,
@@ -565,11 +625,18 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
                              byte_limit_speedup=round(ceiling, 2), target_speedup=target,
                              parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
-                             max_abs_err_vs_reference=max_abs_err,
+                             max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
+                             attention_knobs=chosen, dense_default_knobs_us=t_dense_default,
+                             sparse_step_default_knobs_us=round(t_sparse_default, 2),
+                             speedup_default_knobs=round(t_dense_default / t_sparse_default, 2),
+                             knobs_note="each side's attention runs with the best of the same candidate list "
+                                        "(default included); *_default_* fields: both sides with default knobs",
                              bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
                                         "dense: K/V of every token"))
-            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; parts "
-                  + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
+            print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
+                  f"default knobs x{t_dense_default / t_sparse_default:.2f}", flush=True)
+            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
+                  "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
             del s, ref, sel
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -618,7 +685,7 @@ def _reference_then_topk(inp, k):
 def bench_dsa(device, timer, copy_bw, quick, on_cpu):
     """Paged FP8 indexer logits (and + top-2048) against the batched torch reference; the batched indexer."""
     from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
-    from sparse_ref.kernels.dsa import paged_indexer_logits
+    from sparse_ref.kernels.dsa import paged_indexer_logits, plan_tiles
 
     if on_cpu:
         shapes, heads, dim, prefill = [(1, 256), (2, 200)], 8, 32, (64, 256)
@@ -643,6 +710,7 @@ def bench_dsa(device, timer, copy_bw, quick, on_cpu):
         rows.append(_row(shape, None, "randn", "cold", t_torch, t_ours, nbytes, copy_bw, "dsa_logits",
                          baseline="paged_indexer_logits_reference (batched torch gather + fp32 bmm)",
                          torch_timing=base_timer.mode, ours_timing=m_ours, max_err_rel_to_max=err,
+                         knobs=f"default (tiles={plan_tiles(bs, ctx, device)}, num_warps=4, num_stages=3, pointer)",
                          bytes_note="keys+scales read once (132 B/token at D=128) + fp32 logits written"))
         k = min(2048, ctx)
         lengths = inp["bounds"]
@@ -654,17 +722,69 @@ def bench_dsa(device, timer, copy_bw, quick, on_cpu):
                          "dsa_logits+topk", baseline="torch reference + torch.topk", torch_timing=base_timer.mode,
                          ours_timing=m_ours_k))
         del inp, out, want, got
+    rows += _bench_dsa_knobs(device, timer, copy_bw, on_cpu, heads, dim)
     T, ctx = prefill  # a causal last chunk: T query tokens of one request over ctx keys
     inp = make_dsa_logits_inputs(1, ctx, device, heads=heads, dim=dim, tokens_per_req=T)
     out = torch.empty(T, ctx, dtype=torch.float32, device=device)
-    t_ours = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out)])
     flops = 2 * heads * dim * (T * ctx - T * (T - 1) // 2)
-    rows.append(_row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
-                     ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
-                     baseline="none (the torch reference would take seconds)", tflops=round(flops / t_ours / 1e6, 1)))
+    for knobs in ({}, {"queries_per_program": 1}):  # default: 4 query tokens per program
+        t_ours = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out, **knobs)])
+        rows.append(_row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
+                         ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
+                         knobs=_knob_text(knobs), baseline="none (the torch reference would take seconds)",
+                         tflops=round(flops / t_ours / 1e6, 1)))
     del inp, out
     rows += _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu)
     return rows
+
+
+def _knob_text(knobs: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+
+
+def _bench_dsa_knobs(device, timer, copy_bw, on_cpu, heads, dim):
+    """The default launch against a few other knob settings at the target shapes (logits only)."""
+    from sparse_ref.kernels.dsa import paged_indexer_logits, plan_tiles
+
+    if on_cpu:
+        grid = {(2, 256): [{}, {"tiles": 1}]}
+    else:
+        grid = {(64, 65536): [{"tiles": 8}, {"tiles": 32}, {"variant": "tma", "tiles": 64, "num_stages": 2}],
+                (64, 16384): [{"tiles": 8}, {"tiles": 16}],
+                (8, 65536): [{"tiles": 2}, {"tiles": 8}]}
+    rows = []
+    for (bs, ctx), settings in grid.items():
+        inp = make_dsa_logits_inputs(bs, ctx, device, heads=heads, dim=dim)
+        out = torch.empty(bs, ctx, dtype=torch.float32, device=device)
+        for knobs in settings:
+            try:
+                t = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out, **knobs)])
+            except Exception as e:  # e.g. a variant this GPU lacks: report, keep going
+                print(f"  dsa_knobs bs={bs} ctx={ctx} {knobs}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append(_row(f"bs={bs} ctx={ctx}", None, "randn", "cold", float("nan"), t,
+                             bs * ctx * (dim + 4) + bs * ctx * 4, copy_bw, "dsa_logits_knobs", ours_timing=timer.mode,
+                             knobs=_knob_text(knobs), default_tiles=plan_tiles(bs, ctx, device),
+                             baseline="none (compare with the dsa_logits row of the same shape: default knobs)"))
+        del inp, out
+    return rows
+
+
+def _selections_agree(a: torch.Tensor, b: torch.Tensor, scores: torch.Tensor, k: int, tol: float) -> bool:
+    """Whether two -1 padded selections of ``k`` positions differ only where ``scores`` nearly tie the k-th best.
+
+    Every position chosen by one and not the other must score within ``tol`` x the row's largest
+    |score| of the row's k-th best score (a near-tie either path may break either way).
+    """
+    width = scores.shape[1]
+    ma = torch.zeros(a.shape[0], width + 1, dtype=torch.bool, device=a.device).scatter_(1, a.long() + 1, True)
+    mb = torch.zeros(b.shape[0], width + 1, dtype=torch.bool, device=b.device).scatter_(1, b.long() + 1, True)
+    differ = (ma ^ mb)[:, 1:]
+    finite = torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
+    kth = torch.topk(scores, min(k, width), dim=1).values[:, -1:]
+    kth = torch.where(torch.isfinite(kth), kth, torch.zeros_like(kth))
+    near = (finite - kth).abs() <= tol * finite.abs().amax(1, keepdim=True)
+    return bool((~differ | near).all())
 
 
 def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
@@ -681,7 +801,9 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
     page = 64
     mgr = KVCacheManager.create(max_requests=bs, max_context_len=ctx + page, num_pages=bs * (ctx // page + 2) + 1,
                                 page_size=page, num_layers=1, device=device)
-    idx = LightningIndexer(cfg, device=device).attach_cache(IndexerKeyCache.for_manager(mgr, cfg))
+    cache = IndexerKeyCache.for_manager(mgr, cfg)
+    idx = LightningIndexer(cfg, device=device).attach_cache(cache)
+    idx_torch = LightningIndexer(cfg, device=device, scoring_backend="torch").attach_cache(cache)
     reqs = [mgr.admit(ctx - 1) for _ in range(bs)]
     slots = torch.cat([mgr.req_to_token_pool.req_to_token[r.req_pool_idx, : ctx - 1] for r in reqs]).long()
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -695,9 +817,27 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
     def loop():
         return idx.select(idx.index_scores_loop(x, ql, fb.positions, fb, 0), fb.positions)
 
-    same = bool(torch.equal(batched(), loop()))
+    # selections: the loop and the batched torch path (both fp32 torch, other summation orders) and the
+    # kernel path (FP8 tensor cores) must agree wherever the scores are not near-ties of the k-th best
+    loop_scores = idx.index_scores_loop(x, ql, fb.positions, fb, 0)
+    sel_loop, sel_ours, sel_torch = loop(), batched(), idx_torch(x, ql, fb.positions, fb, 0)
+    k = cfg.index_topk
+    agree = {"identical_to_loop": bool(torch.equal(sel_ours, sel_loop)),
+             "torch_batched_identical_to_loop": bool(torch.equal(sel_torch, sel_loop)),
+             "torch_batched_agrees_with_loop_up_to_ties_1e-5": _selections_agree(sel_torch, sel_loop, loop_scores, k,
+                                                                                 1e-5),
+             "ours_agrees_with_loop_up_to_ties_1e-3": _selections_agree(sel_ours, sel_loop, loop_scores, k, 1e-3)}
     t_batched = timer.cold([batched])
     m_batched = timer.mode
+    qk = idx.prepare(x, ql, fb.positions)  # where the batched step's time goes, each part timed alone
+    width = mgr.req_to_token_pool.req_to_token.shape[1]
+    scores = idx.logits(qk, fb, 0, width, fill_tail=False)
+    parts = {"prepare (fp64 projections, RoPE, Hadamard, FP8)": partial(idx.prepare, x, ql, fb.positions),
+             "cache write": partial(idx.cache.write, 0, fb.out_cache_loc, qk.k, qk.k_scale),
+             "logits": partial(idx.logits, qk, fb, 0, width, fill_tail=False),
+             "top-k": partial(idx.select, scores, fb.positions)}
+    parts_us = {name: round(timer.cold([fn]), 1) for name, fn in parts.items()}
+    t_eager = _eager_cold(timer, batched, 5 if on_cpu else 20) if device.type == "cuda" else float("nan")
     times = []
     for _ in range(3):
         if device.type == "cuda":
@@ -710,8 +850,8 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
     return [_row(f"decode bs={bs} ctx={ctx}", cfg.index_topk, "randn", "cold", statistics.median(times), t_batched,
                  bs * ctx * cfg.key_bytes_per_token, copy_bw, "dsa_indexer",
                  baseline="index_scores_loop + select (per-request loop, wall clock, synced)",
-                 identical_to_loop=same, torch_timing="wall clock", ours_timing=m_batched,
-                 ours_backend="triton" if idx.uses_triton_scoring() else "torch")]
+                 torch_timing="wall clock", ours_timing=m_batched, ours_eager_us=round(t_eager, 1),
+                 parts_us=parts_us, ours_backend="triton" if idx.uses_triton_scoring() else "torch", **agree)]
 
 
 SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,

@@ -80,13 +80,14 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
 def check_float(name: str, value, *, low: float | None = None, high: float | None = None,
                 low_open: bool = False, fix: str = "", error: type[SparseRefError] = ConfigError) -> float:
     """``value`` as a finite Python float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    lo, hi = "-inf" if low is None else low, "inf" if high is None else high
+    want = f"a finite number in {'(' if low_open else '['}{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        fail(name, "a finite number", describe(value), fix, error)
+        fail(name, want, describe(value), fix, error)
     value = float(value)
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high):
-        left = "(" if low_open else "["
-        fail(name, f"a number in {left}{low}, {high}]", repr(value), fix, error)
+        fail(name, want, repr(value), fix, error)
     return value
 
 
@@ -95,6 +96,17 @@ def check_choice(name: str, value, choices, fix: str = "", error: type[SparseRef
     if not isinstance(value, (str, int)) or value not in choices:
         fail(name, f"one of {tuple(choices)}", repr(value), fix, error)
     return value
+
+
+def check_device(name: str, device, error: type[SparseRefError] = ConfigError) -> torch.device:
+    """``device`` as a ``torch.device`` that holds data (cpu or cuda; not meta, not a typo)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        fail(name, "a device such as 'cpu' or 'cuda'", describe(device), error=error)
+    if dev.type == "meta":
+        fail(name, "a device with data (cpu or cuda)", "meta", error=error)
+    return dev
 
 
 def check_tensor(name: str, t, *, dtype=None, dims=None, shape=None, device=None, contiguous: bool = False,

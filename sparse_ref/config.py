@@ -1,6 +1,8 @@
 """``SparseConfig``: the knobs of page-granular sparse retrieval, validated on construction.
 
-A bad value raises ``ConfigError`` naming the field, the value and the allowed range.
+A bad value raises ``ConfigError`` naming the field, the value and the allowed range. The
+config is frozen: change a field with ``dataclasses.replace(config, field=value)``, which
+validates again. Integers must fit the int32 arithmetic of the kernels.
 Page size is not here: it belongs to the KV pool and the algorithm reads it from there.
 """
 
@@ -9,12 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sparse_ref.checks import INT32_MAX, check_choice, check_float, check_int, fail
 from sparse_ref.errors import ConfigError
 
 GQA_MODES = ("mean", "per_kv_head")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SparseConfig:
     """How many pages each sparse row keeps.
 
@@ -40,27 +43,20 @@ class SparseConfig:
 
     def __post_init__(self) -> None:
         if self.keep_ratio is not None and self.page_budget is not None:
-            raise ConfigError(
-                f"SparseConfig: keep_ratio={self.keep_ratio} and page_budget={self.page_budget} were both "
-                "given; expected exactly one. Fix: pass keep_ratio=None or page_budget=None."
-            )
-        if self.keep_ratio is None and self.page_budget is None:
-            self.keep_ratio = 0.25
-        if self.keep_ratio is not None:
-            r = self.keep_ratio
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 < r <= 1.0:
-                raise ConfigError(f"SparseConfig.keep_ratio: expected a number in (0, 1], got {r!r}.")
-            self.keep_ratio = float(r)
+            fail("SparseConfig", "exactly one of keep_ratio and page_budget",
+                 f"keep_ratio={self.keep_ratio} and page_budget={self.page_budget} were both given",
+                 "pass keep_ratio=None or page_budget=None.", ConfigError)
+        ratio = 0.25 if self.keep_ratio is None and self.page_budget is None else self.keep_ratio
+        if ratio is not None:
+            ratio = check_float("SparseConfig.keep_ratio", ratio, low=0, high=1, low_open=True)
+        object.__setattr__(self, "keep_ratio", ratio)  # frozen: the one write, during construction
         if self.page_budget is not None:
-            _check_int("page_budget", self.page_budget, 1)
-        _check_int(
-            "num_recent_pages", self.num_recent_pages, 1,
-            " The last page holds the token being decoded, so at least 1 recent page is always kept.",
-        )
-        _check_int("num_sink_pages", self.num_sink_pages, 0)
-        _check_int("min_sparse_seq_len", self.min_sparse_seq_len, 0)
-        if self.gqa_mode not in GQA_MODES:
-            raise ConfigError(f"SparseConfig.gqa_mode: expected one of {GQA_MODES}, got {self.gqa_mode!r}.")
+            check_int("SparseConfig.page_budget", self.page_budget, low=1, high=INT32_MAX)
+        check_int("SparseConfig.num_recent_pages", self.num_recent_pages, low=1, high=INT32_MAX,
+                  fix="The last page holds the token being decoded, so at least 1 recent page is always kept.")
+        check_int("SparseConfig.num_sink_pages", self.num_sink_pages, low=0, high=INT32_MAX)
+        check_int("SparseConfig.min_sparse_seq_len", self.min_sparse_seq_len, low=0, high=INT32_MAX)
+        check_choice("SparseConfig.gqa_mode", self.gqa_mode, GQA_MODES)
 
     def history_budget(self, history: int) -> int:
         """How many of ``history`` scorable pages to keep (a Python int; see ``selection``)."""
@@ -69,8 +65,3 @@ class SparseConfig:
         if self.page_budget is not None:
             return min(self.page_budget, history)
         return min(max(math.floor(history * self.keep_ratio), 1), history)
-
-
-def _check_int(field: str, value, low: int, why: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"SparseConfig.{field}: expected an integer >= {low}, got {value!r}.{why}")

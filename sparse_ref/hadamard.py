@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref.errors import ShapeError, check_tensor
+from sparse_ref.checks import check_device, check_float, check_tensor, describe, fail
+from sparse_ref.errors import ShapeError
 
 
 def is_power_of_two(n: int) -> bool:
@@ -28,7 +29,9 @@ def hadamard_matrix(n: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """The unscaled Sylvester Hadamard matrix ``H_n`` (entries +-1): ``H_2n = [[H, H], [H, -H]]``."""
     if not is_power_of_two(n):
         raise ShapeError(f"hadamard_matrix: n must be a power of two, got {n!r}.")
-    h = torch.ones(1, 1, dtype=dtype, device=device)
+    if not isinstance(dtype, torch.dtype):
+        fail("dtype", "a torch.dtype such as torch.float32", describe(dtype), "pass the dtype object, not a string.")
+    h = torch.ones(1, 1, dtype=dtype, device=check_device("device", device, ShapeError))
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
     return h
@@ -51,6 +54,7 @@ def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
             f"hadamard_transform: the last dim of x must be a power of two, got {n} (shape {tuple(x.shape)}). "
             "Fix: pad the vectors, or choose a head_dim that is a power of two."
         )
+    scale = check_float("scale", scale, error=ShapeError)
     work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     lead = work.shape[:-1]
     y = work.reshape(-1, n)

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref.errors import ShapeError, check_tensor
+from sparse_ref.checks import FLOAT_DTYPES, INDEX_DTYPES, INT32_MAX, check_int, check_rows, check_tensor
+from sparse_ref.errors import ShapeError
 from sparse_ref.selection import ceil_div, topk_reference
 
 
 def page_attention_mass(probs: torch.Tensor, page_size: int) -> torch.Tensor:
     """fp32 ``[bs, ceil(T / P)]``: attention mass of each logical page, mean over heads (rows sum to 1)."""
-    check_tensor("probs", probs, dims=3, fix="pass the probabilities of dense_decode_attention, [bs, H_q, T].")
+    check_tensor("probs", probs, dtype=FLOAT_DTYPES, dims=3,
+                 fix="pass the probabilities of dense_decode_attention, [bs, H_q, T].")
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
     bs, heads, t = probs.shape
     pages = ceil_div(t, page_size)
     padded = torch.nn.functional.pad(probs.float(), (0, pages * page_size - t))
@@ -28,10 +31,9 @@ def page_attention_mass(probs: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def _kept_mask(selected: torch.Tensor, lengths: torch.Tensor, num_pages: int) -> torch.Tensor:
     """bool ``[bs, num_pages]``: page kept by the row (every page for a dense row)."""
-    check_tensor("selected", selected, dtype=(torch.int32, torch.int64), dims=2)
-    check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), dims=1)
-    if lengths.shape[0] != selected.shape[0]:
-        raise ShapeError(f"lengths has {lengths.shape[0]} entries, selected {selected.shape[0]} rows.")
+    check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2)
+    check_tensor("lengths", lengths, dtype=INDEX_DTYPES, dims=1, device=selected.device)
+    check_rows("lengths", lengths, selected.shape[0], "one per row of selected")
     live = (torch.arange(selected.shape[1], device=selected.device)[None, :] < lengths[:, None]) & (selected >= 0)
     ids = torch.where(live, selected.long(), torch.full_like(selected, num_pages, dtype=torch.long))
     kept = torch.zeros(selected.shape[0], num_pages + 1, dtype=torch.bool, device=selected.device)
@@ -42,6 +44,7 @@ def _kept_mask(selected: torch.Tensor, lengths: torch.Tensor, num_pages: int) ->
 
 def attention_mass_kept(selected: torch.Tensor, lengths: torch.Tensor, page_mass: torch.Tensor) -> torch.Tensor:
     """fp32 ``[bs]``: the share of each request's attention mass on its kept pages."""
+    _check_mass(page_mass, selected)
     kept = _kept_mask(selected, lengths, page_mass.shape[1])
     return torch.where(kept, page_mass, torch.zeros_like(page_mass)).sum(1) / page_mass.sum(1).clamp(min=1e-30)
 
@@ -52,6 +55,12 @@ def page_recall(selected: torch.Tensor, lengths: torch.Tensor, page_mass: torch.
 
     ``k`` defaults to each row's own ``lengths`` (the best a selection of that size could do).
     """
+    _check_mass(page_mass, selected)
+    check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, dims=1)
+    check_rows("seq_lens", seq_lens, page_mass.shape[0], "one per row of page_mass")
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    if k is not None:
+        check_int("k", k, low=0, high=INT32_MAX, error=ShapeError)
     num_pages = page_mass.shape[1]
     kept = _kept_mask(selected, lengths, num_pages)
     k_row = lengths.long() if k is None else torch.full_like(lengths, k, dtype=torch.long)
@@ -64,9 +73,15 @@ def page_recall(selected: torch.Tensor, lengths: torch.Tensor, page_mass: torch.
     return torch.where((lengths == 0) | (k_row == 0), torch.ones_like(recall), recall)
 
 
+def _check_mass(page_mass, selected) -> None:
+    check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2)
+    check_tensor("page_mass", page_mass, dtype=FLOAT_DTYPES, dims=2, fix="pass page_attention_mass(probs, page_size).")
+    check_rows("page_mass", page_mass, selected.shape[0], "one per row of selected")
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """fp32 ``[bs]``: ``||out - ref|| / ||ref||`` per request (over heads and dims)."""
-    if out.shape != ref.shape:
-        raise ShapeError(f"out {tuple(out.shape)} and ref {tuple(ref.shape)} must have the same shape.")
+    check_tensor("ref", ref, dtype=FLOAT_DTYPES, dims=(2, 3))
+    check_tensor("out", out, dtype=FLOAT_DTYPES, shape=tuple(ref.shape), device=ref.device)
     diff = (out.float() - ref.float()).reshape(out.shape[0], -1).norm(dim=1)
     return diff / ref.float().reshape(ref.shape[0], -1).norm(dim=1).clamp(min=1e-30)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
+from sparse_ref.checks import check_float, check_int, check_tensor, fail
+from sparse_ref.errors import ShapeError
 
 
 def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float = 10000.0) -> torch.Tensor:
@@ -47,8 +48,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: f
     if positions.shape[0] != x.shape[0]:
         raise ShapeError(f"apply_rope: x has {x.shape[0]} tokens but positions has {positions.shape[0]} entries.")
     D = x.shape[-1]
-    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > D:
-        raise SparseRefError(f"rope_dim: expected an even int in [0, {D}] (the head dim), got {rope_dim!r}.")
+    rope_dim = check_int("rope_dim", rope_dim, low=0, high=D, error=ShapeError, fix="an even int up to the head dim.")
+    if rope_dim % 2:
+        fail("rope_dim", f"an even int in [0, {D}] (the head dim)", repr(rope_dim), error=ShapeError)
+    theta = check_float("theta", theta, low=0, low_open=True, error=ShapeError)
     if rope_dim == 0:
         return x.clone()
     angles = rope_angles(positions, rope_dim, theta)  # [T, rope_dim/2]

@@ -35,8 +35,22 @@ from __future__ import annotations
 
 import torch
 
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    INT32_MAX,
+    INT64_MAX,
+    check_choice,
+    check_int,
+    check_range,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    describe,
+    fail,
+)
 from sparse_ref.config import SparseConfig
-from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
+from sparse_ref.errors import ConfigError, ShapeError
 
 
 def ceil_div(a, b):
@@ -44,9 +58,11 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-def capturing() -> bool:
-    """True while a CUDA graph is being captured: then no check may sync with the host."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def check_config(config) -> SparseConfig:
+    """``config`` if it is a ``SparseConfig`` (validated and frozen at construction)."""
+    if not isinstance(config, SparseConfig):
+        fail("config", "a SparseConfig", describe(config), "build one with SparseConfig(...).", ConfigError)
+    return config
 
 
 def selection_width(max_pages: int, config: SparseConfig) -> int:
@@ -54,6 +70,14 @@ def selection_width(max_pages: int, config: SparseConfig) -> int:
     recent = min(config.num_recent_pages, max_pages)
     sink = min(config.num_sink_pages, max_pages - recent)
     return min(max_pages, sink + config.history_budget(max_pages - recent - sink) + recent)
+
+
+def _history_budget_tensor(history: torch.Tensor, config: SparseConfig) -> torch.Tensor:
+    """``config.history_budget`` for a tensor of history sizes (float64, like Python's floats)."""
+    if config.page_budget is not None:
+        return history.clamp(max=config.page_budget)
+    k = torch.floor(history.double() * config.keep_ratio).long().clamp(min=1)
+    return torch.minimum(k, history)
 
 
 def _candidates(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,29 +97,28 @@ def _ranks_desc(masked: torch.Tensor) -> torch.Tensor:
 def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *,
                    order: str = "score", width: int | None = None) -> torch.Tensor:
     """Exact top-k ids per row (see the module docstring). ``k`` is an int or an int tensor [R]."""
-    check_tensor("scores", scores, dtype=(torch.float32, torch.float16, torch.bfloat16), dims=2)
-    if order not in ("score", "index"):
-        raise SparseRefError(f"topk_reference: order must be 'score' or 'index', got {order!r}.")
+    check_tensor("scores", scores, dtype=FLOAT_DTYPES, dims=2)
+    check_choice("order", order, ("score", "index"))
     R, N = scores.shape
     device = scores.device
     if lengths is None:
         lengths = torch.full((R,), N, dtype=torch.int64, device=device)
-    check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), dims=1)
-    if lengths.shape[0] != R:
-        raise ShapeError(f"lengths: expected one entry per row ({R}), got shape {tuple(lengths.shape)}.")
-    if isinstance(k, torch.Tensor):
-        check_tensor("k", k, dtype=(torch.int32, torch.int64), dims=1, fix="pass an int, or one k per row.")
-        if k.shape[0] != R:
-            raise ShapeError(f"k: expected one entry per row ({R}), got shape {tuple(k.shape)}.")
-        k_row = k.to(device=device, dtype=torch.int64)
-        if R and int(k_row.min()) < 0:
-            raise SparseRefError(f"topk_reference: every k must be >= 0, got min {int(k_row.min())}.")
-        width = int(k_row.max()) if width is None and R else (width or 0)
+    check_tensor("lengths", lengths, dtype=INDEX_DTYPES, dims=1)
+    check_rows("lengths", lengths, R, "one per row of scores")
+    if isinstance(k, torch.Tensor) and k.dim() > 0:
+        check_tensor("k", k, dtype=INDEX_DTYPES, dims=1, fix="pass an int, or one k per row.")
+        check_rows("k", k, R, "one per row of scores")
+        check_range("k", k, 0, INT64_MAX)
+        k_row = k.to(torch.int64)
+        default_width = int(k_row.max()) if R else 0
     else:
-        if int(k) < 0:
-            raise SparseRefError(f"topk_reference: k must be >= 0, got {k}.")
-        k_row = torch.full((R,), int(k), dtype=torch.int64, device=device)
-        width = int(k) if width is None else width
+        default_width = check_int("k", k, low=0, high=INT64_MAX, error=ShapeError)
+        k_row = torch.full((R,), default_width, dtype=torch.int64, device=device)
+    check_same_device("topk_reference", "scores", {"scores": scores, "lengths": lengths, "k": k_row})
+    if width is None:  # the output is k wide (-1 padded): a k beyond int32 needs an explicit width
+        width = check_int("k", default_width, high=INT32_MAX, error=ShapeError,
+                          fix="the output width defaults to k; pass width= (at most 2**31 - 1) for a larger k.")
+    width = check_int("width", width, low=0, high=INT32_MAX, error=ShapeError)
     s, ok = _candidates(scores)
     cols = torch.arange(N, device=device)
     ok &= cols[None, :] < lengths.to(device, torch.int64)[:, None]
@@ -114,52 +137,40 @@ def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None,
     return ids.to(torch.int32)
 
 
-def _history_budget_tensor(history: torch.Tensor, config: SparseConfig) -> torch.Tensor:
-    """``config.history_budget`` for a tensor of history sizes (float64, like Python's floats)."""
-    if config.page_budget is not None:
-        return history.clamp(max=config.page_budget)
-    k = torch.floor(history.double() * config.keep_ratio).long().clamp(min=1)
-    return torch.minimum(k, history)
-
-
 def check_selection_inputs(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor,
-                           page_size: int) -> None:
-    """Shape, dtype, device and range checks shared by every page-selection implementation."""
-    check_tensor("scores", scores, dtype=(torch.float32, torch.float16, torch.bfloat16), dims=2,
+                           page_size: int, config: SparseConfig) -> None:
+    """Type, shape, dtype, device and range checks shared by every page-selection implementation."""
+    check_tensor("scores", scores, dtype=FLOAT_DTYPES, dims=2,
                  fix="pass one score per logical page, shape [bs, max_pages].")
     bs, max_pages = scores.shape
-    check_tensor("seq_lens", seq_lens, dtype=(torch.int32, torch.int64), dims=1, device=scores.device.type)
-    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1, device=scores.device.type)
-    if seq_lens.shape[0] != bs or sparse_mask.shape[0] != bs:
-        raise ShapeError(
-            f"page selection: scores has {bs} rows but seq_lens has {seq_lens.shape[0]} and sparse_mask "
-            f"{sparse_mask.shape[0]}; expected one entry per request."
-        )
-    if not isinstance(page_size, int) or page_size < 1:
-        raise SparseRefError(f"page_size: expected a positive int, got {page_size!r}.")
-    if bs and not capturing():
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 0 or hi > max_pages * page_size:
-            raise SparseRefError(
-                f"seq_lens: expected values in [0, {max_pages * page_size}] (scores cover {max_pages} pages of "
-                f"{page_size} tokens), got min {lo}, max {hi}. Fix: score every page of the longest request."
-            )
+    check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, dims=1)
+    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1)
+    check_rows("seq_lens", seq_lens, bs, "one per row of scores")
+    check_rows("sparse_mask", sparse_mask, bs, "one per row of scores")
+    check_same_device("page selection", "scores", {"scores": scores, "seq_lens": seq_lens, "sparse_mask": sparse_mask})
+    check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    check_config(config)
+    check_range("seq_lens", seq_lens, 0, max_pages * page_size,
+                f"scores cover {max_pages} pages of {page_size} tokens: score every page of the longest request.")
 
 
 def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
                  config: SparseConfig, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched page selection: no Python loop over requests, no host sync. See the module docstring."""
-    check_selection_inputs(scores, seq_lens, sparse_mask, page_size)
+    check_selection_inputs(scores, seq_lens, sparse_mask, page_size, config)
+    if width is not None:
+        W = selection_width(scores.shape[1], config)
+        check_int("width", width, low=W, error=ShapeError,
+                  fix=f"leave width=None: selection_width is {W} here, and a narrower output would cut rows off.")
+    return select_pages_unchecked(scores, seq_lens, sparse_mask, page_size, config, width)
+
+
+def select_pages_unchecked(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
+                           config: SparseConfig, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_pages`` without the argument checks, for callers that checked them already."""
     bs, max_pages = scores.shape
     device = scores.device
-    W = selection_width(max_pages, config)
-    if width is not None:
-        if isinstance(width, bool) or not isinstance(width, int) or width < W:
-            raise SparseRefError(
-                f"width: expected an int >= {W} (selection_width for {max_pages} pages and this config), "
-                f"got {width!r}; a narrower output would cut rows off. Fix: leave width=None."
-            )
-        W = width
+    W = selection_width(max_pages, config) if width is None else width
     seq = seq_lens.to(torch.int64)
     n = ceil_div(seq, page_size)
     recent = n.clamp(max=config.num_recent_pages)
@@ -192,12 +203,12 @@ def select_pages_row(scores_row: torch.Tensor, seq_len: int, page_size: int, con
 
     The teaching version of ``select_pages``: plain Python control flow on one row.
     """
-    n = ceil_div(int(seq_len), page_size)
-    if not 0 <= n <= scores_row.shape[0]:
-        raise SparseRefError(
-            f"seq_len: expected a value in [0, {scores_row.shape[0] * page_size}] ({scores_row.shape[0]} scored pages "
-            f"of {page_size} tokens), got {seq_len}. Fix: score every page of the request."
-        )
+    check_tensor("scores_row", scores_row, dtype=FLOAT_DTYPES, dims=1)
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    check_config(config)
+    seq_len = check_int("seq_len", seq_len, low=0, high=scores_row.shape[0] * page_size, error=ShapeError,
+                        fix=f"{scores_row.shape[0]} scored pages of {page_size} tokens: score the whole request.")
+    n = ceil_div(seq_len, page_size)
     if not sparse or seq_len < config.min_sparse_seq_len or n == 0:
         return torch.empty(0, dtype=torch.int32, device=scores_row.device)
     recent = min(config.num_recent_pages, n)

@@ -13,6 +13,10 @@ other. Real attention has three patterns, which we plant along one direction ``u
 and physical ids differ), writes K/V, and returns a DECODE batch whose last token per request is
 the one being decoded. ``make_quest_decode_setup`` adds an initialized, constructed
 ``QuestAlgorithm``: the recipe the benchmark uses at bs=64, 32K context, page 16.
+
+``PlantedEngineWorkload`` feeds ``sparse_ref.engine.DecodeEngine``: the same planted structure for
+several layers, the prompt's K/V and each decode step's query and new K/V, plus the hidden states
+the DSA indexer reads, all a function of ``(seed, request, layer, position)`` alone.
 """
 
 from __future__ import annotations
@@ -170,3 +174,206 @@ def make_quest_decode_setup(bs: int = 64, ctx: int = 32768, page_size: int = 16,
     fb = workload.forward_batch
     sparse_mask = torch.ones(bs, dtype=torch.bool, device=fb.seq_lens.device)
     return QuestDecodeSetup(algorithm, workload.queries, fb, fb.req_pool_indices, sparse_mask, 0, workload)
+
+
+# ----------------------------------------------------------------------------- multi-layer, for the engine
+def _mixed_seed(*parts: int) -> int:
+    """One 63-bit seed from several ints, so each (seed, request, layer, position) gets its own stream."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+@dataclass
+class PlantedRequest:
+    """What the workload knows about one request: its seed key, prompt and planted needles (logical positions)."""
+
+    key: int
+    prompt_len: int
+    needles: list[int]
+    head_needles: list[tuple[int, int]]  # (position, query head): a needle only that query head looks for
+
+
+@dataclass
+class PlantedEngineWorkload:
+    """Q/K/V of several layers for the decode engine, with planted structure, deterministic from ``seed``.
+
+    Every number is a function of ``(seed, request key, layer, position)`` only, never of the batch a
+    request runs in, so a request gives the same tensors whoever else is running (the engine tests
+    rely on that). Per request and layer:
+
+    * a base query per query head; each decode step's query is the base plus ``query_noise`` noise;
+    * keys ``N(0, 1)`` plus the planted boosts of ``make_planted_workload`` (needles, sinks, locality)
+      along ``u``, the unit group-mean query of each KV head;
+    * ``head_needles``: extra needles aligned with one query head's *own* direction (its base query
+      minus the group mean). The group mean does not see them: they are where Quest's ``mean`` GQA
+      mode fails and ``per_kv_head`` does not;
+    * decode tokens: fresh keys with the locality boost (a new token is recent); values are ``N(0, 1)``.
+
+    **Hidden states for the DSA indexer** (``indexer_config``, small by default). DSA's indexer reads
+    the hidden states ``x`` and the query latent ``q_lora``, not Q/K. We build them backwards from the
+    indexer's own weights (``indexer(layer, ...)`` makes the same weights every time): ``x`` solves
+    ``[wk; weights_proj] x = [z; 1]``, where ``z`` is the key before its LayerNorm, ``noise + boost * d``
+    with one direction ``d`` per request and layer, and ``q_lora`` solves ``wq_b q_lora = d`` for every
+    head (plus noise). ``d`` is zero on the RoPE dims, so positions do not blur it. So the indexer sees
+    the same needles, sinks and locality as attention does, through its own projections.
+    """
+
+    num_layers: int = 2
+    num_q_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    num_needles: int = 4
+    num_head_needles: int = 0
+    needle_strength: float = 3.0
+    num_sink_tokens: int = 4
+    sink_strength: float = 1.0
+    local_window: int = 32
+    local_strength: float = 1.0
+    query_noise: float = 0.3
+    indexer_config: object = None  # IndexerConfig; default: a small one (see __post_init__)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_q_heads % self.num_kv_heads:
+            raise SparseRefError(f"num_q_heads {self.num_q_heads} must be a multiple of num_kv_heads "
+                                 f"{self.num_kv_heads}.")
+        if self.indexer_config is None:
+            from sparse_ref.algorithms.dsa import IndexerConfig  # workloads must not need algorithms to import
+
+            self.indexer_config = IndexerConfig(hidden_size=64, q_lora_rank=128, n_heads=4, head_dim=32,
+                                                rope_dim=8, index_topk=256)
+        self._indexer_solvers: dict[int, tuple] = {}
+        self._prefill_memo: dict[tuple, tuple] = {}
+
+    # ------------------------------------------------------------------ requests
+    def request(self, key: int, prompt_len: int, needle_depths: Sequence[float] | None = None) -> PlantedRequest:
+        """Plan request ``key`` of ``prompt_len`` tokens. ``needle_depths`` in [0, 1) place the needles by hand."""
+        gen = torch.Generator().manual_seed(_mixed_seed(self.seed, key, 1))
+        if needle_depths is not None:
+            needles = sorted({min(int(d * prompt_len), prompt_len - 1) for d in needle_depths})
+        else:
+            needles = sorted(torch.randperm(prompt_len, generator=gen)[: self.num_needles].tolist())
+        heads = torch.randint(0, self.num_q_heads, (self.num_head_needles,), generator=gen).tolist()
+        spots = torch.randperm(prompt_len, generator=gen)[: self.num_head_needles].tolist()
+        return PlantedRequest(key, prompt_len, needles, sorted(zip(spots, heads, strict=True)))
+
+    def _base_query(self, req: PlantedRequest, layer: int):
+        """``(q [H_q, D], u [H_kv, D], own [H_q, D])``: base query, unit group mean, unit own direction."""
+        gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 2))
+        q = torch.randn(self.num_q_heads, self.head_dim, generator=gen)
+        group = self.num_q_heads // self.num_kv_heads
+        qbar = q.reshape(self.num_kv_heads, group, self.head_dim).mean(1)
+        own = q - qbar.repeat_interleave(group, 0)
+        unit = lambda v: v / v.norm(dim=-1, keepdim=True).clamp(min=1e-6)  # noqa: E731
+        return q, unit(qbar), unit(own)
+
+    def _boost(self, req: PlantedRequest, length: int) -> torch.Tensor:
+        """Planted alignment of tokens ``0 .. length-1`` (needles, sinks, locality to the prompt end)."""
+        boost = torch.zeros(length)
+        boost[: min(self.num_sink_tokens, length)] = self.sink_strength
+        dist = (req.prompt_len - 1 - torch.arange(length)).clamp(min=0).float()
+        boost += self.local_strength * torch.exp(-dist / max(self.local_window, 1)) * (dist < 4 * self.local_window)
+        for pos in req.needles:
+            if pos < length:
+                boost[pos] += self.needle_strength * math.sqrt(self.head_dim)
+        return boost
+
+    def _keys(self, req: PlantedRequest, layer: int, positions: torch.Tensor, boost: torch.Tensor, gen):
+        _, u, own = self._base_query(req, layer)
+        group = self.num_q_heads // self.num_kv_heads
+        keys = torch.randn(len(positions), self.num_kv_heads, self.head_dim, generator=gen)
+        keys = keys + boost[:, None, None] * u[None]
+        for pos, head in req.head_needles:
+            hit = (positions == pos).nonzero().flatten()
+            if hit.numel():
+                keys[hit, head // group] += self.needle_strength * math.sqrt(self.head_dim) * own[head]
+        return keys
+
+    def prefill(self, req: PlantedRequest, layer: int, with_hidden: bool = True):
+        """``(k, v [prompt_len, H_kv, D], x [prompt_len, hidden_size] or None)`` of the prompt (CPU, fp32).
+
+        Memoised per (request key, prompt length, layer): sweeps re-run the same prompts many times.
+        """
+        memo = (req.key, req.prompt_len, layer)
+        if memo not in self._prefill_memo:
+            gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 3))
+            boost = self._boost(req, req.prompt_len)
+            keys = self._keys(req, layer, torch.arange(req.prompt_len), boost, gen)
+            values = torch.randn(req.prompt_len, self.num_kv_heads, self.head_dim, generator=gen)
+            self._prefill_memo[memo] = (keys, values, boost, gen.get_state())
+        keys, values, boost, state = self._prefill_memo[memo]
+        if not with_hidden:
+            return keys, values, None
+        gen = torch.Generator()
+        gen.set_state(state)
+        return keys, values, self._hidden(req, layer, self._index_boost(req, boost), gen)
+
+    def decode(self, req: PlantedRequest, layer: int, position: int, with_hidden: bool = True):
+        """``(q [H_q, D], k, v [1, H_kv, D], x [1, hidden], q_lora [1, q_lora_rank])`` of decode token ``position``.
+
+        ``with_hidden=False`` skips the indexer's inputs (``x`` and ``q_lora`` are then None).
+        """
+        gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 4, position))
+        base, _, _ = self._base_query(req, layer)
+        q = base + self.query_noise * torch.randn(base.shape, generator=gen)
+        boost = torch.full((1,), self.local_strength)
+        keys = self._keys(req, layer, torch.tensor([position]), boost, gen)
+        values = torch.randn(1, self.num_kv_heads, self.head_dim, generator=gen)
+        if not with_hidden:
+            return q, keys, values, None, None
+        return q, keys, values, self._hidden(req, layer, boost, gen), self._q_lora(req, layer, gen)
+
+    def _index_boost(self, req: PlantedRequest, boost: torch.Tensor) -> torch.Tensor:
+        """What the indexer sees: attention's boosts, with the head needles as ordinary needles.
+
+        A trained indexer predicts where *any* head attends, so a needle of one head is a needle to it.
+        """
+        boost = boost.clone()
+        for pos, _ in req.head_needles:
+            boost[pos] += self.needle_strength * math.sqrt(self.head_dim)
+        return boost
+
+    # ------------------------------------------------------------------ the DSA indexer's inputs
+    def indexer(self, layer: int, index_topk: int | None = None, device="cpu"):
+        """The layer's ``LightningIndexer`` (same weights for every call), keeping ``index_topk`` tokens."""
+        import dataclasses
+
+        from sparse_ref.algorithms.dsa import LightningIndexer
+
+        cfg = self.indexer_config
+        if index_topk is not None:
+            cfg = dataclasses.replace(cfg, index_topk=index_topk)
+        return LightningIndexer(cfg, seed=_mixed_seed(self.seed, layer, 5) % (1 << 31), device=device)
+
+    def _solvers(self, layer: int):
+        """Pseudo-inverses of ``[wk; weights_proj]`` and ``wq_b`` of the layer's indexer (cached)."""
+        if layer not in self._indexer_solvers:
+            idx = self.indexer(layer)
+            stacked = torch.cat([idx.wk.weight, idx.weights_proj.weight]).detach().double()
+            self._indexer_solvers[layer] = (torch.linalg.pinv(stacked), torch.linalg.pinv(idx.wq_b.weight.detach()
+                                                                                          .double()))
+        return self._indexer_solvers[layer]
+
+    def _direction(self, req: PlantedRequest, layer: int) -> torch.Tensor:
+        """The request's indexer direction ``d``: unit, zero on the RoPE dims and zero-mean (LayerNorm keeps it)."""
+        c = self.indexer_config
+        gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 6))
+        d = torch.zeros(c.head_dim, dtype=torch.float64)
+        d[c.rope_dim:] = torch.randn(c.head_dim - c.rope_dim, generator=gen, dtype=torch.float64)
+        d[c.rope_dim:] -= d[c.rope_dim:].mean()
+        return d / d.norm()
+
+    def _hidden(self, req: PlantedRequest, layer: int, boost: torch.Tensor, gen) -> torch.Tensor:
+        c = self.indexer_config
+        z = torch.randn(len(boost), c.head_dim, generator=gen, dtype=torch.float64)
+        z += (boost.double() / math.sqrt(self.head_dim) * math.sqrt(c.head_dim))[:, None] * self._direction(req, layer)
+        target = torch.cat([z, torch.ones(len(boost), c.n_heads, dtype=torch.float64)], dim=1)
+        return (target @ self._solvers(layer)[0].T).float()
+
+    def _q_lora(self, req: PlantedRequest, layer: int, gen) -> torch.Tensor:
+        c = self.indexer_config
+        q = self._direction(req, layer)[None, :] * math.sqrt(c.head_dim) * 2.0
+        q = q + 0.5 * torch.randn(c.n_heads, c.head_dim, generator=gen, dtype=torch.float64)
+        return (q.reshape(1, -1) @ self._solvers(layer)[1].T).float()

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparse_ref import KVCacheManager, ShapeError, SparseConfig, build_decode_batch
-from sparse_ref.adaptor import lengths_from_selection, page_table_width, to_attention_metadata
+from sparse_ref.adaptor import lengths_from_selection, page_table_width, to_attention_metadata  # noqa: F401
 from sparse_ref.selection import ceil_div, select_pages
 
 
@@ -52,7 +52,7 @@ def test_writes_into_preallocated_buffers():
     res = to_attention_metadata(selected, lengths, torch.tensor([True, True]), fb_of([10, 5], [0, 2]), r2t, P, out=out)
     assert [t.data_ptr() for t in res] == ptrs
     assert out[0].tolist() == [[2, 7, 0], [3, 9, 0]] and out[1].tolist() == [6, 5] and out[2].tolist() == [0, 6, 11]
-    with pytest.raises(ShapeError, match=r"out page_table: expected shape \(2, 3\)"):
+    with pytest.raises(ShapeError, match=r"out page_table: expected shape \[2, 3\]"):
         to_attention_metadata(selected, lengths, torch.tensor([True, True]), fb_of([10, 5], [0, 2]), r2t, P,
                               out=(torch.zeros(2, 2, dtype=torch.int32), out[1], out[2]))
 
@@ -60,7 +60,7 @@ def test_writes_into_preallocated_buffers():
 def loop_reference(selected, lengths, mask, seq_lens, rows, r2t, P):
     """The adaptor one request at a time, as plain Python."""
     bs, width = selected.shape
-    w_out = page_table_width(width, r2t.shape[1], P)
+    w_out = max(width, -(-r2t.shape[1] // P))  # wide enough for the selection and for a dense row's pages
     table, kv = torch.zeros(bs, w_out, dtype=torch.int32), torch.zeros(bs, dtype=torch.int32)
     for i in range(bs):
         seq, n, k = int(seq_lens[i]), ceil_div(int(seq_lens[i]), P), int(lengths[i])
@@ -130,9 +130,23 @@ def test_bad_shapes_and_dtypes():
         to_attention_metadata(sel[0], lens, mask, fb_of([10], [0]), r2t, P)
     with pytest.raises(ShapeError, match="sparse_mask: expected dtype torch.bool"):
         to_attention_metadata(sel, lens, mask.int(), fb_of([10], [0]), r2t, P)
-    with pytest.raises(ShapeError, match="lengths: expected 1 entries"):
+    with pytest.raises(ShapeError, match=r"lengths: expected 1 rows"):
         to_attention_metadata(sel, torch.tensor([2, 2], dtype=torch.int32), mask, fb_of([10], [0]), r2t, P)
     with pytest.raises(ShapeError, match="req_to_token: expected dtype torch.int32"):
         to_attention_metadata(sel, lens, mask, fb_of([10], [0]), r2t.long(), P)
-    with pytest.raises(ShapeError, match="req_pool_indices: expected rows in"):
+    with pytest.raises(ShapeError, match=r"req_pool_indices: expected values in"):
         to_attention_metadata(sel, lens, mask, fb_of([10], [3]), r2t, P)
+
+
+def test_page_table_width_by_hand():
+    assert page_table_width(3, 12, 4) == 3 and page_table_width(2, 13, 4) == 4 and page_table_width(9, 5, 1) == 9
+
+
+def test_dense_row_past_its_tokens_is_refused():
+    """A seq_len beyond the request's tokens would read padding page 0 as if it were KV."""
+    P, r2t = hand_example()  # row 2 holds 5 tokens
+    sel, lens = torch.full((1, 3), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ShapeError, match="forward_batch.seq_lens: expected lengths within each request's tokens"):
+        to_attention_metadata(sel, lens, torch.tensor([False]), fb_of([9], [2]), r2t, P)
+    table, kv, _ = to_attention_metadata(sel, lens, torch.tensor([False]), fb_of([5], [2]), r2t, P)
+    assert table.tolist() == [[3, 9, 0]] and kv.tolist() == [5]

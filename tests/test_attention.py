@@ -75,7 +75,7 @@ def test_attention_input_errors():
                                 torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5]), 4)
     with pytest.raises(ShapeError, match="kv_lens: expected values in"):
         sparse_decode_attention(q, k, v, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([9]), 4)
-    with pytest.raises(ShapeError, match="page_table: expected physical pages in"):
+    with pytest.raises(ShapeError, match="page_table: expected values in"):
         sparse_decode_attention(q, k, v, torch.full((1, 2), 99, dtype=torch.int32), torch.tensor([5]), 4)
     with pytest.raises(ShapeError, match="seq_lens: expected values in"):
         dense_decode_attention(q, k, v, wl.req_to_token, torch.tensor([0]), torch.tensor([6]))

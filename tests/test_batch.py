@@ -147,11 +147,13 @@ def _decode_fields(bs=2):
 
 
 @pytest.mark.parametrize("name", ["req_pool_indices", "seq_lens", "positions", "out_cache_loc"])
-@pytest.mark.parametrize("bad", [torch.zeros(2, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int64), [0, 1]])
-def test_forward_batch_field_type_errors(name, bad):
+@pytest.mark.parametrize("bad, what", [(torch.zeros(2, dtype=torch.int32), "dtype torch.int64"),
+                                       (torch.zeros(2, 1, dtype=torch.int64), "a 1-D tensor"),
+                                       ([0, 1], "a torch.Tensor")])
+def test_forward_batch_field_type_errors(name, bad, what):
     fields = _decode_fields()
     fields[name] = bad
-    with pytest.raises(BatchError, match=rf"ForwardBatch.{name}: expected a 1-D int64 tensor"):
+    with pytest.raises(BatchError, match=rf"ForwardBatch.{name}: expected {what}"):
         ForwardBatch(**fields)
 
 
@@ -159,25 +161,26 @@ def test_forward_batch_consistency_errors():
     f = _decode_fields()
     with pytest.raises(BatchError, match="forward_mode: expected ForwardMode"):
         ForwardBatch(**{**f, "forward_mode": "decode"})
-    with pytest.raises(BatchError, match="seq_lens has 3 entries, req_pool_indices 2"):
+    with pytest.raises(BatchError, match=r"seq_lens: expected 2 rows \(one per request\), got shape \(3,\)"):
         ForwardBatch(**{**f, "seq_lens": torch.ones(3, dtype=torch.int64)})
-    with pytest.raises(BatchError, match=r"positions \(3,\) and out_cache_loc \(2,\)"):
-        ForwardBatch(**{**f, "positions": torch.ones(3, dtype=torch.int64)})
     three = torch.ones(3, dtype=torch.int64)
-    with pytest.raises(BatchError, match=r"DECODE\): expected one new token per request \(2\), got 3"):
+    with pytest.raises(BatchError, match=r"positions: expected 2 rows \(DECODE: one new token per request\)"):
         ForwardBatch(**{**f, "positions": three, "out_cache_loc": three})
     ext = {**f, "forward_mode": ForwardMode.EXTEND}
-    with pytest.raises(BatchError, match="extend_prefix_lens and extend_seq_lens are required"):
+    with pytest.raises(BatchError, match=r"extend_prefix_lens: expected a torch.Tensor, got NoneType None"):
         ForwardBatch(**ext)
     zeros = torch.zeros(2, dtype=torch.int64)
-    with pytest.raises(BatchError, match=r"extend_seq_lens: expected a 1-D int64 tensor"):
+    with pytest.raises(BatchError, match=r"out_cache_loc: expected 3 rows \(one per new token\)"):
+        ForwardBatch(**{**ext, "positions": three}, extend_prefix_lens=zeros, extend_seq_lens=zeros)
+    with pytest.raises(BatchError, match=r"extend_seq_lens: expected dtype torch.int64"):
         ForwardBatch(**ext, extend_prefix_lens=zeros, extend_seq_lens=zeros.int())
-    with pytest.raises(BatchError, match=r"extend_prefix_lens has 3 entries, expected one per request \(2\)"):
+    with pytest.raises(BatchError, match=r"extend_prefix_lens: expected 2 rows \(one per request\)"):
         ForwardBatch(**ext, extend_prefix_lens=torch.zeros(3, dtype=torch.int64), extend_seq_lens=zeros)
-    with pytest.raises(BatchError, match=r"extend_seq_lens sums to 3 but there are 2 new tokens"):
-        ForwardBatch(**ext, extend_prefix_lens=zeros, extend_seq_lens=torch.tensor([1, 2]))
-    with pytest.raises(BatchError, match=r"must equal seq_lens \[1, 2\]"):
+    with pytest.raises(BatchError, match=r"extend_seq_lens: expected seq_lens \[1, 2\] - extend_prefix_lens"):
         ForwardBatch(**ext, extend_prefix_lens=torch.tensor([0, 0]), extend_seq_lens=torch.tensor([0, 2]))
+    with pytest.raises(BatchError, match=r"extend_seq_lens: expected a sum of 2 .*got a sum of 4"):
+        ForwardBatch(**{**ext, "seq_lens": torch.tensor([1, 3])}, extend_prefix_lens=zeros,
+                     extend_seq_lens=torch.tensor([1, 3]))
     ok = ForwardBatch(**ext, extend_prefix_lens=torch.tensor([0, 1]), extend_seq_lens=torch.tensor([1, 1]))
     assert ok.batch_size == 2
 
@@ -185,5 +188,5 @@ def test_forward_batch_consistency_errors():
 def test_forward_batch_device_mismatch():
     f = _decode_fields()
     elsewhere = torch.ones(2, dtype=torch.int64, device="meta")  # any device other than the CPU
-    with pytest.raises(BatchError, match="seq_lens: on meta, but req_pool_indices is on cpu"):
+    with pytest.raises(BatchError, match=r"ForwardBatch.seq_lens: expected a tensor with data"):
         ForwardBatch(**{**f, "seq_lens": elsewhere})

@@ -186,6 +186,7 @@ def test_topk_covering_the_history_equals_dense_attention():
 
 
 def test_lifecycle_hooks_are_no_ops():
+    """DSA keeps its keys in the indexer's cache: the hooks change nothing, but still check the layer."""
     mgr, indexer, reqs, algo = setup()
     fb = build_extend_batch(mgr, reqs)
     pool = mgr.token_to_kv_pool

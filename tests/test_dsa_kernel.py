@@ -2,20 +2,22 @@
 and the indexer's three scoring paths (per-request loop, batched torch, Triton) against each other.
 
 Tolerance: the kernel and the reference multiply the same FP8 values (exact in fp32 under the
-interpreter) and differ only in the order of fp32 sums, so logits agree to ``1e-5`` relative to
-``sum_h |w| |q·k| * scale`` (checked as rtol=1e-5 plus an absolute term of 1e-5 times the row's
-magnitude). On a GPU the tensor cores accumulate FP8 products in reduced precision: see
-``benchmarks/gpu_dsa.py``); on a GPU these tests use ``GPU_REL`` of the row's largest |logit| instead.
+interpreter) and differ only in the order of fp32 sums, so logits agree to ``2e-5`` of the row's
+largest |logit|. On a GPU the tensor cores accumulate FP8 products in reduced precision (see
+``benchmarks/gpu_dsa.py``): the error follows the magnitude of the summed terms, not a short row's
+(possibly cancelling) signed sum, so GPU runs use ``GPU_REL`` of the largest |logit| of the tensor.
 """
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse_ref
-from sparse_ref import KVCacheManager, build_extend_batch, decode_step
+from sparse_ref import KVCacheManager, build_extend_batch, checks, decode_step
 from sparse_ref.algorithms.dsa import IndexerConfig, IndexerKeyCache, LightningIndexer, paged_indexer_logits_reference
 from sparse_ref.errors import ShapeError, SparseRefError
 from sparse_ref.fp8 import FP8_DTYPE
@@ -24,14 +26,18 @@ from sparse_ref.selection import topk_reference
 
 DEV = sparse_ref.default_device()
 ON_GPU = DEV.type == "cuda"
-GPU_REL = 2e-3  # FP8 tensor-core accumulation (measured ~2e-4 of the row's largest |logit|)
+GPU_REL = 2e-3  # FP8 tensor-core accumulation (measured <= 3.4e-4 of a row's largest |logit|, DeepSeek shapes)
 
 
 def close(got, want):
-    """Equal up to fp32 summation order (interpreter) or tensor-core FP8 accumulation (GPU), per row."""
+    """Equal up to fp32 summation order (interpreter, per row) or tensor-core FP8 accumulation (GPU).
+
+    On a GPU the error scales with the magnitude of the summed terms, not with a row's (possibly
+    cancelling) signed result, so it is measured against the largest |logit| of the whole tensor.
+    """
     if got.numel() == 0:
         return
-    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+    scale = want.abs().amax().clamp_min(1e-6) if ON_GPU else want.abs().amax(-1, keepdim=True).clamp_min(1e-6)
     tol = GPU_REL if ON_GPU else 2e-5
     assert bool(((got - want).abs() <= tol * scale).all()), float(((got - want).abs() / scale).max())
 
@@ -72,10 +78,10 @@ def make_case(page, d, h, lengths, tokens_per_req, fp8=True, seed=0):
 
 
 def assert_logits_close(got, want, bounds, fill_tail=True):
-    for t, n in enumerate(bounds.tolist()):
-        close(got[t, :n], want[t, :n])
-        if fill_tail:
-            assert torch.all(got[t, n:] == float("-inf"))
+    visible = torch.arange(want.shape[1], device=want.device)[None, :] < bounds[:, None].long()
+    close(got.masked_fill(~visible, 0), want.masked_fill(~visible, 0))
+    if fill_tail:
+        assert bool((got[~visible] == float("-inf")).all())
 
 
 @pytest.mark.parametrize("page,d,h,block_t", [(64, 32, 4, 64), (16, 64, 16, 64), (4, 16, 3, 16), (24, 32, 5, 16)])
@@ -107,6 +113,18 @@ def test_several_queries_per_program_share_key_tiles(qb, fill_tail):
             assert torch.all(out[t, n:] == 9.0)
 
 
+def test_extend_batches_default_to_four_queries_per_program():
+    """On average >= 4 query tokens per request: the multi-query program by default, same logits."""
+    case = make_case(16, 32, 4, [3, 40, 70], tokens_per_req=6, seed=12)
+    want = paged_indexer_logits_reference(*case, 80)
+    got = paged_indexer_logits(*case, 80)
+    assert_logits_close(got, want, case[-1])
+    assert torch.equal(got, paged_indexer_logits(*case, 80, queries_per_program=4))
+    one = paged_indexer_logits(*case, 80, queries_per_program=1)
+    assert torch.equal(torch.isinf(got), torch.isinf(one))
+    close(got.masked_fill(torch.isinf(got), 0), one.masked_fill(torch.isinf(one), 0))
+
+
 def test_kernel_without_tail_fill_writes_only_the_visible_keys():
     case = make_case(64, 32, 4, [5, 130, 70], tokens_per_req=2, seed=3)
     width = 200
@@ -132,16 +150,18 @@ def test_full_precision_cache_through_the_kernel():
     assert_logits_close(got, want, case[-1])
 
 
-def test_plan_tiles_targets_about_eight_programs_per_sm():
+def test_plan_tiles_targets_about_32_programs_per_sm():
     cuda = torch.device("cuda")
     import sparse_ref.kernels.dsa as kd
 
     real = kd._sm_count
     try:
         kd._sm_count = lambda device: 132
-        assert plan_tiles(64, 65536, cuda) == 64 and plan_tiles(64, 16384, cuda) == 16
-        assert plan_tiles(8, 65536, cuda) == 8 and plan_tiles(1, 4096, cuda) == 1
-        assert plan_tiles(8192, 65536, cuda) == 64
+        assert plan_tiles(64, 65536, cuda) == 16  # 4096 programs: the best measured at bs=64, 64K
+        assert plan_tiles(64, 16384, cuda) == 4 and plan_tiles(8, 65536, cuda) == 4  # at least MIN_TILES
+        assert plan_tiles(1, 65536, cuda) == 1 and plan_tiles(1, 4096, cuda) == 1  # too little work for MIN_TILES
+        assert plan_tiles(8192 // 4, 65536, cuda) == 64  # prefill, 4 queries per program
+        assert plan_tiles(1024, 131072, cuda) == 64  # capped at MAX_TILES
     finally:
         kd._sm_count = real
 
@@ -312,3 +332,80 @@ def test_scoring_backend_is_checked():
         LightningIndexer(CFG, scoring_backend="cuda")
     assert not LightningIndexer(CFG).uses_triton_scoring() or torch.cuda.is_available()
     assert LightningIndexer(CFG, scoring_backend="triton").uses_triton_scoring()
+
+
+# ----------------------------------------------------------------------------- CUDA-graph capture of decode
+HOST_OPS = {"aten.lift_fresh.default",  # a tensor made from a host value (x[idx] = True): a CPU->GPU copy
+            "aten._local_scalar_dense.default",  # .item() / int(t) / bool(t): a host sync
+            "aten.equal.default", "aten.is_nonzero.default", "aten.nonzero.default"}  # host syncs
+
+
+class _HostOps(TorchDispatchMode):
+    """Records every op of ``HOST_OPS``: none may run while a CUDA graph captures."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in HOST_OPS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_setup(backend):
+    mgr, idx = setup(16, backend)
+    scramble(mgr)
+    reqs = [mgr.admit(n) for n in (20, 1, 33)]
+    fb = build_extend_batch(mgr, reqs)
+    idx(*inputs(54, 40), fb.positions, fb, 0)
+    fb = decode_step(mgr, reqs)
+    return idx, fb, inputs(3, 41)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_forward_is_capture_safe(backend, monkeypatch):
+    """While "capturing", a decode step makes no host sync and no tensor from a host value (on any device).
+
+    A CUDA graph capture refuses both (a CPU->GPU copy of a scalar tensor raised on the H200); the
+    checks that need them are skipped while capturing, so pretend to capture and record the ops.
+    """
+    idx, fb, (x, ql) = _decode_setup(backend)
+    eager = idx(x, ql, fb.positions, fb, 0)
+    real = checks.capturing
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sparse_ref") and getattr(module, "capturing", None) is real:
+            monkeypatch.setattr(module, "capturing", lambda: True)
+    with _HostOps() as ops:
+        got = idx(x, ql, fb.positions, fb, 0)
+    assert ops.seen == []
+    assert torch.equal(got, eager)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_forward_in_a_cuda_graph_equals_eager(backend):
+    idx, fb, (x, ql) = _decode_setup(backend)
+    eager = idx(x, ql, fb.positions, fb, 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        idx(x, ql, fb.positions, fb, 0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = idx(x, ql, fb.positions, fb, 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_bench_selection_agreement_allows_only_near_ties():
+    from sparse_ref.bench import _selections_agree
+
+    scores = torch.tensor([[5.0, 1.0, 3.0, 2.9999, 0.0, -math.inf]])
+    best = torch.tensor([[0, 2, -1]])  # k = 2 over a row
+    assert _selections_agree(best, best, scores, 2, 1e-3)
+    assert _selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-3)  # 2.9999 ties 3.0 within 1e-3 x 5
+    assert not _selections_agree(torch.tensor([[0, 1, -1]]), best, scores, 2, 1e-3)  # 1.0 is no near-tie of 3.0
+    assert not _selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-6)

@@ -1,11 +1,12 @@
-"""Tests for sparse_ref.errors: the hierarchy, the seed messages verbatim, and the tensor checks."""
+"""Tests for sparse_ref.errors and sparse_ref.checks: the hierarchy, the seed messages verbatim, the checks."""
 
 import pytest
 import torch
 
 import sparse_ref
-from sparse_ref import errors
-from sparse_ref.errors import ShapeError, check_tensor, describe
+from sparse_ref import checks, errors
+from sparse_ref.checks import check_tensor, describe
+from sparse_ref.errors import ShapeError
 
 SUBCLASSES = [errors.PoolError, errors.ConfigError, errors.BatchError, errors.RetrievalError, errors.ShapeError,
               errors.UnknownAlgorithmError]
@@ -32,21 +33,29 @@ def test_seed_messages_verbatim():
     assert sparse_ref.SEED_DSA_REQUIRED is errors.SEED_DSA_REQUIRED
 
 
-def test_errors_is_a_leaf_module():
-    """Kernel files may import sparse_ref.errors, so it must not import the rest of the package."""
+@pytest.mark.parametrize("module, allowed", [(errors, {"sparse_ref.checks"}), (checks, {"sparse_ref.errors"})])
+def test_errors_and_checks_are_leaf_modules(module, allowed):
+    """Kernel files may import sparse_ref.errors and sparse_ref.checks: they import nothing else of the package."""
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(errors))
+    tree = ast.parse(inspect.getsource(module))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            assert not (node.module or "").startswith("sparse_ref"), node.module
+            name = node.module if node.module != "sparse_ref" else f"sparse_ref.{node.names[0].name}"
+            assert not name.startswith("sparse_ref") or name in allowed, name
         if isinstance(node, ast.Import):
             assert all(not a.name.startswith("sparse_ref") for a in node.names)
 
 
+def test_deprecated_aliases_forward_to_checks():
+    assert errors.describe([1]) == checks.describe([1])
+    with pytest.raises(ShapeError, match="x: expected dtype torch.int32"):
+        errors.check_tensor("x", torch.zeros(2), dtype=torch.int32)
+
+
 def test_describe():
-    assert describe(torch.zeros(2, 3, dtype=torch.int32)) == "tensor of shape (2, 3), dtype torch.int32, device cpu"
+    assert describe(torch.zeros(2, 3, dtype=torch.int32)) == "a tensor of shape (2, 3), dtype torch.int32, device cpu"
     assert describe([1, 2]) == "list [1, 2]"
     assert len(describe("x" * 1000)) == 200
 
@@ -70,3 +79,23 @@ def test_check_tensor_accepts_good_input():
 def test_check_tensor_errors(t, kwargs, match):
     with pytest.raises(ShapeError, match=match):
         check_tensor("x", t, fix="pass a tensor", **kwargs)
+
+
+def test_check_tensor_refuses_meta_and_checks_shape():
+    with pytest.raises(ShapeError, match="x: expected a tensor with data"):
+        check_tensor("x", torch.zeros(2, device="meta"))
+    with pytest.raises(ShapeError, match=r"x: expected shape \[any, 3\], got shape \(2, 4\)"):
+        check_tensor("x", torch.zeros(2, 4), shape=(None, 3))
+
+
+def test_check_int_and_float_and_range():
+    assert checks.check_int("n", torch.tensor(3)) == 3
+    for bad in (2.5, True, None, "3", torch.tensor(1.0)):
+        with pytest.raises(errors.ConfigError, match="n: expected an int"):
+            checks.check_int("n", bad)
+    with pytest.raises(errors.ConfigError, match=r"n: expected an int in \[0, 5\], got 6"):
+        checks.check_int("n", 6, low=0, high=5)
+    with pytest.raises(errors.ConfigError, match=r"r: expected a finite number in \(0, 1\], got float nan"):
+        checks.check_float("r", float("nan"), low=0, high=1, low_open=True)
+    with pytest.raises(ShapeError, match=r"ids: expected values in \[0, 3\], got min -1, max 2"):
+        checks.check_range("ids", torch.tensor([-1, 2]), 0, 3)

@@ -44,9 +44,10 @@ def fixed_algorithm(scores, config, max_context_len, page_size, num_rows):
     return algo
 
 
-def batch_stub(seq_lens):
-    """The smallest object retrieve_topk accepts as forward_batch: anything with seq_lens."""
-    return types.SimpleNamespace(seq_lens=seq_lens)
+def batch_stub(seq_lens, req_pool_indices=None):
+    """The smallest object retrieve_topk accepts as forward_batch: seq_lens and req_pool_indices."""
+    rows = torch.arange(seq_lens.shape[0]) if req_pool_indices is None else req_pool_indices
+    return types.SimpleNamespace(seq_lens=seq_lens, req_pool_indices=rows)
 
 
 SCORE_VALUES = [0.0, -0.0, 1.0, 1.0, 2.5, -3.0, float("nan"), float("-inf"), float("inf"), 1e-30]
@@ -188,10 +189,13 @@ def test_bad_inputs_raise_clear_errors():
         algo.retrieve_topk(q, 0, rows, mask.long(), forward_batch=fb)
     with pytest.raises(ShapeError, match="queries: expected 2 rows"):
         algo.retrieve_topk(q[:1], 0, rows, mask, forward_batch=fb)
-    with pytest.raises(ShapeError, match=r"seq_lens: expected lengths in \[0, 16\]"):
+    with pytest.raises(ShapeError, match=r"seq_lens: expected values in \[0, 16\]"):
         algo.retrieve_topk(q, 0, rows, mask, forward_batch=batch_stub(torch.tensor([3, 17])))
-    with pytest.raises(ShapeError, match=r"req_pool_indices: expected rows of req_to_token in \[0, 2\)"):
+    with pytest.raises(ShapeError, match=r"req_pool_indices: expected values in \[0, 1\]"):
         algo.retrieve_topk(q, 0, torch.tensor([0, 2]), mask, forward_batch=fb)
+    for retrieve in (algo.retrieve_topk, algo.retrieve_topk_loop):  # the batch's rows, in the batch's order
+        with pytest.raises(RetrievalError, match=r"req_pool_indices: expected forward_batch.req_pool_indices \[0, 1\]"):
+            retrieve(q, 0, rows.flip(0), mask, forward_batch=fb)
     algo.selection_backend = "cuda"
     with pytest.raises(ConfigError, match="selection_backend"):
         algo.retrieve_topk(q, 0, rows, mask, forward_batch=fb)

@@ -7,10 +7,12 @@ an algorithm with heavy or optional dependencies (DSA) costs nothing until it is
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from sparse_ref.algorithms.base import SELECTION_BACKENDS, SparseAlgorithm
 from sparse_ref.algorithms.quest import QuestAlgorithm
-from sparse_ref.errors import UnknownAlgorithmError
+from sparse_ref.checks import describe, fail
+from sparse_ref.errors import ConfigError, UnknownAlgorithmError
 
 _REGISTRY: dict[str, type | str] = {
     "quest": QuestAlgorithm,
@@ -25,6 +27,10 @@ def known_algorithms() -> list[str]:
 
 def register_sparse_algorithm(name: str, cls: type | str) -> None:
     """Add (or replace) a registry entry: a SparseAlgorithm subclass or a ``"module:Class"`` path."""
+    if not isinstance(name, str) or not name:
+        fail("name", "a non-empty str", describe(name), error=ConfigError)
+    if not (isinstance(cls, type) and issubclass(cls, SparseAlgorithm)) and not (isinstance(cls, str) and ":" in cls):
+        fail("cls", "a SparseAlgorithm subclass or a 'module:Class' path", describe(cls), error=ConfigError)
     _REGISTRY[name] = cls
 
 
@@ -46,7 +52,13 @@ def create_sparse_algorithm(name: str, config=None, device="cpu", **kwargs):
             f"Unknown sparse algorithm: {name}. Known algorithms: {', '.join(known_algorithms())}. "
             "Fix: pass one of these names, or register a new class with register_sparse_algorithm(name, cls)."
         )
-    return _resolve(name)(config, device, **kwargs)
+    cls = _resolve(name)
+    try:
+        inspect.signature(cls).bind(config, device, **kwargs)
+    except TypeError as e:
+        fail("create_sparse_algorithm(**kwargs)", f"arguments of {cls.__name__}{inspect.signature(cls)}",
+             f"{sorted(kwargs)} ({e})", error=ConfigError)
+    return cls(config, device, **kwargs)
 
 
 __all__ = [

@@ -27,16 +27,24 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref.config import SparseConfig
-from sparse_ref.errors import (
-    SEED_TOPK_NEEDS_SEQ_LENS,
-    ConfigError,
-    PoolError,
-    RetrievalError,
-    ShapeError,
+from sparse_ref.batch import ForwardBatch
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    capturing,
+    check_choice,
+    check_device,
+    check_int,
+    check_range,
+    check_rows,
+    check_same_device,
     check_tensor,
+    describe,
+    fail,
 )
-from sparse_ref.selection import capturing, ceil_div, select_pages, select_pages_row, selection_width
+from sparse_ref.config import SparseConfig
+from sparse_ref.errors import SEED_TOPK_NEEDS_SEQ_LENS, BatchError, ConfigError, PoolError, RetrievalError
+from sparse_ref.selection import ceil_div, select_pages_row, select_pages_unchecked, selection_width
 
 SELECTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -75,37 +83,29 @@ class SparseAlgorithm:
 
     def __init__(self, config: SparseConfig | None = None, device="cpu", selection_backend: str = "auto"):
         if config is not None and not isinstance(config, SparseConfig):
-            raise ConfigError(f"config: expected a SparseConfig or None, got {type(config).__name__}.")
-        if selection_backend not in SELECTION_BACKENDS:
-            raise ConfigError(f"selection_backend: expected one of {SELECTION_BACKENDS}, got {selection_backend!r}.")
+            fail("config", "a SparseConfig or None", describe(config), error=ConfigError)
+        check_choice("selection_backend", selection_backend, SELECTION_BACKENDS)
         self.config = config if config is not None else SparseConfig()
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         self.selection_backend = selection_backend
-        self.start_layer = 0
-        self.end_layer = 0
-        self.token_to_kv_pool = None
-        self.req_to_token_pool = None
-        self.page_size = None
+        self.start_layer = self.end_layer = 0
+        self.token_to_kv_pool = self.req_to_token_pool = self.page_size = None
 
     # ---------------------------------------------------------------- lifecycle
     def initialize_representation_pool(self, start_layer: int, end_layer: int, token_to_kv_pool,
                                        req_to_token_pool) -> None:
         """Remember the pools and the layers ``[start_layer, end_layer)`` this algorithm serves."""
-        num_layers = getattr(token_to_kv_pool, "num_layers", None)
-        for name, value in (("start_layer", start_layer), ("end_layer", end_layer)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise PoolError(f"{name}: expected an int, got {value!r}.")
-        if not 0 <= start_layer < end_layer or (num_layers is not None and end_layer > num_layers):
-            bound = f" and end_layer <= num_layers={num_layers}" if num_layers is not None else ""
-            raise PoolError(
-                f"initialize_representation_pool: expected 0 <= start_layer < end_layer{bound} (end_layer is "
-                f"exclusive), got start_layer={start_layer}, end_layer={end_layer}. Fix: to serve layers 0..L-1, "
-                f"pass start_layer=0, end_layer=L."
-            )
-        self.start_layer, self.end_layer = start_layer, end_layer
+        page_size = check_int("token_to_kv_pool.page_size", getattr(token_to_kv_pool, "page_size", None), low=1,
+                              error=PoolError, fix="pass the engine's TokenToKVPool.")
+        check_tensor("req_to_token_pool.req_to_token", getattr(req_to_token_pool, "req_to_token", None),
+                     dtype=torch.int32, dims=2, fix="pass the engine's ReqToTokenPool.", error=PoolError)
+        fix = "end_layer is exclusive: to serve layers 0..L-1, pass start_layer=0, end_layer=L."
+        self.start_layer = check_int("start_layer", start_layer, low=0, error=PoolError, fix=fix)
+        self.end_layer = check_int("end_layer", end_layer, low=start_layer + 1, error=PoolError, fix=fix,
+                                   high=getattr(token_to_kv_pool, "num_layers", None))
         self.token_to_kv_pool = token_to_kv_pool
         self.req_to_token_pool = req_to_token_pool
-        self.page_size = token_to_kv_pool.page_size
+        self.page_size = page_size
 
     def construct_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
         """After a prefill: build whatever the algorithm scores with. Default: nothing."""
@@ -129,6 +129,17 @@ class SparseAlgorithm:
                 f"got {layer_id!r}. Fix: call the algorithm only for the layers it was initialized with."
             )
 
+    def check_forward_batch(self, fn: str, forward_batch) -> None:
+        """``forward_batch`` is a ``ForwardBatch`` whose rows and lengths fit this algorithm's req_to_token."""
+        if not isinstance(forward_batch, ForwardBatch):
+            fail(f"{fn}: forward_batch", "a sparse_ref.ForwardBatch", describe(forward_batch),
+                 "build it with build_extend_batch / build_decode_batch.", BatchError)
+        size, max_len = self.req_to_token_pool.req_to_token.shape
+        check_range("forward_batch.req_pool_indices", forward_batch.req_pool_indices, 0, size - 1,
+                    "pass rows of this algorithm's req_to_token.", BatchError)
+        check_range("forward_batch.seq_lens", forward_batch.seq_lens, 0, max_len,
+                    f"lengths are at most max_context_len={max_len} of req_to_token.", BatchError)
+
     # ---------------------------------------------------------------- scoring
     @property
     def max_pages(self) -> int:
@@ -148,48 +159,45 @@ class SparseAlgorithm:
         )
 
     # ---------------------------------------------------------------- retrieval
-    def _check_retrieve_inputs(self, queries, layer_id, req_pool_indices, sparse_mask, seq_lens) -> None:
+    def _check_retrieve_inputs(self, queries, layer_id, req_pool_indices, sparse_mask, forward_batch) -> None:
         """Eager checks. Shape/dtype checks cost no sync; value checks are skipped while a graph captures."""
         self.check_layer(layer_id)
-        check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+        seq_lens, batch_rows = forward_batch.seq_lens, getattr(forward_batch, "req_pool_indices", None)
+        check_tensor("req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, dims=1,
                      fix="pass forward_batch.req_pool_indices.")
         bs = req_pool_indices.shape[0]
-        check_tensor("queries", queries, fix="pass one query per request, [bs, H_q*D] or [bs, H_q, D].")
+        check_tensor("queries", queries, dtype=FLOAT_DTYPES, dims=(2, 3),
+                     fix="pass one query per request, [bs, H_q*D] or [bs, H_q, D].")
         check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1,
                      fix="pass a bool tensor [bs], True for rows that may go sparse.")
-        check_tensor("forward_batch.seq_lens", seq_lens, dtype=(torch.int32, torch.int64), dims=1)
-        for name, t in (("queries", queries), ("sparse_mask", sparse_mask), ("forward_batch.seq_lens", seq_lens)):
-            if t.dim() == 0 or t.shape[0] != bs:
-                raise ShapeError(
-                    f"{name}: expected {bs} rows (one per entry of req_pool_indices), got shape {tuple(t.shape)}."
-                )
+        check_tensor("forward_batch.seq_lens", seq_lens, dtype=INDEX_DTYPES, dims=1)
+        check_tensor("forward_batch.req_pool_indices", batch_rows, dtype=INDEX_DTYPES, dims=1)
+        for name, t in (("queries", queries), ("sparse_mask", sparse_mask), ("forward_batch.seq_lens", seq_lens),
+                        ("forward_batch.req_pool_indices", batch_rows)):
+            check_rows(name, t, bs, "one per entry of req_pool_indices")
+        check_same_device("retrieve_topk", "req_pool_indices", {
+            "req_pool_indices": req_pool_indices, "queries": queries, "sparse_mask": sparse_mask,
+            "forward_batch.seq_lens": seq_lens, "forward_batch.req_pool_indices": batch_rows})
         if bs == 0 or capturing():
             return
-        max_len = self.req_to_token_pool.req_to_token.shape[1]
-        size = self.req_to_token_pool.req_to_token.shape[0]
-        lo, hi = int(req_pool_indices.min()), int(req_pool_indices.max())
-        if lo < 0 or hi >= size:
-            raise ShapeError(
-                f"req_pool_indices: expected rows of req_to_token in [0, {size}), got min {lo}, max {hi}."
-            )
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 0 or hi > max_len:
-            raise ShapeError(
-                f"forward_batch.seq_lens: expected lengths in [0, {max_len}] (max_context_len of req_to_token), "
-                f"got min {lo}, max {hi}."
-            )
+        size, max_len = self.req_to_token_pool.req_to_token.shape
+        check_range("req_pool_indices", req_pool_indices, 0, size - 1, "pass rows of req_to_token.")
+        check_range("forward_batch.seq_lens", seq_lens, 0, max_len,
+                    f"lengths are at most max_context_len={max_len} of req_to_token.")
+        if not torch.equal(req_pool_indices.long(), batch_rows.long()):
+            fail("req_pool_indices", f"forward_batch.req_pool_indices {batch_rows.tolist()} (the same requests, in "
+                 "the same order: seq_lens bound each row)", str(req_pool_indices.tolist()),
+                 "pass forward_batch.req_pool_indices, or build the batch for these requests.", RetrievalError)
 
     def _select(self, scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor):
-        backend = self.selection_backend
-        if backend not in SELECTION_BACKENDS:
-            raise ConfigError(f"selection_backend: expected one of {SELECTION_BACKENDS}, got {backend!r}.")
+        backend = check_choice("selection_backend", self.selection_backend, SELECTION_BACKENDS)
         if backend == "auto":
             backend = "triton" if scores.is_cuda else "torch"
         if backend == "triton":
             from sparse_ref.kernels.page_select import select_pages_triton  # lazy: optional kernel module
 
             return select_pages_triton(scores, seq_lens, sparse_mask, self.page_size, self.config)
-        return select_pages(scores, seq_lens, sparse_mask, self.page_size, self.config)
+        return select_pages_unchecked(scores, seq_lens, sparse_mask, self.page_size, self.config)
 
     def retrieve_topk(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                       sparse_mask: torch.Tensor, **kwargs):
@@ -206,7 +214,7 @@ class SparseAlgorithm:
         """
         forward_batch = forward_batch_with_seq_lens(kwargs)
         seq_lens = forward_batch.seq_lens
-        self._check_retrieve_inputs(queries, layer_id, req_pool_indices, sparse_mask, seq_lens)
+        self._check_retrieve_inputs(queries, layer_id, req_pool_indices, sparse_mask, forward_batch)
         scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
         return self._select(scores, seq_lens.to(scores.device), sparse_mask.to(scores.device))
 
@@ -221,7 +229,7 @@ class SparseAlgorithm:
         """
         forward_batch = forward_batch_with_seq_lens(kwargs)
         seq_lens = forward_batch.seq_lens
-        self._check_retrieve_inputs(queries, layer_id, req_pool_indices, sparse_mask, seq_lens)
+        self._check_retrieve_inputs(queries, layer_id, req_pool_indices, sparse_mask, forward_batch)
         scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
         bs, max_pages = scores.shape
         device = scores.device

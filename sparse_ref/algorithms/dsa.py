@@ -246,7 +246,7 @@ class IndexerKeyCache:
         pages = pages[(pages >= 0) & (pages < self.num_pages)]
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
         for written in self.written:
-            written[slots] = False
+            written.index_fill_(0, slots, False)
 
     @property
     def bytes_per_token(self) -> int:
@@ -282,7 +282,9 @@ class IndexerKeyCache:
         page, offset = loc // self.page_size, loc % self.page_size
         self._keys[layer_id][page, offset] = keys.to(self._keys[layer_id].dtype)
         self._scales[layer_id][page, offset] = scales.float()
-        self.written[layer_id][loc] = True
+        # index_fill_, not ``written[loc] = True``: assigning a Python scalar through a tensor index
+        # copies a CPU scalar tensor to the GPU, which a CUDA graph capture refuses
+        self.written[layer_id].index_fill_(0, loc, True)
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (as fp32 values: FP8 values are exact in fp32) and scales at physical ``slots``."""

@@ -15,8 +15,9 @@ or bf16/fp16 rounded outward by ``round_bounds_outward`` so the score stays an u
   *completed* (a page with all ``P`` tokens written);
 * ``update_representations`` after a decode step builds the bounds of a page that this step
   completed (``seq_len % P == 0``), batched with no host sync;
-* ``invalidate_pages`` (registered with ``PageAllocator.add_free_listener``) marks freed pages
-  invalid, so a freed and reused page never scores with the bounds of its previous owner.
+* ``invalidate_pages`` marks freed pages invalid, so a freed and reused page never scores with
+  the bounds of its previous owner. ``initialize_representation_pool`` subscribes it to the
+  pool's own allocator (``token_to_kv_pool.allocator.add_free_listener``): nobody can forget it.
 
 A page without valid bounds (the incomplete last page of a request, or a page whose bounds were
 never built) scores ``-inf``: selection never picks it by score. The incomplete last page does not
@@ -36,7 +37,8 @@ head; query head ``h`` reads KV head ``h // G`` (SGLang and Hugging Face layout)
 
 Scoring backends (``scoring_backend``): ``"torch"`` runs ``quest_page_scores_reference`` (gather
 the bounds of every logical page, then ``bmm``: the reference); ``"triton"`` runs the streaming
-kernel ``sparse_ref.kernels.quest.quest_page_scores`` (each page's bounds read once); ``"auto"``
+kernel ``sparse_ref.kernels.quest.quest_page_scores_from_queries`` (one launch: the query sign split,
+the page mapping and each page's bounds read once); ``"auto"``
 picks Triton for CUDA tensors and torch otherwise. Both give the same scores up to fp32 rounding
 of the sum, and exactly ``-inf`` for pages without bounds.
 
@@ -50,8 +52,9 @@ import torch
 
 from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.batch import ForwardMode
-from sparse_ref.errors import BatchError, ConfigError, ShapeError, check_tensor
-from sparse_ref.selection import capturing
+from sparse_ref.checks import FLOAT_DTYPES, capturing, check_range, check_tensor, describe, fail
+from sparse_ref.errors import BatchError, ConfigError, PoolError, ShapeError
+from sparse_ref.memory import as_index_list
 
 
 def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gqa_mode: str):
@@ -164,9 +167,16 @@ class QuestAlgorithm(SparseAlgorithm):
                                        req_to_token_pool, page_allocator=None) -> None:
         """Allocate the min/max pools of layers ``[start_layer, end_layer)`` (exclusive end).
 
-        Pass ``page_allocator`` (e.g. ``KVCacheManager.allocator``) to have freed pages invalidated
-        automatically; otherwise call ``invalidate_pages`` yourself when pages are freed.
+        Freed pages are invalidated automatically: ``invalidate_pages`` subscribes to the pool's
+        ``allocator`` (``TokenToKVPool.allocator``, shared with its ``KVCacheManager``). A pool
+        without one is refused (its frees would go unheard and stale bounds be selected).
+        ``page_allocator``: an extra allocator to listen to (optional; the pool's is always used).
         """
+        allocators = [a for a in (getattr(token_to_kv_pool, "allocator", None), page_allocator) if a is not None]
+        if not allocators or not all(callable(getattr(a, "add_free_listener", None)) for a in allocators):
+            fail("token_to_kv_pool.allocator", "a PageAllocator (with add_free_listener) that frees its pages",
+                 describe(getattr(token_to_kv_pool, "allocator", None)),
+                 "pass a sparse_ref.TokenToKVPool (it carries its allocator), or set pool.allocator.", PoolError)
         super().initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool)
         pool = token_to_kv_pool
         self.num_pages, self.num_kv_heads, self.head_dim = pool.num_pages, pool.num_kv_heads, pool.head_dim
@@ -175,16 +185,15 @@ class QuestAlgorithm(SparseAlgorithm):
         self.page_min = {i: torch.zeros(shape, dtype=self.bounds_dtype, device=self.device) for i in layers}
         self.page_max = {i: torch.zeros(shape, dtype=self.bounds_dtype, device=self.device) for i in layers}
         self.page_valid = {i: torch.zeros(pool.num_pages, dtype=torch.bool, device=self.device) for i in layers}
-        if page_allocator is not None:
-            page_allocator.add_free_listener(self.invalidate_pages)
+        for allocator in allocators:
+            allocator.add_free_listener(self.invalidate_pages)
 
     # ---------------------------------------------------------------- bounds
     def _pages_view(self, name: str, k_buffer: torch.Tensor) -> torch.Tensor:
         """``k_buffer`` ``[num_pages * P, H_kv, D]`` seen as ``[num_pages, P, H_kv, D]``."""
         want = (self.num_pages * self.page_size, self.num_kv_heads, self.head_dim)
-        check_tensor(name, k_buffer, dims=3, device=self.device.type)
-        if tuple(k_buffer.shape) != want:
-            raise ShapeError(f"{name}: expected the layer's key buffer of shape {want}, got {tuple(k_buffer.shape)}.")
+        check_tensor(name, k_buffer, dtype=FLOAT_DTYPES, shape=want, device=self.device.type,
+                     fix="pass token_to_kv_pool.get_key_buffer(layer_id).")
         return k_buffer.view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
 
     def _write_bounds(self, layer_id: int, pages: torch.Tensor, k_pages: torch.Tensor, write: torch.Tensor) -> None:
@@ -202,6 +211,7 @@ class QuestAlgorithm(SparseAlgorithm):
         each is rebuilt from all of its ``P`` keys (earlier chunks included).
         """
         self.check_layer(layer_id)
+        self.check_forward_batch("construct_representations", forward_batch)
         if forward_batch.forward_mode is not ForwardMode.EXTEND:
             raise BatchError(
                 f"construct_representations: expected an EXTEND batch, got {forward_batch.forward_mode}. "
@@ -217,6 +227,7 @@ class QuestAlgorithm(SparseAlgorithm):
             first_token_of_page = torch.arange(prefix // P, seq_len // P, device=req_to_token.device) * P
             pages.append(req_to_token[r, first_token_of_page].long() // P)
         pages = torch.cat(pages).to(self.device)
+        self._check_real_pages(pages)
         for chunk in pages.split(4096):  # bounded temporaries at long context: [chunk, P, H_kv, D]
             self._write_bounds(layer_id, chunk, k_pages[chunk], torch.ones_like(chunk, dtype=torch.bool))
 
@@ -227,6 +238,7 @@ class QuestAlgorithm(SparseAlgorithm):
         token, and keeps them only where ``seq_len % P == 0`` (the page just filled up).
         """
         self.check_layer(layer_id)
+        self.check_forward_batch("update_representations", forward_batch)
         if forward_batch.forward_mode is not ForwardMode.DECODE:
             raise BatchError(
                 f"update_representations: expected a DECODE batch, got {forward_batch.forward_mode}. "
@@ -240,15 +252,26 @@ class QuestAlgorithm(SparseAlgorithm):
         newest = (seq_lens - 1).clamp(min=0)
         pages = req_to_token[rows, (newest // P) * P].long().to(self.device) // P
         completed = ((seq_lens > 0) & (seq_lens % P == 0)).to(self.device)
+        self._check_real_pages(pages, completed)
         self._write_bounds(layer_id, pages, k_pages[pages], completed)
 
     def invalidate_pages(self, pages) -> None:
         """Forget the bounds of freed physical ``pages`` in every layer (the free-listener hook)."""
-        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.device)
+        pages = torch.tensor(as_index_list("invalidate_pages(pages)", pages), dtype=torch.int64)
+        check_range("invalidate_pages(pages)", pages, 0, self.num_pages - 1,
+                    "pass physical pages of this pool (a negative id does not wrap to the last page).", PoolError)
+        pages = pages.to(self.device)
         for layer in self.page_valid:
             self.page_valid[layer][pages] = False
             self.page_min[layer][pages] = 0.0
             self.page_max[layer][pages] = 0.0
+
+    def _check_real_pages(self, pages: torch.Tensor, write: torch.Tensor | None = None) -> None:
+        """Pages whose bounds are about to be built (where ``write``) hold real tokens: never padding page 0."""
+        if not capturing() and bool(((pages < 1) & (True if write is None else write)).any()):
+            fail("forward_batch.seq_lens", "lengths within each request's tokens (every page to summarize mapped to "
+                 f"a page in [1, {self.num_pages}) by req_to_token)", "a length that reaches padding page 0",
+                 "pass the batch built for these requests (build_extend_batch / build_decode_batch).", BatchError)
 
     # ---------------------------------------------------------------- scoring
     def physical_pages(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
@@ -267,16 +290,20 @@ class QuestAlgorithm(SparseAlgorithm):
                     forward_batch) -> torch.Tensor:
         """fp32 ``[bs, max_pages]`` Quest bounds of each logical page; -inf where a page has no bounds."""
         self.check_layer(layer_id)
-        q_pos, q_neg = split_query_sign(queries.to(self.device), self.num_kv_heads, self.head_dim,
-                                        self.config.gqa_mode)
-        pages = self.physical_pages(req_pool_indices)
-        if not capturing() and pages.numel():
+        fused = self.uses_triton_scoring()  # the Triton kernel splits the signs and maps the pages itself
+        q_pos, q_neg = split_query_sign(queries[:0] if fused else queries.to(self.device), self.num_kv_heads,
+                                        self.head_dim, self.config.gqa_mode)  # fused: shape checks only (no rows)
+        pages = None if fused and capturing() else self.physical_pages(req_pool_indices)
+        if pages is not None and not capturing() and pages.numel():
             self._check_pages_in_range(pages, forward_batch)
-        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id], pages)
-        if self.uses_triton_scoring():
-            from sparse_ref.kernels.quest import quest_page_scores  # kernels import only when used
+        if fused:
+            from sparse_ref.kernels.quest import quest_page_scores_from_queries  # kernels import only when used
 
-            return quest_page_scores(q_pos.contiguous(), q_neg.contiguous(), *bounds)
+            return quest_page_scores_from_queries(
+                queries.to(self.device), self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
+                self.req_to_token_pool.req_to_token.to(self.device), req_pool_indices.to(self.device), self.page_size,
+                self.max_pages, self.config.gqa_mode)
+        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id], pages)
         return quest_page_scores_reference(q_pos, q_neg, *bounds)
 
     def _check_pages_in_range(self, pages: torch.Tensor, forward_batch) -> None:

@@ -1,0 +1,303 @@
+"""A small decode engine: the whole sparse lifecycle in order, sparse beside dense.
+
+``DecodeEngine`` owns a ``KVCacheManager`` and ``L`` layers; each layer is dense, Quest or DSA.
+Requests join (``add_request``: admit, then prefill every layer) and leave (``finish``) between
+decode steps; ``step()`` decodes one token for every live request. Q/K/V (and DSA's hidden
+states) come from a ``PlantedEngineWorkload``, not from a language model.
+
+``SparseCoordinator`` is the glue, with the hook names and order of SGLang's ``SparseCoordinator``
+(``python/sglang/srt/mem_cache/sparsity/core/sparse_coordinator.py``), so the two read side by side:
+
+* ``on_request_begin(req)`` / ``on_request_end(req)``: per-request bookkeeping (SGLang keeps the
+  prompt length in its request trackers; so do we, to report it);
+* ``forward_begin(batch)``: once per step; builds the dense metadata (every page of every request),
+  which SGLang's adaptor saves at the first layer (``save_original_metadata``) to restore later;
+* per layer ``attention_begin(layer, queries, batch, **kw)``: sparse mask from the *current* lengths
+  (rows below ``min_sparse_seq_len`` stay dense) -> ``algorithm.retrieve_topk`` -> the adaptor's page
+  table (SGLang: ``_compute_sparse_mask`` -> ``retrieve_topk`` -> ``adapt_for_attn_metadata``);
+  a dense layer gets the saved dense metadata;
+* per layer ``attention_end(layer, batch)``: ``construct_representations`` after a prefill,
+  ``update_representations`` after a decode step (SGLang calls both after prefill; ours are split
+  by mode, and Quest's ``update`` would reject an EXTEND batch);
+* ``forward_end(batch)``: drops the per-layer sparse metadata; the next forward starts from dense
+  again (SGLang restores the metadata it rewrote in place; ours never rewrites it, so restoring is
+  handing the dense tensors back).
+
+DSA selects tokens, not pages. Its positions become a page table at **page size 1**: logical
+position ``t`` of request ``r`` -> physical slot ``req_to_token[r, t]``, each slot a one-token "page"
+of the same K/V buffers (``page_table`` holds slots, ``kv_len`` is the number of tokens kept). The
+same attention function then reads it with ``page_size=1``. (SGLang's NSA backend maps its top-k
+positions through ``req_to_token`` the same way.) The indexer's keys live in one ``IndexerKeyCache``
+shared by the DSA layers, which forgets the keys of freed pages.
+
+Attention: ``attention_backend="torch"`` runs ``sparse_ref.attention.sparse_decode_attention`` (the
+reference), ``"triton"`` the paged kernel ``sparse_ref.kernels.decode_attention``, ``"auto"`` Triton on
+CUDA when the kernel module is installed, torch otherwise. With ``compare_dense=True`` every layer
+also runs dense attention (the oracle) and reports recall, mass kept and output error
+(``sparse_ref.metrics``); recall is over pages for Quest and over tokens for DSA.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
+from sparse_ref.algorithms import create_sparse_algorithm
+from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
+from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, decode_step
+from sparse_ref.checks import check_choice, check_int
+from sparse_ref.config import SparseConfig
+from sparse_ref.errors import ConfigError
+from sparse_ref.memory import KVCacheManager, Request
+from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
+from sparse_ref.workloads import PlantedEngineWorkload
+
+ALGORITHMS = (None, "quest", "deepseek_dsa")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class Metadata:
+    """What attention reads: physical pages (slots at page size 1), KV lengths, and the page size."""
+
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    page_size: int
+    selected: torch.Tensor | None = None  # logical pages (Quest) or positions (DSA), ascending, -1 padded
+    lengths: torch.Tensor | None = None  # kept entries per row; 0 = the row stays dense
+    sparse_mask: torch.Tensor | None = None
+
+
+@dataclass
+class LayerTrace:
+    """One layer of one decode step, everything a learner may want to print."""
+
+    layer: int
+    algorithm: str
+    metadata: Metadata
+    out: torch.Tensor  # [bs, H_q, D] fp32
+    dense_out: torch.Tensor | None = None
+    recall: torch.Tensor | None = None  # [bs]
+    mass_kept: torch.Tensor | None = None
+    output_error: torch.Tensor | None = None
+
+
+@dataclass
+class StepResult:
+    rids: list[int]
+    seq_lens: torch.Tensor
+    layers: list[LayerTrace] = field(default_factory=list)
+    sparse_time_s: float = 0.0  # retrieval + adaptor + attention, all layers
+    dense_time_s: float = 0.0  # dense attention with the same backend, all layers (compare_dense only)
+
+
+class SparseCoordinator:
+    """SGLang's coordinator hooks over per-layer algorithms (see the module docstring)."""
+
+    def __init__(self, manager: KVCacheManager, algorithms: Sequence[str | None], configs: Sequence[SparseConfig],
+                 workload: PlantedEngineWorkload, dsa_topk: int, device):
+        self.manager, self.configs, self.device = manager, list(configs), torch.device(device)
+        pool, req_pool = manager.token_to_kv_pool, manager.req_to_token_pool
+        self.algorithms, self.indexers, self.prompt_lens = [], {}, {}
+        self.dense: Metadata | None = None
+        index_cache = None
+        for layer, (name, cfg) in enumerate(zip(algorithms, self.configs, strict=True)):
+            algo = None if name is None else create_sparse_algorithm(name, cfg, self.device)
+            if name == "quest":  # freed pages drop their bounds (no stale bounds for the next owner)
+                algo.initialize_representation_pool(layer, layer + 1, pool, req_pool, page_allocator=manager.allocator)
+            elif name == "deepseek_dsa":
+                from sparse_ref.algorithms.dsa import IndexerKeyCache
+
+                algo.initialize_representation_pool(layer, layer + 1, pool, req_pool)
+                self.indexers[layer] = workload.indexer(layer, dsa_topk, self.device)
+                if index_cache is None:  # one cache for every DSA layer; it forgets the keys of freed pages
+                    index_cache = IndexerKeyCache.for_manager(manager, self.indexers[layer].config)
+                self.indexers[layer].attach_cache(index_cache)
+            self.algorithms.append(algo)
+
+    def name(self, layer: int) -> str:
+        algo = self.algorithms[layer]
+        return "dense" if algo is None else algo.name
+
+    def on_request_begin(self, req: Request, prompt_len: int) -> None:
+        self.prompt_lens[req.req_pool_idx] = prompt_len
+
+    def on_request_end(self, req: Request) -> None:
+        del self.prompt_lens[req.req_pool_idx]
+
+    def forward_begin(self, batch: ForwardBatch) -> None:
+        """Build the dense metadata once per step (what a dense layer reads, and what sparse layers replace)."""
+        bs = batch.batch_size
+        none = torch.full((bs, 1), -1, dtype=torch.int32, device=self.device)
+        zeros, dense_mask = torch.zeros(bs, dtype=torch.int32, device=self.device), torch.zeros_like(none[:, 0]).bool()
+        table, kv_lens, _ = to_attention_metadata(none, zeros, dense_mask, batch,
+                                                  self.manager.req_to_token_pool.req_to_token, self.manager.page_size)
+        self.dense = Metadata(table, kv_lens, self.manager.page_size)
+
+    def attention_begin(self, layer: int, queries: torch.Tensor, batch: ForwardBatch, **kwargs) -> Metadata:
+        """Sparse mask -> ``retrieve_topk`` -> adaptor; the dense metadata for a dense layer."""
+        algo = self.algorithms[layer]
+        if algo is None:
+            return self.dense
+        req_to_token = self.manager.req_to_token_pool.req_to_token
+        sparse_mask = batch.seq_lens >= self.configs[layer].min_sparse_seq_len  # current lengths, every step
+        if algo.name == "deepseek_dsa":  # tokens: (positions, None), then the adaptor at page size 1
+            selected, _ = algo.retrieve_topk(queries, layer, batch.req_pool_indices, sparse_mask,
+                                             indexer=self.indexers[layer], forward_batch=batch,
+                                             positions=batch.positions, **kwargs)
+            lengths, page_size = lengths_from_selection(selected), 1
+        else:  # pages: (selected logical pages, lengths)
+            selected, lengths = algo.retrieve_topk(queries, layer, batch.req_pool_indices, sparse_mask,
+                                                   forward_batch=batch)
+            page_size = self.manager.page_size
+        table, kv_lens, _ = to_attention_metadata(selected, lengths, sparse_mask, batch, req_to_token, page_size)
+        return Metadata(table, kv_lens, page_size, selected, lengths, sparse_mask)
+
+    def attention_end(self, layer: int, batch: ForwardBatch) -> None:
+        """Build representations after a prefill, refresh them after a decode step."""
+        algo = self.algorithms[layer]
+        if algo is None:
+            return
+        k_buffer = self.manager.token_to_kv_pool.get_key_buffer(layer)
+        if batch.forward_mode is ForwardMode.EXTEND:
+            algo.construct_representations(layer, batch, k_buffer)
+        else:
+            algo.update_representations(layer, batch, k_buffer)
+
+    def forward_end(self, batch: ForwardBatch) -> None:
+        self.dense = None  # the next forward builds (restores) dense metadata afresh
+
+
+class DecodeEngine:
+    """Admit and prefill requests, decode steps through the coordinator, compare with dense attention."""
+
+    def __init__(self, workload: PlantedEngineWorkload, algorithms: Sequence[str | None] = ("quest",),
+                 config: SparseConfig | Sequence[SparseConfig] | None = None, *, dsa_topk: int = 256,
+                 page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
+                 attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32, device="cpu"):
+        algorithms = list(algorithms)
+        if len(algorithms) != workload.num_layers:
+            raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), got "
+                              f"{len(algorithms)}. Fix: e.g. algorithms=['quest'] * {workload.num_layers}.")
+        for name in algorithms:
+            if name not in ALGORITHMS:
+                raise ConfigError(f"algorithms: each entry must be one of {ALGORITHMS}, got {name!r}.")
+        check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
+        configs = list(config) if isinstance(config, (list, tuple)) else [config or SparseConfig()] * len(algorithms)
+        self.workload, self.device, self.compare_dense = workload, torch.device(device), compare_dense
+        num_pages = num_pages or max_requests * -(-max_context_len // page_size) + 1
+        self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
+                                             num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
+                                             num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
+                                             dtype=dtype, device=self.device)
+        self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device)
+        self.attention_backend = self._resolve_backend(attention_backend)
+        self.live: list[Request] = []
+        self.plans = {}  # rid -> PlantedRequest
+
+    def _resolve_backend(self, backend: str) -> str:
+        if backend == "auto":
+            if self.device.type != "cuda":
+                return "torch"
+            try:
+                import sparse_ref.kernels.decode_attention  # noqa: F401
+            except ImportError:
+                return "torch"
+            return "triton"
+        return backend
+
+    def attend(self, q: torch.Tensor, layer: int, md: Metadata) -> torch.Tensor:
+        """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]``."""
+        pool = self.manager.token_to_kv_pool
+        args = (q, pool.get_key_buffer(layer), pool.get_value_buffer(layer), md.page_table, md.kv_lens, md.page_size)
+        if self.attention_backend == "triton":
+            from sparse_ref.kernels.decode_attention import paged_decode_attention  # lazy: optional kernel module
+
+            return paged_decode_attention(*args)
+        return sparse_decode_attention(*args)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None) -> Request:
+        """Admit a request of ``prompt_len`` tokens and prefill every layer (K/V, indexer keys, representations)."""
+        prompt_len = check_int("prompt_len", prompt_len, low=1, fix="a request needs at least one prompt token.")
+        req = self.manager.admit(prompt_len)
+        plan = self.workload.request(req.rid if key is None else key, prompt_len, needle_depths)
+        self.plans[req.rid] = plan
+        self.coordinator.on_request_begin(req, prompt_len)
+        batch = build_extend_batch(self.manager, [req])
+        pool = self.manager.token_to_kv_pool
+        for layer in range(pool.num_layers):
+            k, v, x = self.workload.prefill(plan, layer, with_hidden=layer in self.coordinator.indexers)
+            pool.set_kv(layer, batch.out_cache_loc, k.to(self.device), v.to(self.device))
+            if layer in self.coordinator.indexers:  # the indexer's prefill pass writes its keys (no scores needed)
+                indexer = self.coordinator.indexers[layer]
+                qk = indexer.prepare(x.to(self.device), torch.zeros(prompt_len, indexer.config.q_lora_rank,
+                                                                    device=self.device), batch.positions)
+                indexer.cache.write(layer, batch.out_cache_loc, qk.k, qk.k_scale)
+            self.coordinator.attention_end(layer, batch)
+        self.live.append(req)
+        return req
+
+    def finish(self, req: Request) -> None:
+        """The request leaves: its pages and row are freed (Quest bounds and indexer keys with them)."""
+        self.coordinator.on_request_end(req)
+        self.live.remove(req)
+        del self.plans[req.rid]
+        self.manager.release(req)
+
+    # ---------------------------------------------------------------- one decode step
+    def decode_inputs(self, layer: int):
+        """The layer's decode inputs for every live request: ``(q, k, v, x, q_lora)`` (x, q_lora: DSA only)."""
+        dsa = layer in self.coordinator.indexers
+        per_req = [self.workload.decode(self.plans[r.rid], layer, r.seq_len - 1, dsa) for r in self.live]
+        q, k, v, x, q_lora = zip(*per_req, strict=True)
+        joined = [torch.cat(t).to(self.device) if dsa else None for t in (x, q_lora)]
+        return (torch.stack(q).to(self.device), torch.cat(k).to(self.device), torch.cat(v).to(self.device), *joined)
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def step(self) -> StepResult:
+        """Decode one token for every live request, layer by layer, through the coordinator's hooks."""
+        batch = decode_step(self.manager, self.live)
+        coord = self.coordinator
+        coord.forward_begin(batch)
+        result = StepResult([r.rid for r in self.live], batch.seq_lens.clone())
+        pool = self.manager.token_to_kv_pool
+        for layer in range(pool.num_layers):
+            q, k, v, x, q_lora = self.decode_inputs(layer)
+            pool.set_kv(layer, batch.out_cache_loc, k, v)  # the new token's K/V, before attention reads it
+            t0 = self._sync()
+            md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
+            trace = LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md))
+            t1 = self._sync()
+            result.sparse_time_s += t1 - t0
+            if self.compare_dense:
+                self.attend(q, layer, coord.dense)
+                result.dense_time_s += self._sync() - t1
+                self._compare(trace, q, batch)
+            coord.attention_end(layer, batch)
+            result.layers.append(trace)
+        coord.forward_end(batch)
+        return result
+
+    def _compare(self, trace: LayerTrace, q: torch.Tensor, batch: ForwardBatch) -> None:
+        """Dense attention (the oracle) beside the layer's output: recall, mass kept, output error."""
+        pool, md = self.manager.token_to_kv_pool, trace.metadata
+        ref, probs = dense_decode_attention(q, pool.get_key_buffer(trace.layer), pool.get_value_buffer(trace.layer),
+                                            self.manager.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                                            batch.seq_lens, return_probs=True)
+        trace.dense_out, trace.output_error = ref, relative_error(trace.out, ref)
+        if md.selected is None:  # a dense layer keeps everything
+            trace.recall = trace.mass_kept = torch.ones(q.shape[0], device=q.device)
+            return
+        lengths = torch.where(md.sparse_mask, md.lengths, torch.zeros_like(md.lengths))
+        mass = page_attention_mass(probs, md.page_size)
+        trace.mass_kept = attention_mass_kept(md.selected, lengths, mass)
+        trace.recall = page_recall(md.selected, lengths, mass, batch.seq_lens, md.page_size)

@@ -5,8 +5,9 @@ Every error the package raises on bad input is a ``SparseRefError``, which is a
 The two seed messages from SGLang's sparse retrieval are kept verbatim as
 constants; our errors start with them and then say what arrived and how to fix it.
 
-This module is a leaf: it imports nothing from the package (its deprecated aliases load
-``sparse_ref.checks`` when called), so the Triton launchers in ``sparse_ref.kernels`` may import it.
+This module is a leaf: it imports nothing from the package, so the Triton launchers in
+``sparse_ref.kernels`` may import it. The argument checks that raise these errors live in
+``sparse_ref.checks``.
 """
 
 from __future__ import annotations
@@ -42,18 +43,3 @@ class ShapeError(SparseRefError):
 
 class UnknownAlgorithmError(SparseRefError):
     """``create_sparse_algorithm`` was given a name the registry does not know."""
-
-
-# Deprecated: use sparse_ref.checks. Thin aliases kept only until the last kernel module moves over.
-def describe(x) -> str:
-    """Deprecated: use ``sparse_ref.checks.describe``."""
-    from sparse_ref import checks
-
-    return checks.describe(x)
-
-
-def check_tensor(name: str, t, **kwargs):
-    """Deprecated: use ``sparse_ref.checks.check_tensor``."""
-    from sparse_ref import checks
-
-    return checks.check_tensor(name, t, **kwargs)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref.checks import capturing
-from sparse_ref.errors import ShapeError, SparseRefError, check_tensor
+from sparse_ref.checks import capturing, check_tensor
+from sparse_ref.errors import ShapeError, SparseRefError
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+import sparse_ref
 from sparse_ref import (
     ForwardBatch,
     ForwardMode,
@@ -60,6 +61,7 @@ def make_env() -> Env:
     q_pos, q_neg = torch.randn(2, 1, D), torch.randn(2, 1, D)
     kernel_args = dict(q_pos=q_pos, q_neg=q_neg, page_min=algo.page_min[0], page_max=algo.page_max[0],
                        page_valid=algo.page_valid[0], pages=algo.physical_pages(dec.req_pool_indices))
+    kernel_args = {k: v.to(sparse_ref.default_device()) for k, v in kernel_args.items()}  # the launcher's device
     return Env(m=m, reqs=reqs, algo=algo, ext=ext, dec=dec, pool=pool, r2t=m.req_to_token_pool.req_to_token, q=q,
                mask=mask, sel=sel, lens=lens, mass=mass, scores=torch.randn(2, 8), kargs=kernel_args)
 
@@ -396,7 +398,7 @@ CASES = [
     ("kernel-min-none", lambda e: kernel(e, page_min=None), "page_min"),
     ("kernel-max-shape", lambda e: kernel(e, page_max=e.kargs["page_max"][:-1]), "page_max"),
     ("kernel-valid-int", lambda e: kernel(e, page_valid=e.kargs["page_valid"].int()), "page_valid"),
-    ("kernel-out-shape", lambda e: kernel(e, out=torch.empty(1, 1)), "out"),
+    ("kernel-out-shape", lambda e: kernel(e, out=torch.empty(1, 1, device=e.kargs["pages"].device)), "out"),
     ("kernel-block-p", lambda e: kernel(e, block_p=3), "block_p"),
 ]
 

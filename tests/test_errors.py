@@ -48,12 +48,6 @@ def test_errors_and_checks_are_leaf_modules(module, allowed):
             assert all(not a.name.startswith("sparse_ref") for a in node.names)
 
 
-def test_deprecated_aliases_forward_to_checks():
-    assert errors.describe([1]) == checks.describe([1])
-    with pytest.raises(ShapeError, match="x: expected dtype torch.int32"):
-        errors.check_tensor("x", torch.zeros(2), dtype=torch.int32)
-
-
 def test_describe():
     assert describe(torch.zeros(2, 3, dtype=torch.int32)) == "a tensor of shape (2, 3), dtype torch.int32, device cpu"
     assert describe([1, 2]) == "list [1, 2]"

@@ -81,7 +81,7 @@ def test_first_code_cell_is_the_parameters_cell(path):
 
 # Notebooks whose figures still go through plt.show() (no alt text). Convert them with
 # show_figure(fig, "what the figure shows") and drop them from this set (the xfail is strict).
-WITHOUT_ALT_TEXT = {"05_triton_topk.ipynb"}
+WITHOUT_ALT_TEXT: set[str] = set()
 PLT_SHOW = re.compile(r"\b(plt|pyplot)\.show\(")
 
 

@@ -63,8 +63,10 @@ TUNING = {
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
     "chunk": 4096,  # columns per candidate program
-    "delegate_cols": 512,  # delegate columns per delegate program
+    "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,
+    "num_warps_small": 16,  # warps per program when R * N <= small_batch (few programs: wider ones)
+    "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
@@ -125,16 +127,36 @@ def _threshold(dkey, k):
 
 
 @triton.jit
+def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
+    """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
+    row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
+    Returns how many were taken."""
+    eq = key == t
+    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + pos, ids, mask=take & (pos < W))
+    return tl.sum(take.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _write_winners(key, ids, k, out_row, base, W):
     """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
     (ascending). Returns how many were written: min(k, #valid keys)."""
     k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
     t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
-    eq = key == t
-    take = ((key > t) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= ties))) & (k_eff > 0)
-    pos = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out_row + pos, ids, mask=take & (pos < W))
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
+
+
+@triton.jit
+def _exact_delegate(dkey, k):
+    """Te = the exact k-th largest delegate and ``usable``: k >= 1 and at least k valid delegates, so at
+    least k row elements are >= Te. Then, if fewer than k elements are > Te, the k-th largest element IS
+    Te and the top-k is "every key > Te, plus the lowest-id keys == Te" (the tie path of the fallbacks)."""
+    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    te, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 4)
+    return te, (n >= k) & (k > 0)
 
 
 @triton.jit
@@ -152,18 +174,25 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
     key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
-    T = _threshold(tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0), k)
+    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
+    T = _threshold(dkey, k)
     cand = (key >= T) & (key != -2147483648)
     count = tl.sum(cand.to(tl.int32), axis=0)
+    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
     if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row
         tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
         tl.debug_barrier()
         s = tl.arange(0, SLOTS)
         ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
         skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
-        k_eff = _write_winners(skey, ids, k, out_row, base, W)
-    else:  # fallback: exact select over the whole register row
-        k_eff = _write_winners(key, j, k, out_row, base, W)
+        _write_winners(skey, ids, k, out_row, base, W)
+    else:  # overflow (ties at the threshold, or a row that defeats the delegates)
+        te, usable = _exact_delegate(dkey, k)
+        above = tl.sum((key > te).to(tl.int32), axis=0)
+        if usable & (above < k):  # the k-th key is te: keys > te plus the first k - above keys == te
+            _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
+        else:  # exact radix select over the whole register row
+            _write_winners(key, j, k, out_row, base, W)
     return k_eff
 
 
@@ -222,51 +251,81 @@ def _delegates_kernel(scores, stride_r, delegates, threshold, counter, N, W, k_s
 
 
 @triton.jit
-def _candidates_kernel(scores, stride_r, out, threshold, cand, counts, prefix, flags, counter,
-                       N, W, k_scalar, k_ptr, len_ptr,
-                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr,
-                       LOG_C: tl.constexpr, BLOCK_OUT: tl.constexpr):
+def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """Tail of an overflowing row (its last candidate program): the exact k-th delegate Te, and for
+    every chunk how many keys > Te and == Te come before it (work_row[2 C_PAD + c], [3 C_PAD + c]),
+    one pass over the row from L2. Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te:
+    the fallback's chunk programs write every key > Te plus the first k - above keys == Te),
+    1 = the whole-row radix select."""
+    te, usable = _exact_delegate(dkey, k)
+    above = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c in range(0, C):
+        tl.store(work_row + 2 * C_PAD + c, above)
+        tl.store(work_row + 3 * C_PAD + c, ties)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        above += tl.sum((key > te).to(tl.int32), axis=0)
+        ties += tl.sum((key == te).to(tl.int32), axis=0)
+    tl.store(work_row + 4 * C_PAD, k - above)
+    return te, tl.where(usable & (above < k), 2, 1)
+
+
+@triton.jit
+def _candidates_kernel(scores, stride_r, out, threshold, delegates, cand, work, flags, counter,
+                       N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr,
+                       G: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr,
+                       BLOCK_OUT: tl.constexpr):
     """One program = one CHUNK of a row: copy the ids of its elements >= T (ascending) into the chunk's
     part of ``cand``. The row's last program gathers all candidates into SLOTS slots and writes the
-    exact top-k, or flags the row for the fallback when they do not fit."""
+    exact top-k; when they do not fit, it plans the fallback and flags the row.
+
+    ``work`` row layout (C_PAD = 2**LOG_C): [0, C_PAD) candidates per chunk, [C_PAD, 2 C_PAD) their
+    prefix sums, [2 C_PAD, 4 C_PAD) and [4 C_PAD] the tie path's plan (``_plan_tie_path``)."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
     C = tl.num_programs(1)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
+    work_row = work + r * (4 * C_PAD + 1)
     T = tl.load(threshold + r)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
     cand_row = cand + r.to(tl.int64) * C * CHUNK
     tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, offs, mask=is_cand)
-    tl.store(counts + r * C + c, tl.sum(is_cand.to(tl.int32), axis=0))
+    tl.store(work_row + c, tl.sum(is_cand.to(tl.int32), axis=0))
     tl.debug_barrier()
     if tl.atomic_add(counter + r, 1, sem="acq_rel") == C - 1:
         tl.store(counter + r, 0)
         ci = tl.arange(0, C_PAD)
-        n_c = tl.load(counts + r * C + ci, mask=ci < C, other=0, cache_modifier=".cg")
+        n_c = tl.load(work_row + ci, mask=ci < C, other=0, cache_modifier=".cg")
         total = tl.sum(n_c, axis=0)
-        tl.store(flags + r, (total > SLOTS).to(tl.int32))
         if total <= SLOTS:
+            tl.store(flags + r, 0)
             # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
-            tl.store(prefix + r * C_PAD + ci, tl.cumsum(n_c, axis=0))
+            prefix = work_row + C_PAD
+            tl.store(prefix + ci, tl.cumsum(n_c, axis=0))
             tl.debug_barrier()
             s = tl.arange(0, SLOTS)
             chunk = tl.zeros([SLOTS], tl.int32)
             for b in tl.static_range(LOG_C):
                 probe = chunk + (C_PAD >> (b + 1))
-                incl = tl.load(prefix + r * C_PAD + probe - 1, mask=probe <= C, other=2147483647,
-                               cache_modifier=".cg")
+                incl = tl.load(prefix + probe - 1, mask=probe <= C, other=2147483647, cache_modifier=".cg")
                 chunk = tl.where(incl <= s, probe, chunk)
-            before = tl.load(prefix + r * C_PAD + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
+            before = tl.load(prefix + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
             ok = s < total
             ids = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
             skey = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
             out_row = out + r.to(tl.int64) * W
             k_eff = _write_winners(skey, ids, k, out_row, 0, W)
             _pad(out_row, k_eff, W, BLOCK_OUT)
+        else:
+            dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
+            te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
+            tl.store(threshold + r, te)
+            tl.store(flags + r, flag)
 
 
 @triton.jit
@@ -286,42 +345,63 @@ def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _fallback_kernel(scores, stride_r, out, flags, N, W, k_scalar, k_ptr, len_ptr,
-                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one row, only if it is flagged (or FORCE): exact radix select over the whole row in
-    memory (4 histogram rounds), then an ordered compaction; unflagged rows return at once."""
+def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
+    """Exact top-k of a row in memory by one program: 4 radix histogram rounds over the whole row, then
+    an ordered compaction (the last resort: rows that defeat the delegates, or k too wide for them)."""
+    valid_count = tl.zeros([], tl.int32)
+    for t in range(0, length, BLOCK):
+        offs = t + tl.arange(0, BLOCK)
+        valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+                               != -2147483648).to(tl.int32), axis=0)
+    k_eff = tl.minimum(k, valid_count)
+    ut = tl.zeros([], tl.int32)
+    k_rem = tl.maximum(k_eff, 1)
+    for p in tl.static_range(4):
+        ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
+    t_key = ut ^ -2147483648
+    done = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    for t in range(0, tl.where(k_eff > 0, length, 0), BLOCK):
+        offs = t + tl.arange(0, BLOCK)
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        done += _write_above_and_ties(key, offs, t_key, k_rem, ties_seen, out_row, done, W)
+        ties_seen += tl.sum((key == t_key).to(tl.int32), axis=0)
+    _pad(out_row, k_eff, W, BLOCK)
+
+
+@triton.jit
+def _fallback_kernel(scores, stride_r, out, flags, threshold, work, N, W, k_scalar, k_ptr, len_ptr,
+                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, CHUNK: tl.constexpr,
+                     LOG_C: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one CHUNK of a flagged row; unflagged rows (flag 0) return at once.
+
+    Flag 2 (the tie path): store the chunk's keys > Te and its share of the lowest-id keys == Te at
+    the offsets planned by the candidates kernel (every chunk in parallel, ids ascending).
+    Flag 1 (or FORCE): program 0 of the row runs the whole-row radix select."""
+    C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
+    c = tl.program_id(1)
     flag = tl.full([], 1, tl.int32)
     if not FORCE:
         flag = tl.load(flags + r)
     if flag != 0:
         k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
         row = scores + r.to(tl.int64) * stride_r
-        ut = tl.zeros([], tl.int32)
-        k_rem = tl.maximum(k, 1)
-        valid_count = tl.zeros([], tl.int32)
-        for t in range(0, length, BLOCK):
-            offs = t + tl.arange(0, BLOCK)
-            valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-                                   != -2147483648).to(tl.int32), axis=0)
-        k_eff = tl.minimum(k, valid_count)
-        k_rem = tl.maximum(k_eff, 1)
-        for p in tl.static_range(4):
-            ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
-        t_key = ut ^ -2147483648
         out_row = out + r.to(tl.int64) * W
-        done = tl.zeros([], tl.int32)
-        ties_seen = tl.zeros([], tl.int32)
-        for t in range(0, tl.where(k_eff > 0, length, 0), BLOCK):
-            offs = t + tl.arange(0, BLOCK)
+        if flag == 2:
+            work_row = work + r * (4 * C_PAD + 1)
+            te = tl.load(threshold + r)
+            need = tl.load(work_row + 4 * C_PAD)
+            above_before = tl.load(work_row + 2 * C_PAD + c)
+            ties_before = tl.load(work_row + 3 * C_PAD + c)
+            offs = c * CHUNK + tl.arange(0, CHUNK)
             key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-            eq = key == t_key
-            take = (key > t_key) | (eq & (ties_seen + tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
-            pos = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(out_row + pos, offs, mask=take & (pos < W))
-            done += tl.sum(take.to(tl.int32), axis=0)
-            ties_seen += tl.sum(eq.to(tl.int32), axis=0)
-        _pad(out_row, k_eff, W, BLOCK)
+            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
+                                  above_before + tl.minimum(ties_before, need), W)
+            if c == 0:
+                _pad(out_row, k, W, BLOCK)  # the tie path writes exactly k ids
+        elif c == 0:
+            _radix_select_row(row, length, k, out_row, W, BLOCK)
 
 
 @triton.jit
@@ -377,20 +457,25 @@ def plan(R: int, N: int, width: int) -> dict:
                 force_fallback=not register and G > TUNING["max_delegates"])
 
 
-def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
-    """Run the kernels (no checks): the ids of each row's winners in ascending order into ``out``.
+def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
+    """The kernel launches of one top-k call (no checks), as ``[(name, fn), ...]``: calling every ``fn``
+    in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
+    benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
 
-    Returns the per-row fallback flags of the long-row path (None for register rows), for tests;
-    ``stats`` (a dict) also receives the plan and, on the long-row path, the per-chunk candidate
-    counts and the thresholds (for benchmarks).
+    ``stats`` (a dict) receives the plan, the per-row fallback ``flags`` (long rows; 0 = done by the
+    candidates kernel, 2 = tie path, 1 = whole-row radix select) and on the long-row path the
+    per-chunk candidate ``counts`` and the thresholds (valid after the launches ran).
     """
     R, N = scores.shape
     W = out.shape[1]
     device = scores.device
     p = plan(R, N, W)
-    if stats is not None:
-        stats["plan"] = p
-    nw = TUNING["num_warps"] if device.type == "cuda" else 1
+    stats = {} if stats is None else stats
+    stats["plan"] = p
+    nw = TUNING["num_warps"]
+    if R * N <= TUNING["small_batch"]:
+        nw = TUNING["num_warps_small"]
+    nw = nw if device.type == "cuda" else 1
     row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,
                     len_ptr=lengths if lengths is not None else out, HAS_K=k_tensor is not None,
                     HAS_LEN=lengths is not None)
@@ -398,34 +483,46 @@ def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = N
     stride = scores.stride(0)
     if p["register"]:
         scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
-        _register_row_kernel[(R,)](scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"],
-                                   SLOTS=p["slots"], BLOCK_OUT=block_out, num_warps=nw)
-        return None
+        return [("register_row", lambda: _register_row_kernel[(R,)](
+            scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
+            BLOCK_OUT=block_out, num_warps=nw))]
     block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
     flags = torch.empty((R,), dtype=torch.int32, device=device)
-    if not p["force_fallback"]:
-        G, cols, chunk = p["G"], p["cols"], p["chunk"]
-        C = triton.cdiv(N, chunk)
-        log_c = max(1, (C - 1).bit_length())
-        counter = _counters(device, R)
-        delegates = torch.empty((R, G), dtype=torch.int32, device=device)
-        threshold = torch.empty((R,), dtype=torch.int32, device=device)
-        rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
-        _delegates_kernel[(R, G // cols)](scores, stride, delegates, threshold, counter[0], N, W, **row_args,
-                                          G=G, COLS=cols, ROWS=rows, num_warps=nw)
-        cand = torch.empty((R, C * chunk), dtype=torch.int32, device=device)
-        counts = torch.empty((R, C), dtype=torch.int32, device=device)
-        prefix = torch.empty((R, 1 << log_c), dtype=torch.int32, device=device)
-        _candidates_kernel[(R, C)](scores, stride, out, threshold, cand, counts, prefix, flags, counter[1],
-                                   N, W, **row_args, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c,
-                                   BLOCK_OUT=block_out, num_warps=nw)
-        if stats is not None:
-            stats.update(counts=counts, threshold=threshold)
-    if stats is not None:
-        stats.update(plan=p, flags=flags)
-    _fallback_kernel[(R,)](scores, stride, out, flags, N, W, **row_args, FORCE=p["force_fallback"], BLOCK=block,
-                           num_warps=nw)
-    return flags
+    stats["flags"] = flags
+    G, cols, chunk = p["G"], p["cols"], p["chunk"]
+    C = triton.cdiv(N, chunk)
+    log_c = max(1, (C - 1).bit_length())
+    if p["force_fallback"]:
+        return [("fallback", lambda: _fallback_kernel[(R, 1)](
+            scores, stride, out, flags, flags, flags, N, W, **row_args, FORCE=True, CHUNK=chunk, LOG_C=log_c,
+            BLOCK=block, num_warps=nw))]
+    counter = _counters(device, R)
+    delegates = torch.empty((R, G), dtype=torch.int32, device=device)
+    threshold = torch.empty((R,), dtype=torch.int32, device=device)
+    cand = torch.empty((R, C * chunk), dtype=torch.int32, device=device)
+    work = torch.empty((R, 4 * (1 << log_c) + 1), dtype=torch.int32, device=device)
+    stats.update(counts=work[:, :C], threshold=threshold)
+    rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+    return [
+        ("delegates", lambda: _delegates_kernel[(R, G // cols)](
+            scores, stride, delegates, threshold, counter[0], N, W, **row_args, G=G, COLS=cols, ROWS=rows,
+            num_warps=nw)),
+        ("candidates", lambda: _candidates_kernel[(R, C)](
+            scores, stride, out, threshold, delegates, cand, work, flags, counter[1], N, W, **row_args, G=G,
+            CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BLOCK_OUT=block_out, num_warps=nw)),
+        ("fallback", lambda: _fallback_kernel[(R, C)](
+            scores, stride, out, flags, threshold, work, N, W, **row_args, FORCE=False, CHUNK=chunk, LOG_C=log_c,
+            BLOCK=block, num_warps=nw)),
+    ]
+
+
+def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
+    """Run the kernels (no checks; see ``launches``). Returns the per-row fallback flags of the long-row
+    path (None for register rows), for tests."""
+    stats = {} if stats is None else stats
+    for _, fn in launches(scores, k_scalar, k_tensor, lengths, out, stats):
+        fn()
+    return stats.get("flags")
 
 
 def sort_winners(scores, out):
@@ -516,13 +613,13 @@ _FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
 AOT_VARIANTS = [
     *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, BLOCK_OUT=b), scratch="*i32", **_PTRS)
       for f, g, b in zip(_FLAGS, (4096, 256), (1024, 128), strict=True)],
-    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=512, ROWS=16), delegates="*i32", threshold="*i32",
-           counter="*i32", **_PTRS) for f, g in zip(_FLAGS, (4096, 8192), strict=True)],
-    *[_aot(_candidates_kernel, dict(**f, CHUNK=4096, SLOTS=s, LOG_C=c, BLOCK_OUT=1024), threshold="*i32",
-           cand="*i32", counts="*i32", prefix="*i32", flags="*i32", counter="*i32", **_PTRS)
-      for f, s, c in zip(_FLAGS, (4096, 8192), (4, 5), strict=True)],
-    *[_aot(_fallback_kernel, dict(**f, FORCE=force, BLOCK=1024), flags="*i32", **_PTRS)
-      for f, force in zip(_FLAGS, (False, True), strict=True)],
+    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8), {"num_warps": nw}, delegates="*i32",
+           threshold="*i32", counter="*i32", **_PTRS) for f, g, nw in zip(_FLAGS, (4096, 8192), (16, 8), strict=True)],
+    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=4096, SLOTS=g, LOG_C=c, BLOCK_OUT=1024), {"num_warps": nw},
+           threshold="*i32", delegates="*i32", cand="*i32", work="*i32", flags="*i32", counter="*i32", **_PTRS)
+      for f, g, c, nw in zip(_FLAGS, (4096, 8192), (4, 5), (16, 8), strict=True)],
+    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=4096, LOG_C=4, BLOCK=1024), flags="*i32",
+           threshold="*i32", work="*i32", **_PTRS) for f, force in zip(_FLAGS, (False, True), strict=True)],
     _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
     _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, BLOCK_OUT=16),
          {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),

@@ -115,10 +115,30 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
     x = adversarial_rows(1000, 128)[:5]
     flags = topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5))
-    # ascending, descending and periodic rows fit the 128 slots here; the plateau and the all-equal row do not
-    assert flags.tolist() == [0, 0, 0, 1, 1]
+    # ascending, descending and periodic rows fit the 128 slots here; the plateau and the all-equal row
+    # do not, and take the tie path (flag 2: fewer than k keys above the exact k-th delegate)
+    assert flags.tolist() == [0, 0, 0, 2, 2]
     monkeypatch.setitem(topk_module.TUNING, "slots", 2)
-    assert topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5)).tolist() == [1] * 5
+    out = out.new_empty(5, 5)
+    # with 2 slots all overflow; the periodic row has many keys above its k-th delegate: whole-row radix
+    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == [2, 2, 1, 2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
+
+
+def test_tie_path_across_chunks(monkeypatch):
+    """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
+    chunk programs by their counts: the lowest ids win, also with lengths and per-row k."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    monkeypatch.setitem(topk_module.TUNING, "slots", 32)
+    x = make_scores(4, 700, seed=4, ties=True)  # 7 distinct values: ~100 copies of each
+    x[3, 650:] = 9.0  # the top ties all sit in the last chunk
+    k = torch.tensor([150, 5, 99, 60], device=DEVICE)
+    lengths = torch.tensor([700, 640, 333, 700], device=DEVICE)
+    out = torch.empty(4, 150, dtype=torch.int32, device=DEVICE)
+    flags = topk_module.launch_topk(x, 0, k.int(), lengths, out)
+    assert flags.tolist() == [2, 2, 2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), k.cpu(), lengths.cpu(), order="index", width=150))
 
 
 def test_forced_fallback_for_wide_k(monkeypatch):

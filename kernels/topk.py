@@ -16,20 +16,26 @@ The design, in five steps:
    elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
    that set holds ``~0.7 G`` candidates (a few percent of a long row).
 4. **Candidates.** Every element ``>= T`` is copied (its id, in ascending id order) into a slot
-   tensor of ``SLOTS`` entries. Only these slots are histogrammed: four 256-bin radix rounds find the
-   exact k-th key ``t`` and how many keys equal to ``t`` to keep; ``keep = key > t`` or
-   ``key == t`` among the first ``ties`` of them (ties to the lower id). Positions come from a
-   prefix sum over the slots, so the winners come out in ascending id order with no sort.
-5. **Fallback.** A row whose candidates do not fit the slots (ascending rows, a period of G,
-   plateaus of equal values, more than half the row wanted) raises a per-row flag on the device;
-   a fallback program then runs the same radix select over the whole row. Exact, never truncated.
+   tensor of ``SLOTS`` entries. Only these slots are searched for the exact k-th key ``t``: radix
+   rounds of 8 bits (``tl.histogram``, 256 bins), the last two optionally replaced by a pairwise rank
+   of the few keys that share ``t``'s top 16 bits (``TUNING["pair_rank"]``). Then
+   ``keep = key > t`` or ``key == t`` among the first ``ties`` of them (ties to the lower id).
+   Positions come from a prefix sum over the slots: winners in ascending id order, no sort.
+5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
+   ascending rows, a period of G, more than half the row wanted) is flagged on the device. Most such
+   rows overflow because many keys EQUAL the threshold: with ``Te`` = the exact k-th delegate, at
+   least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is
+   "every key > Te, plus the lowest-id keys == Te". One pass counts both per chunk (the row's last
+   program), then every chunk writes its share at known offsets in parallel (the *tie path*). Only
+   rows with k or more keys above ``Te`` (e.g. a period of G) take the whole-row radix select.
 
 ``order="score"`` then sorts the <= k winners of each row (one ``tl.sort`` per row).
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
-keeps it in registers (one launch). Longer rows use three launches: delegates (many programs per
-row, the last one to finish computes ``T``), candidates (many programs per row, the last one does
-the exact selection) and the fallback (a no-op for unflagged rows). "Last program of the row" is an
+keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
+launches: delegates (many programs per row, the last one to finish computes ``T``), candidates (many
+programs per row, the last one does the exact selection or plans the fallback) and the fallback
+(a program per chunk; a no-op for unflagged rows). "Last program of the row" is an
 atomic counter that the last program resets, so nothing is read back to the host and the call can
 be captured in a CUDA graph.
 """
@@ -68,6 +74,8 @@ TUNING = {
     "num_warps_small": 16,  # warps per program when R * N <= small_batch (few programs: wider ones)
     "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
+    "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
+    "pair_rank": 128,  # > 0: the exact select ranks up to this many keys pairwise after 2 radix rounds (0: 4 rounds)
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -97,6 +105,21 @@ def _walk(h, k_rem):
 
 
 @triton.jit
+def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """Radix rounds FIRST..LAST-1 (8 bits each, top first) of the k_rem-th largest key: ``ut`` holds the
+    digits found so far (unsigned order, as int32 bits); returns it with the new digits and the new k_rem."""
+    u = key ^ -2147483648  # unsigned order, as int32 bits
+    for p in tl.static_range(FIRST, LAST):
+        match = key != -2147483648
+        if p > 0:
+            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
+        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
+        d, k_rem = _walk(h, k_rem)
+        ut = ut | (d << (24 - 8 * p))
+    return ut, k_rem
+
+
+@triton.jit
 def _kth_largest(key, k, ROUNDS: tl.constexpr):
     """Radix select over a register tensor (1 <= k <= #valid keys): 8 bits per round, top first.
 
@@ -104,17 +127,32 @@ def _kth_largest(key, k, ROUNDS: tl.constexpr):
     equal to ``t`` belong to the top k; with fewer rounds ``t`` is that key with its low bits
     cleared, so that ``count(key >= t) >= k`` still holds.
     """
-    u = key ^ -2147483648  # unsigned order, as int32 bits
-    ut = tl.zeros([], tl.int32)
-    k_rem = k
-    for p in tl.static_range(ROUNDS):
-        match = key != -2147483648
-        if p > 0:
-            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
-        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
-        d, k_rem = _walk(h, k_rem)
-        ut = ut | (d << (24 - 8 * p))
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, ROUNDS)
     return ut ^ -2147483648, k_rem
+
+
+@triton.jit
+def _kth_largest_pairwise(key, k, scratch, PAIR: tl.constexpr):
+    """``_kth_largest(key, k, 4)`` with rounds 3-4 replaced by a pairwise rank when few keys share the
+    k-th key's top 16 bits (random rows: a few dozen): copy those <= PAIR keys to ``scratch`` and count,
+    for each, the members above it. Many equal keys (ties, clusters): the two radix rounds instead."""
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, 2)
+    top16 = (ut ^ -2147483648) >> 16
+    member = ((key >> 16) == top16) & (key != -2147483648)
+    m = tl.sum(member.to(tl.int32), axis=0)
+    if m <= PAIR:
+        tl.debug_barrier()  # the caller's reads of scratch are done
+        tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+        tl.debug_barrier()
+        i = tl.arange(0, PAIR)
+        mk = tl.load(scratch + i, mask=i < m, other=-2147483648, cache_modifier=".cg")
+        above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
+        t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
+        ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+    else:
+        ut, ties = _radix_rounds(key, ut, k_rem, 2, 4)
+        t = ut ^ -2147483648
+    return t, ties
 
 
 @triton.jit
@@ -139,11 +177,15 @@ def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
 
 
 @triton.jit
-def _write_winners(key, ids, k, out_row, base, W):
+def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
     """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
-    (ascending). Returns how many were written: min(k, #valid keys)."""
+    (ascending). Returns how many were written: min(k, #valid keys). PAIR > 0: the exact k-th key by
+    ``_kth_largest_pairwise`` (``scratch``: PAIR free int32), else by four radix rounds."""
     k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
+    if PAIR > 0:
+        t, ties = _kth_largest_pairwise(key, tl.maximum(k_eff, 1), scratch, PAIR)
+    else:
+        t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
     _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
@@ -169,7 +211,7 @@ def _pad(out_row, start, W, BLOCK: tl.constexpr):
 
 @triton.jit
 def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
-                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr):
+                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
     """Steps 2-5 for a row held in registers: winners among columns [lo, hi) at out_row[base:]."""
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
@@ -178,21 +220,20 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     T = _threshold(dkey, k)
     cand = (key >= T) & (key != -2147483648)
     count = tl.sum(cand.to(tl.int32), axis=0)
-    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
     if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row
         tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
         tl.debug_barrier()
         s = tl.arange(0, SLOTS)
         ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
         skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
-        _write_winners(skey, ids, k, out_row, base, W)
+        k_eff = _write_winners(skey, ids, k, out_row, base, W, scratch_row, PAIR)
     else:  # overflow (ties at the threshold, or a row that defeats the delegates)
         te, usable = _exact_delegate(dkey, k)
         above = tl.sum((key > te).to(tl.int32), axis=0)
         if usable & (above < k):  # the k-th key is te: keys > te plus the first k - above keys == te
-            _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
+            k_eff = _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
         else:  # exact radix select over the whole register row
-            _write_winners(key, j, k, out_row, base, W)
+            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
     return k_eff
 
 
@@ -216,13 +257,13 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
 @triton.jit
 def _register_row_kernel(scores, stride_r, out, scratch, N, W, k_scalar, k_ptr, len_ptr,
                          HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, N_PAD: tl.constexpr, G: tl.constexpr,
-                         SLOTS: tl.constexpr, BLOCK_OUT: tl.constexpr):
+                         SLOTS: tl.constexpr, PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
     """One program = one row of at most N_PAD columns, held in registers: the whole top-k, one launch."""
     r = tl.program_id(0)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     out_row = out + r.to(tl.int64) * W
     k_eff = _select_in_registers(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
-                                 scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS)
+                                 scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     _pad(out_row, k_eff, W, BLOCK_OUT)
 
 
@@ -257,16 +298,20 @@ def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD
     one pass over the row from L2. Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te:
     the fallback's chunk programs write every key > Te plus the first k - above keys == Te),
     1 = the whole-row radix select."""
+    PER: tl.constexpr = 8192 // CHUNK if CHUNK < 8192 else 1  # chunks counted per step (tiles of ~8K)
     te, usable = _exact_delegate(dkey, k)
     above = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
-    for c in range(0, C):
-        tl.store(work_row + 2 * C_PAD + c, above)
-        tl.store(work_row + 3 * C_PAD + c, ties)
-        offs = c * CHUNK + tl.arange(0, CHUNK)
+    for c0 in range(0, C, PER):
+        ci = c0 + tl.arange(0, PER)
+        offs = ci[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
         key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        above += tl.sum((key > te).to(tl.int32), axis=0)
-        ties += tl.sum((key == te).to(tl.int32), axis=0)
+        a = tl.sum((key > te).to(tl.int32), axis=1)
+        e = tl.sum((key == te).to(tl.int32), axis=1)
+        tl.store(work_row + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
+        tl.store(work_row + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
+        above += tl.sum(a, axis=0)
+        ties += tl.sum(e, axis=0)
     tl.store(work_row + 4 * C_PAD, k - above)
     return te, tl.where(usable & (above < k), 2, 1)
 
@@ -275,7 +320,7 @@ def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD
 def _candidates_kernel(scores, stride_r, out, threshold, delegates, cand, work, flags, counter,
                        N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr,
                        G: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr,
-                       BLOCK_OUT: tl.constexpr):
+                       PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
     """One program = one CHUNK of a row: copy the ids of its elements >= T (ascending) into the chunk's
     part of ``cand``. The row's last program gathers all candidates into SLOTS slots and writes the
     exact top-k; when they do not fit, it plans the fallback and flags the row.
@@ -319,7 +364,7 @@ def _candidates_kernel(scores, stride_r, out, threshold, delegates, cand, work, 
             ids = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
             skey = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
             out_row = out + r.to(tl.int64) * W
-            k_eff = _write_winners(skey, ids, k, out_row, 0, W)
+            k_eff = _write_winners(skey, ids, k, out_row, 0, W, cand_row, PAIR)
             _pad(out_row, k_eff, W, BLOCK_OUT)
         else:
             dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
@@ -453,7 +498,9 @@ def plan(R: int, N: int, width: int) -> dict:
         chunk //= 2  # programs per row
     while R * (G // cols) < TUNING["min_programs"] and cols > 64:
         cols //= 2
-    return dict(register=register, n_pad=n_pad, G=G, slots=min(slots, n_pad), chunk=chunk, cols=cols,
+    slots = min(slots, n_pad)
+    pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # pairwise rank needs PAIR <= slots
+    return dict(register=register, n_pad=n_pad, G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
                 force_fallback=not register and G > TUNING["max_delegates"])
 
 
@@ -485,7 +532,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
         return [("register_row", lambda: _register_row_kernel[(R,)](
             scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
-            BLOCK_OUT=block_out, num_warps=nw))]
+            PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw))]
     block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
     flags = torch.empty((R,), dtype=torch.int32, device=device)
     stats["flags"] = flags
@@ -509,7 +556,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, out, threshold, delegates, cand, work, flags, counter[1], N, W, **row_args, G=G,
-            CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BLOCK_OUT=block_out, num_warps=nw)),
+            CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw)),
         ("fallback", lambda: _fallback_kernel[(R, C)](
             scores, stride, out, flags, threshold, work, N, W, **row_args, FORCE=False, CHUNK=chunk, LOG_C=log_c,
             BLOCK=block, num_warps=nw)),
@@ -529,7 +576,7 @@ def sort_winners(scores, out):
     """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id."""
     R, W = out.shape
     w_pad = max(16, triton.next_power_of_2(W))
-    num_warps = (16 if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
+    num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
     _sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
     return out
 
@@ -611,16 +658,17 @@ def _aot(kernel, constexprs, options=None, **types):
 _PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
 _FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
 AOT_VARIANTS = [
-    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, BLOCK_OUT=b), scratch="*i32", **_PTRS)
-      for f, g, b in zip(_FLAGS, (4096, 256), (1024, 128), strict=True)],
+    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
+           **_PTRS) for f, g, b, pr in zip(_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
     *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8), {"num_warps": nw}, delegates="*i32",
            threshold="*i32", counter="*i32", **_PTRS) for f, g, nw in zip(_FLAGS, (4096, 8192), (16, 8), strict=True)],
-    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=4096, SLOTS=g, LOG_C=c, BLOCK_OUT=1024), {"num_warps": nw},
-           threshold="*i32", delegates="*i32", cand="*i32", work="*i32", flags="*i32", counter="*i32", **_PTRS)
-      for f, g, c, nw in zip(_FLAGS, (4096, 8192), (4, 5), (16, 8), strict=True)],
+    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK_OUT=1024),
+           {"num_warps": nw}, threshold="*i32", delegates="*i32", cand="*i32", work="*i32", flags="*i32",
+           counter="*i32", **_PTRS)
+      for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 8192), (4, 4), (16, 8), (0, 128), strict=True)],
     *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=4096, LOG_C=4, BLOCK=1024), flags="*i32",
            threshold="*i32", work="*i32", **_PTRS) for f, force in zip(_FLAGS, (False, True), strict=True)],
     _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
-    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, BLOCK_OUT=16),
+    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
          {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),
 ]

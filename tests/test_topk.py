@@ -141,6 +141,21 @@ def test_tie_path_across_chunks(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), k.cpu(), lengths.cpu(), order="index", width=150))
 
 
+
+@pytest.mark.parametrize("pair_rank", [0, 32])
+@pytest.mark.parametrize("knobs", [PATHS["register"], PATHS["long"]])
+def test_pairwise_rank(monkeypatch, knobs, pair_rank):
+    """TUNING["pair_rank"]: the exact k-th key by a pairwise rank after two radix rounds (few keys share
+    its top 16 bits), or by the last two rounds when too many do (ties); 0: four radix rounds."""
+    for name, value in {**knobs, "pair_rank": pair_rank}.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = make_scores(3, 700, seed=6)
+    x[1] = make_scores(1, 700, seed=7, ties=True)[0]  # ~100 equal keys: the radix rounds
+    x[2, ::5] = x[2, 3]  # a tie run inside the pairwise window
+    for k in (7, 60):
+        check(x, k, order="index")
+    check(x, 60, torch.tensor([700, 300, 650], device=DEVICE), order="score")
+
 def test_forced_fallback_for_wide_k(monkeypatch):
     """k too large for the delegates (2k > max_delegates) sends every row to the exact fallback."""
     for name, value in PATHS["long"].items():

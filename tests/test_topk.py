@@ -139,6 +139,12 @@ def test_tie_path_across_chunks(monkeypatch):
     flags = topk_module.launch_topk(x, 0, k.int(), lengths, out)
     assert flags.tolist() == [2, 2, 2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), k.cpu(), lengths.cpu(), order="index", width=150))
+    # chunks of 1024 are counted 8 per step: 9 chunks = a full step and a partial one
+    monkeypatch.setitem(topk_module.TUNING, "chunk", 1024)
+    x = make_scores(2, 9000, seed=5, ties=True)
+    out = torch.empty(2, 300, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 300, None, None, out).tolist() == [2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 300, order="index"))
 
 
 

@@ -225,25 +225,25 @@ def main(argv=None) -> int:
                     TUNING[knob] = saved
                 sweep_rows.append(("64x65536 order=score", f"{knob}={v}", t))
                 print(f"  sweep 64x65536 order=score {knob}={v}: {t:.1f} us", flush=True)
-        # the fused selection with the pairwise rank (randn and clustered)
+        # the fused selection: pairwise rank off, 16 warps (randn and clustered)
         for dist in ("randn", "clustered"):
             copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(4)]
-            for v in (128, 0):
-                saved = TUNING["pair_rank"]
-                TUNING["pair_rank"] = v
+            for knob, v in (("pair_rank", 128), ("pair_rank", 0), ("num_warps", 16)):
+                saved = TUNING[knob]
+                TUNING[knob] = v
                 try:
-                    check(f"sweep select {dist} pair_rank={v}",
+                    check(f"sweep select {dist} {knob}={v}",
                           select_pages_triton(copies[0], seq_lens, mask, page_size, config)[0],
                           select_pages(copies[0], seq_lens, mask, page_size, config)[0])
                     t = timer.cold([partial(select_pages_triton, c, seq_lens, mask, page_size, config)
                                     for c in copies])
                 except Exception as e:  # noqa: BLE001
-                    print(f"  sweep select pair_rank={v}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                    print(f"  sweep select {knob}={v}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
                     t = float("nan")
                 finally:
-                    TUNING["pair_rank"] = saved
-                sweep_rows.append((f"select 32x8192 {dist}", f"pair_rank={v}", t))
-                print(f"  sweep select {dist} pair_rank={v}: {t:.1f} us", flush=True)
+                    TUNING[knob] = saved
+                sweep_rows.append((f"select 32x8192 {dist}", f"{knob}={v}", t))
+                print(f"  sweep select {dist} {knob}={v}: {t:.1f} us", flush=True)
 
     print("\n== top-k, us (CUDA-graph replay, L2 flushed, median) ==")
     print(f"{'shape':>10} {'k':>5} {'dist':<9} {'torch sF':>9} {'index':>8} {'x':>5} {'torch sT':>9} {'score':>8} "

@@ -71,7 +71,7 @@ TUNING = {
     "chunk": 4096,  # columns per candidate program
     "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,
-    "num_warps_small": 16,  # warps per program when R * N <= small_batch (few programs: wider ones)
+    "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
     "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
@@ -520,7 +520,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     stats = {} if stats is None else stats
     stats["plan"] = p
     nw = TUNING["num_warps"]
-    if R * N <= TUNING["small_batch"]:
+    if R * N <= TUNING["small_batch"] and not p["register"]:
         nw = TUNING["num_warps_small"]
     nw = nw if device.type == "cuda" else 1
     row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,

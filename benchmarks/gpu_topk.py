@@ -39,7 +39,7 @@ from sparse_ref.selection import select_pages, topk_reference
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
 SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512]}
-SORT_SWEEP = {"sort_warps": [8, 32]}  # order="score" at 64 x 65536
+SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at 64 x 65536
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
 

@@ -666,8 +666,9 @@ AOT_VARIANTS = [
            {"num_warps": nw}, threshold="*i32", delegates="*i32", cand="*i32", work="*i32", flags="*i32",
            counter="*i32", **_PTRS)
       for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 8192), (4, 4), (16, 8), (0, 128), strict=True)],
-    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=4096, LOG_C=4, BLOCK=1024), flags="*i32",
-           threshold="*i32", work="*i32", **_PTRS) for f, force in zip(_FLAGS, (False, True), strict=True)],
+    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
+           flags="*i32", threshold="*i32", work="*i32", **_PTRS)
+      for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (16, 8), strict=True)],
     _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
     _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
          {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),

@@ -12,7 +12,9 @@
    the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch
    ``select_pages``.
 4. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
-   alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call.
+   alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
+   candidates pass reads the row from HBM; in the chained call it re-reads it from L2, so the sum of
+   the parts exceeds the call by about one L2-vs-HBM read (~4-6 µs).
 5. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
 
 Budget: the whole run (compilation included) is meant to finish in about 4 minutes on an H200.

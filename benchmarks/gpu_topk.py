@@ -40,7 +40,8 @@ from sparse_ref.selection import select_pages, topk_reference
 
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
-SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512]}
+SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
+         "fallback_warps": [8]}
 SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at 64 x 65536
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
@@ -195,6 +196,8 @@ def main(argv=None) -> int:
             base = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
             sweep_rows.append((f"{R}x{N}", "default", base))
             for knob, values in SWEEP.items():
+                if N <= TUNING["register_row"] and knob not in ("pair_rank", "num_warps"):
+                    continue  # register rows: one kernel, the long-row knobs do not apply
                 for v in values:
                     saved = TUNING[knob]
                     TUNING[knob] = v

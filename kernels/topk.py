@@ -74,6 +74,7 @@ TUNING = {
     "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
     "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
+    "fallback_warps": 4,  # the fallback launch: a program per chunk, a no-op on most rows (keep it light)
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "pair_rank": 128,  # > 0: the exact select ranks up to this many keys pairwise after 2 radix rounds (0: 4 rounds)
 }
@@ -559,7 +560,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw)),
         ("fallback", lambda: _fallback_kernel[(R, C)](
             scores, stride, out, flags, threshold, work, N, W, **row_args, FORCE=False, CHUNK=chunk, LOG_C=log_c,
-            BLOCK=block, num_warps=nw)),
+            BLOCK=block, num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
     ]
 
 
@@ -668,7 +669,7 @@ AOT_VARIANTS = [
       for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 8192), (4, 4), (16, 8), (0, 128), strict=True)],
     *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
            flags="*i32", threshold="*i32", work="*i32", **_PTRS)
-      for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (16, 8), strict=True)],
+      for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)],
     _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
     _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
          {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),

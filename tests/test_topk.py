@@ -252,9 +252,8 @@ def test_input_errors(call, match):
 # GPU: realistic sizes, CUDA graphs
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("R, N, k", [(4, 131072, 2048), (1, 131072, 2048), (8, 16384, 512), (5, 10_000, 4096),
-                                     (3, 20_000, 100), (2, 1 << 20, 4096), (3, 100_003, 4096), (64, 65536, 2048),
-                                     (16, 8192, 128), (7, 6000, 2047)])
+@pytest.mark.parametrize("R, N, k", [(4, 131072, 2048), (1, 131072, 2048), (5, 10_000, 4096), (3, 20_000, 100),
+                                     (2, 1 << 20, 4096), (64, 65536, 2048), (7, 6000, 2047)])  # few compile variants
 def test_gpu_large_rows(R, N, k):
     x = make_scores(R, N, seed=8, device="cuda")
     x[0, ::7] = 0.25  # a big block of ties

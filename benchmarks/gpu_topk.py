@@ -42,7 +42,8 @@ SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
 SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
          "fallback_warps": [8]}
-SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at 64 x 65536
+SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at SORT_SHAPE
+SORT_SHAPE = (64, 65536, 2048)
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
 
@@ -213,23 +214,24 @@ def main(argv=None) -> int:
                     sweep_rows.append((f"{R}x{N}", f"{knob}={v}", t))
                     print(f"  sweep {R}x{N} {knob}={v}: {t:.1f} us (default {base:.1f})", flush=True)
         # order="score": the warps of the winners' sort
-        copies = [make_distribution("randn", 64, 65536, device, seed=s) for s in range(4)]
-        out = torch.empty(64, 2048, dtype=torch.int32, device=device)
+        R, N, k = SORT_SHAPE
+        copies = [make_distribution("randn", R, N, device, seed=s) for s in range(4)]
+        out = torch.empty(R, k, dtype=torch.int32, device=device)
         for knob, values in SORT_SWEEP.items():
             for v in [TUNING[knob], *values]:
                 saved = TUNING[knob]
                 TUNING[knob] = v
                 try:
-                    check(f"sweep score {knob}={v}", topk(copies[0], 2048, order="score"),
-                          topk_reference(copies[0], 2048, order="score"))
-                    t = timer.cold([partial(topk, c, 2048, order="score", out=out) for c in copies])
+                    check(f"sweep score {knob}={v}", topk(copies[0], k, order="score"),
+                          topk_reference(copies[0], k, order="score"))
+                    t = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
                 except Exception as e:  # noqa: BLE001
                     print(f"  sweep score {knob}={v}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
                     t = float("nan")
                 finally:
                     TUNING[knob] = saved
-                sweep_rows.append(("64x65536 order=score", f"{knob}={v}", t))
-                print(f"  sweep 64x65536 order=score {knob}={v}: {t:.1f} us", flush=True)
+                sweep_rows.append((f"{R}x{N} order=score", f"{knob}={v}", t))
+                print(f"  sweep {R}x{N} order=score {knob}={v}: {t:.1f} us", flush=True)
         # the fused selection: pairwise rank off, 16 warps (randn and clustered)
         for dist in ("randn", "clustered"):
             copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(4)]
@@ -266,6 +268,12 @@ def main(argv=None) -> int:
         for shape in dict.fromkeys(s for s, _, _ in parts):
             print(f"{shape:>16}: " + ", ".join(f"{n} {t:.1f}" for s, n, t in parts if s == shape)
                   + f" | sum {sum(t for s, _, t in parts if s == shape):.1f}")
+        t = {(s.split()[-1], n): v for s, n, v in parts}
+        if ("randn", "candidates") in t and ("clustered", "fallback") in t:
+            # the clustered fallback launch does the candidates pass's per-chunk work (read, prefix sum, scatter)
+            # on every chunk, without the serial tail: the difference estimates the randn select tail
+            print(f"  select tail of the candidates launch (randn) ~ candidates(randn) - fallback(clustered) = "
+                  f"{t['randn', 'candidates'] - t['clustered', 'fallback']:.1f}")
     if sweep_rows:
         print("\n== knob sweep (index order, randn), us ==")
         for shape in dict.fromkeys(s for s, _, _ in sweep_rows):

@@ -11,7 +11,13 @@
    ``order="index"`` vs ``torch.topk(sorted=False)``, ``order="score"`` vs ``torch.topk(sorted=True)``;
    the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch
    ``select_pages``.
-4. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
+4. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
+   alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
+   candidates pass reads the row from HBM; in the chained call it re-reads it from L2, so the sum of
+   the parts exceeds the call by about one L2-vs-HBM read (~4-6 µs).
+5. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
+
+Budget: the whole run (compilation included) is meant to finish in about 4 minutes on an H200.
 
 Prints a compact table at the end; exits 1 on any exactness failure.
 """
@@ -29,13 +35,16 @@ import sparse_ref  # noqa: F401  (interpreter set-up; a GPU is required here)
 from sparse_ref.bench import Timer, make_distribution
 from sparse_ref.config import SparseConfig
 from sparse_ref.kernels.page_select import select_pages_triton
-from sparse_ref.kernels.topk import TUNING, launch_topk, topk
+from sparse_ref.kernels.topk import TUNING, launch_topk, launches, topk
 from sparse_ref.selection import select_pages, topk_reference
 
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
-SWEEP = {"chunk": [2048, 8192], "delegate_cols": [256, 1024], "num_warps": [4, 16], "min_delegates": [8192],
-         "slots_per_delegate": [2], "register_row": [16384]}
+SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
+         "fallback_warps": [8]}
+SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at SORT_SHAPE
+SORT_SHAPE = (64, 65536, 2048)
+SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
 
 
@@ -47,7 +56,8 @@ def check(label, got, ref):
 
 
 def candidate_stats(x, k):
-    """(per-row candidate counts, fallback rows) of the delegate filter for this call."""
+    """(per-row candidate counts, fallback rows) of the delegate filter for this call. Register rows: the
+    tie path runs inside the one kernel, so "fallback" counts the rows whose candidates overflow."""
     R, N = x.shape
     out = torch.empty(R, k, dtype=torch.int32, device=x.device)
     stats: dict = {}
@@ -55,7 +65,8 @@ def candidate_stats(x, k):
     p = stats["plan"]
     if "counts" in stats:
         counts = stats["counts"].sum(1)
-        return counts, int(stats["flags"].sum())
+        flags = stats["flags"]  # 0: done by the candidates kernel, 2: tie path, 1: whole-row radix select
+        return counts, f"{int((flags != 0).sum())}/{R} r{int((flags == 1).sum())}"
     # register rows: the kernel's rule in torch (keys, strided delegates, k-th delegate cut to 16 bits)
     f = x.float() + 0.0
     i = f.view(torch.int32)
@@ -67,7 +78,30 @@ def candidate_stats(x, k):
     t = dele.topk(min(k, p["G"]), dim=1).values[:, -1]
     t = ((t.long() + 2**31) >> 16 << 16) - 2**31  # the two-round (16-bit) prefix of the k-th delegate
     counts = (key.long() >= t[:, None]).sum(1)
-    return counts, int((counts > p["slots"]).sum())
+    return counts, f"{int((counts > p['slots']).sum())}/{R}"
+
+
+def breakdown(R, N, k, dist, timer, device) -> list:
+    """Each launch of one call timed alone (after a full call left valid inputs for it)."""
+    copies = [make_distribution(dist, R, N, device, seed=s) for s in range(4)]
+    plans = []
+    for c in copies:
+        out = torch.empty(R, k, dtype=torch.int32, device=device)
+        stats: dict = {}
+        steps = launches(c, k, None, None, out, stats)
+        for _, fn in steps:
+            fn()
+        plans.append(steps)
+    torch.cuda.synchronize()
+    flags = stats.get("flags")
+    rows = []
+    for i, (name, _) in enumerate(plans[0]):
+        t = timer.cold([steps[i][1] for steps in plans])
+        rows.append((f"{R}x{N} {dist}", name, t))
+        print(f"  breakdown {R}x{N} k={k} {dist:<9} {name:<12} {t:7.1f} us"
+              + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "fallback" and flags is not None else ""),
+              flush=True)
+    return rows
 
 
 def run_shape(R, N, k, dist, timer, device) -> dict:
@@ -94,10 +128,10 @@ def run_shape(R, N, k, dist, timer, device) -> dict:
     t_ts = timer.cold([partial(torch.topk, c, k, dim=1, sorted=True) for c in copies])
     t_os = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
     row = dict(shape=f"{R}x{N}", k=k, dist=dist, torch_unsorted=t_ti, ours_index=t_oi, torch_sorted=t_ts,
-               ours_score=t_os, cand=cand, fallback=f"{fallback}/{R}")
+               ours_score=t_os, cand=cand, fallback=fallback)
     print(f"  {row['shape']:>10} k={k:<5} {dist:<9} torch(sorted=False) {t_ti:7.1f} | index {t_oi:7.1f} "
           f"(x{t_ti / t_oi:4.2f}) | torch(sorted=True) {t_ts:7.1f} | score {t_os:7.1f} (x{t_ts / t_os:4.2f})"
-          f" | cand min/med/max {cand} | fallback rows {fallback}/{R}", flush=True)
+          f" | cand min/med/max {cand} | fallback rows {fallback}", flush=True)
     return row
 
 
@@ -105,7 +139,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="randn and sorted only, fewer reps")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=60)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -148,14 +182,23 @@ def main(argv=None) -> int:
             failures.append(f"select {dist}: {type(e).__name__}: {str(e)[-300:]}")
             print(f"  FAIL {failures[-1]}", flush=True)
 
+    parts = []
+    for dist in ("randn", "clustered"):
+        try:
+            parts += breakdown(64, 65536, 2048, dist, timer, device)
+        except Exception as e:  # noqa: BLE001
+            print(f"  breakdown {dist}: {type(e).__name__}: {str(e)[-300:]}", flush=True)
+
     sweep_rows = []
     if not args.no_sweep:
-        for R, N, k in [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (64, 16384, 2048)]:
+        for R, N, k in SWEEP_SHAPES:
             copies = [make_distribution("randn", R, N, device, seed=s) for s in range(4)]
             out = torch.empty(R, k, dtype=torch.int32, device=device)
             base = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
             sweep_rows.append((f"{R}x{N}", "default", base))
             for knob, values in SWEEP.items():
+                if N <= TUNING["register_row"] and knob not in ("pair_rank", "num_warps"):
+                    continue  # register rows: one kernel, the long-row knobs do not apply
                 for v in values:
                     saved = TUNING[knob]
                     TUNING[knob] = v
@@ -170,23 +213,72 @@ def main(argv=None) -> int:
                         TUNING[knob] = saved
                     sweep_rows.append((f"{R}x{N}", f"{knob}={v}", t))
                     print(f"  sweep {R}x{N} {knob}={v}: {t:.1f} us (default {base:.1f})", flush=True)
+        # order="score": the warps of the winners' sort
+        R, N, k = SORT_SHAPE
+        copies = [make_distribution("randn", R, N, device, seed=s) for s in range(4)]
+        out = torch.empty(R, k, dtype=torch.int32, device=device)
+        for knob, values in SORT_SWEEP.items():
+            for v in [TUNING[knob], *values]:
+                saved = TUNING[knob]
+                TUNING[knob] = v
+                try:
+                    check(f"sweep score {knob}={v}", topk(copies[0], k, order="score"),
+                          topk_reference(copies[0], k, order="score"))
+                    t = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
+                except Exception as e:  # noqa: BLE001
+                    print(f"  sweep score {knob}={v}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                    t = float("nan")
+                finally:
+                    TUNING[knob] = saved
+                sweep_rows.append((f"{R}x{N} order=score", f"{knob}={v}", t))
+                print(f"  sweep {R}x{N} order=score {knob}={v}: {t:.1f} us", flush=True)
+        # the fused selection: pairwise rank off, 16 warps (randn and clustered)
+        for dist in ("randn", "clustered"):
+            copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(4)]
+            for knob, v in (("pair_rank", 128), ("pair_rank", 0), ("num_warps", 16)):
+                saved = TUNING[knob]
+                TUNING[knob] = v
+                try:
+                    check(f"sweep select {dist} {knob}={v}",
+                          select_pages_triton(copies[0], seq_lens, mask, page_size, config)[0],
+                          select_pages(copies[0], seq_lens, mask, page_size, config)[0])
+                    t = timer.cold([partial(select_pages_triton, c, seq_lens, mask, page_size, config)
+                                    for c in copies])
+                except Exception as e:  # noqa: BLE001
+                    print(f"  sweep select {knob}={v}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                    t = float("nan")
+                finally:
+                    TUNING[knob] = saved
+                sweep_rows.append((f"select 32x8192 {dist}", f"{knob}={v}", t))
+                print(f"  sweep select {dist} {knob}={v}: {t:.1f} us", flush=True)
 
     print("\n== top-k, us (CUDA-graph replay, L2 flushed, median) ==")
     print(f"{'shape':>10} {'k':>5} {'dist':<9} {'torch sF':>9} {'index':>8} {'x':>5} {'torch sT':>9} {'score':>8} "
-          f"{'x':>5} {'cand min/med/max':>18} {'fallback':>8}")
+          f"{'x':>5} {'cand min/med/max':>18} {'fallback':>12}")
     for r in table:
         print(f"{r['shape']:>10} {r['k']:>5} {r['dist']:<9} {r['torch_unsorted']:9.1f} {r['ours_index']:8.1f} "
               f"{r['torch_unsorted'] / r['ours_index']:5.2f} {r['torch_sorted']:9.1f} {r['ours_score']:8.1f} "
-              f"{r['torch_sorted'] / r['ours_score']:5.2f} {r['cand']:>18} {r['fallback']:>8}")
+              f"{r['torch_sorted'] / r['ours_score']:5.2f} {r['cand']:>18} {r['fallback']:>12}")
     print("\n== fused page selection 32 x 8192 pages, k=128 + 4 recent, us ==")
     for dist, t_ours, t_topk, t_sel in sel_rows:
         print(f"{dist:<9} ours {t_ours:6.1f} | torch.topk alone {t_topk:6.1f} (x{t_topk / t_ours:4.2f}) | "
               f"select_pages {t_sel:7.1f} (x{t_sel / t_ours:5.1f})")
+    if parts:
+        print("\n== per-launch breakdown, 64 x 65536 k=2048 (each launch alone, L2 flushed), us ==")
+        for shape in dict.fromkeys(s for s, _, _ in parts):
+            print(f"{shape:>16}: " + ", ".join(f"{n} {t:.1f}" for s, n, t in parts if s == shape)
+                  + f" | sum {sum(t for s, _, t in parts if s == shape):.1f}")
+        t = {(s.split()[-1], n): v for s, n, v in parts}
+        if ("randn", "candidates") in t and ("clustered", "fallback") in t:
+            # the clustered fallback launch does the candidates pass's per-chunk work (read, prefix sum, scatter)
+            # on every chunk, without the serial tail: the difference estimates the randn select tail
+            print(f"  select tail of the candidates launch (randn) ~ candidates(randn) - fallback(clustered) = "
+                  f"{t['randn', 'candidates'] - t['clustered', 'fallback']:.1f}")
     if sweep_rows:
         print("\n== knob sweep (index order, randn), us ==")
         for shape in dict.fromkeys(s for s, _, _ in sweep_rows):
             items = [(n, t) for s, n, t in sweep_rows if s == shape]
-            print(f"{shape:>10}: " + ", ".join(f"{n} {t:.1f}" for n, t in items))
+            print(f"{shape:>22}: " + ", ".join(f"{n} {t:.1f}" for n, t in items))
     if table:
         print(f"\nmedian speedup index vs sorted=False: "
               f"{statistics.median(r['torch_unsorted'] / r['ours_index'] for r in table):.2f}")

@@ -35,7 +35,8 @@ MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this 
 @triton.jit
 def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
                         N, W, page_size, n_recent, n_sink, min_seq,
-                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, BLOCK_OUT: tl.constexpr):
+                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                        BLOCK_OUT: tl.constexpr):
     """One program = one request row: plan its windows, select its history top-k, write the full row."""
     r = tl.program_id(0)
     seq = tl.load(seq_lens + r).to(tl.int64)
@@ -49,7 +50,7 @@ def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_ma
     k = tl.where(sparse, k, 0)
     out_row = selected + r.to(tl.int64) * W
     k_eff = _select_in_registers(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
-                                 sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS)
+                                 sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = tl.where(sparse, sink_end + k_eff + n - recent_start, 0)
     tl.store(lengths + r, filled)
     for t in range(0, W, BLOCK_OUT):
@@ -66,7 +67,7 @@ AOT_VARIANTS = [
      {"scores": "*fp32", "stride_r": "i32", "selected": "*i32", "lengths": "*i32", "seq_lens": "*i64",
       "sparse_mask": "*i1", "budget": "*i32", "scratch": "*i32", "N": "i32", "W": "i32", "page_size": "i32",
       "n_recent": "i32", "n_sink": "i32", "min_seq": "i32"},
-     {"N_PAD": 8192, "G": 256, "SLOTS": 256, "BLOCK_OUT": 256}, {"num_warps": 8}),
+     {"N_PAD": 8192, "G": 256, "SLOTS": 256, "PAIR": 128, "BLOCK_OUT": 256}, {"num_warps": 8}),
 ]
 
 _TABLES: dict = {}
@@ -117,10 +118,11 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
     k_max = config.history_budget(max_pages)  # no row keeps more history pages than this
     G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
     slots = min(n_pad, TUNING["slots"] or TUNING["slots_per_delegate"] * G)
+    pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # see kernels/topk.py plan()
     scratch = torch.empty((bs, slots), dtype=torch.int32, device=device)
     _page_select_kernel[(bs,)](
         scores, scores.stride(0), selected, lengths, seq_lens, sparse_mask, budget_table(max_pages, config, device),
         scratch, max_pages, W, page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len,
-        N_PAD=n_pad, G=G, SLOTS=slots, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
+        N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
         num_warps=TUNING["num_warps"] if device.type == "cuda" else 1)
     return selected, lengths

@@ -16,20 +16,26 @@ The design, in five steps:
    elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
    that set holds ``~0.7 G`` candidates (a few percent of a long row).
 4. **Candidates.** Every element ``>= T`` is copied (its id, in ascending id order) into a slot
-   tensor of ``SLOTS`` entries. Only these slots are histogrammed: four 256-bin radix rounds find the
-   exact k-th key ``t`` and how many keys equal to ``t`` to keep; ``keep = key > t`` or
-   ``key == t`` among the first ``ties`` of them (ties to the lower id). Positions come from a
-   prefix sum over the slots, so the winners come out in ascending id order with no sort.
-5. **Fallback.** A row whose candidates do not fit the slots (ascending rows, a period of G,
-   plateaus of equal values, more than half the row wanted) raises a per-row flag on the device;
-   a fallback program then runs the same radix select over the whole row. Exact, never truncated.
+   tensor of ``SLOTS`` entries. Only these slots are searched for the exact k-th key ``t``: radix
+   rounds of 8 bits (``tl.histogram``, 256 bins), the last two optionally replaced by a pairwise rank
+   of the few keys that share ``t``'s top 16 bits (``TUNING["pair_rank"]``). Then
+   ``keep = key > t`` or ``key == t`` among the first ``ties`` of them (ties to the lower id).
+   Positions come from a prefix sum over the slots: winners in ascending id order, no sort.
+5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
+   ascending rows, a period of G, more than half the row wanted) is flagged on the device. Most such
+   rows overflow because many keys EQUAL the threshold: with ``Te`` = the exact k-th delegate, at
+   least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is
+   "every key > Te, plus the lowest-id keys == Te". One pass counts both per chunk (the row's last
+   program), then every chunk writes its share at known offsets in parallel (the *tie path*). Only
+   rows with k or more keys above ``Te`` (e.g. a period of G) take the whole-row radix select.
 
 ``order="score"`` then sorts the <= k winners of each row (one ``tl.sort`` per row).
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
-keeps it in registers (one launch). Longer rows use three launches: delegates (many programs per
-row, the last one to finish computes ``T``), candidates (many programs per row, the last one does
-the exact selection) and the fallback (a no-op for unflagged rows). "Last program of the row" is an
+keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
+launches: delegates (many programs per row, the last one to finish computes ``T``), candidates (many
+programs per row, the last one does the exact selection or plans the fallback) and the fallback
+(a program per chunk; a no-op for unflagged rows). "Last program of the row" is an
 atomic counter that the last program resets, so nothing is read back to the host and the call can
 be captured in a CUDA graph.
 """
@@ -63,9 +69,14 @@ TUNING = {
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
     "chunk": 4096,  # columns per candidate program
-    "delegate_cols": 512,  # delegate columns per delegate program
+    "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,
+    "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
+    "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
+    "fallback_warps": 4,  # the fallback launch: a program per chunk, a no-op on most rows (keep it light)
+    "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
+    "pair_rank": 128,  # > 0: the exact select ranks up to this many keys pairwise after 2 radix rounds (0: 4 rounds)
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -95,6 +106,21 @@ def _walk(h, k_rem):
 
 
 @triton.jit
+def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """Radix rounds FIRST..LAST-1 (8 bits each, top first) of the k_rem-th largest key: ``ut`` holds the
+    digits found so far (unsigned order, as int32 bits); returns it with the new digits and the new k_rem."""
+    u = key ^ -2147483648  # unsigned order, as int32 bits
+    for p in tl.static_range(FIRST, LAST):
+        match = key != -2147483648
+        if p > 0:
+            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
+        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
+        d, k_rem = _walk(h, k_rem)
+        ut = ut | (d << (24 - 8 * p))
+    return ut, k_rem
+
+
+@triton.jit
 def _kth_largest(key, k, ROUNDS: tl.constexpr):
     """Radix select over a register tensor (1 <= k <= #valid keys): 8 bits per round, top first.
 
@@ -102,17 +128,32 @@ def _kth_largest(key, k, ROUNDS: tl.constexpr):
     equal to ``t`` belong to the top k; with fewer rounds ``t`` is that key with its low bits
     cleared, so that ``count(key >= t) >= k`` still holds.
     """
-    u = key ^ -2147483648  # unsigned order, as int32 bits
-    ut = tl.zeros([], tl.int32)
-    k_rem = k
-    for p in tl.static_range(ROUNDS):
-        match = key != -2147483648
-        if p > 0:
-            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
-        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
-        d, k_rem = _walk(h, k_rem)
-        ut = ut | (d << (24 - 8 * p))
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, ROUNDS)
     return ut ^ -2147483648, k_rem
+
+
+@triton.jit
+def _kth_largest_pairwise(key, k, scratch, PAIR: tl.constexpr):
+    """``_kth_largest(key, k, 4)`` with rounds 3-4 replaced by a pairwise rank when few keys share the
+    k-th key's top 16 bits (random rows: a few dozen): copy those <= PAIR keys to ``scratch`` and count,
+    for each, the members above it. Many equal keys (ties, clusters): the two radix rounds instead."""
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, 2)
+    top16 = (ut ^ -2147483648) >> 16
+    member = ((key >> 16) == top16) & (key != -2147483648)
+    m = tl.sum(member.to(tl.int32), axis=0)
+    if m <= PAIR:
+        tl.debug_barrier()  # the caller's reads of scratch are done
+        tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+        tl.debug_barrier()
+        i = tl.arange(0, PAIR)
+        mk = tl.load(scratch + i, mask=i < m, other=-2147483648, cache_modifier=".cg")
+        above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
+        t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
+        ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+    else:
+        ut, ties = _radix_rounds(key, ut, k_rem, 2, 4)
+        t = ut ^ -2147483648
+    return t, ties
 
 
 @triton.jit
@@ -125,16 +166,40 @@ def _threshold(dkey, k):
 
 
 @triton.jit
-def _write_winners(key, ids, k, out_row, base, W):
-    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
-    (ascending). Returns how many were written: min(k, #valid keys)."""
-    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
+def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
+    """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
+    row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
+    Returns how many were taken."""
     eq = key == t
-    take = ((key > t) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= ties))) & (k_eff > 0)
-    pos = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + pos, ids, mask=take & (pos < W))
+    return tl.sum(take.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
+    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
+    (ascending). Returns how many were written: min(k, #valid keys). PAIR > 0: the exact k-th key by
+    ``_kth_largest_pairwise`` (``scratch``: PAIR free int32), else by four radix rounds."""
+    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
+    if PAIR > 0:
+        t, ties = _kth_largest_pairwise(key, tl.maximum(k_eff, 1), scratch, PAIR)
+    else:
+        t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
+
+
+@triton.jit
+def _exact_delegate(dkey, k):
+    """Te = the exact k-th largest delegate and ``usable``: k >= 1 and at least k valid delegates, so at
+    least k row elements are >= Te. Then, if fewer than k elements are > Te, the k-th largest element IS
+    Te and the top-k is "every key > Te, plus the lowest-id keys == Te" (the tie path of the fallbacks)."""
+    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    te, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 4)
+    return te, (n >= k) & (k > 0)
 
 
 @triton.jit
@@ -147,12 +212,13 @@ def _pad(out_row, start, W, BLOCK: tl.constexpr):
 
 @triton.jit
 def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
-                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr):
+                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
     """Steps 2-5 for a row held in registers: winners among columns [lo, hi) at out_row[base:]."""
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
     key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
-    T = _threshold(tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0), k)
+    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
+    T = _threshold(dkey, k)
     cand = (key >= T) & (key != -2147483648)
     count = tl.sum(cand.to(tl.int32), axis=0)
     if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row
@@ -161,9 +227,14 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
         s = tl.arange(0, SLOTS)
         ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
         skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
-        k_eff = _write_winners(skey, ids, k, out_row, base, W)
-    else:  # fallback: exact select over the whole register row
-        k_eff = _write_winners(key, j, k, out_row, base, W)
+        k_eff = _write_winners(skey, ids, k, out_row, base, W, scratch_row, PAIR)
+    else:  # overflow (ties at the threshold, or a row that defeats the delegates)
+        te, usable = _exact_delegate(dkey, k)
+        above = tl.sum((key > te).to(tl.int32), axis=0)
+        if usable & (above < k):  # the k-th key is te: keys > te plus the first k - above keys == te
+            k_eff = _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
+        else:  # exact radix select over the whole register row
+            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
     return k_eff
 
 
@@ -187,13 +258,13 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
 @triton.jit
 def _register_row_kernel(scores, stride_r, out, scratch, N, W, k_scalar, k_ptr, len_ptr,
                          HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, N_PAD: tl.constexpr, G: tl.constexpr,
-                         SLOTS: tl.constexpr, BLOCK_OUT: tl.constexpr):
+                         SLOTS: tl.constexpr, PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
     """One program = one row of at most N_PAD columns, held in registers: the whole top-k, one launch."""
     r = tl.program_id(0)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     out_row = out + r.to(tl.int64) * W
     k_eff = _select_in_registers(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
-                                 scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS)
+                                 scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     _pad(out_row, k_eff, W, BLOCK_OUT)
 
 
@@ -222,51 +293,85 @@ def _delegates_kernel(scores, stride_r, delegates, threshold, counter, N, W, k_s
 
 
 @triton.jit
-def _candidates_kernel(scores, stride_r, out, threshold, cand, counts, prefix, flags, counter,
-                       N, W, k_scalar, k_ptr, len_ptr,
-                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr,
-                       LOG_C: tl.constexpr, BLOCK_OUT: tl.constexpr):
+def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """Tail of an overflowing row (its last candidate program): the exact k-th delegate Te, and for
+    every chunk how many keys > Te and == Te come before it (work_row[2 C_PAD + c], [3 C_PAD + c]),
+    one pass over the row from L2. Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te:
+    the fallback's chunk programs write every key > Te plus the first k - above keys == Te),
+    1 = the whole-row radix select."""
+    PER: tl.constexpr = 8192 // CHUNK if CHUNK < 8192 else 1  # chunks counted per step (tiles of ~8K)
+    te, usable = _exact_delegate(dkey, k)
+    above = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c0 in range(0, C, PER):
+        ci = c0 + tl.arange(0, PER)
+        offs = ci[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        a = tl.sum((key > te).to(tl.int32), axis=1)
+        e = tl.sum((key == te).to(tl.int32), axis=1)
+        tl.store(work_row + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
+        tl.store(work_row + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
+        above += tl.sum(a, axis=0)
+        ties += tl.sum(e, axis=0)
+    tl.store(work_row + 4 * C_PAD, k - above)
+    return te, tl.where(usable & (above < k), 2, 1)
+
+
+@triton.jit
+def _candidates_kernel(scores, stride_r, out, threshold, delegates, cand, work, flags, counter,
+                       N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr,
+                       G: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr,
+                       PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
     """One program = one CHUNK of a row: copy the ids of its elements >= T (ascending) into the chunk's
     part of ``cand``. The row's last program gathers all candidates into SLOTS slots and writes the
-    exact top-k, or flags the row for the fallback when they do not fit."""
+    exact top-k; when they do not fit, it plans the fallback and flags the row.
+
+    ``work`` row layout (C_PAD = 2**LOG_C): [0, C_PAD) candidates per chunk, [C_PAD, 2 C_PAD) their
+    prefix sums, [2 C_PAD, 4 C_PAD) and [4 C_PAD] the tie path's plan (``_plan_tie_path``)."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
     C = tl.num_programs(1)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
+    work_row = work + r * (4 * C_PAD + 1)
     T = tl.load(threshold + r)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
     cand_row = cand + r.to(tl.int64) * C * CHUNK
     tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, offs, mask=is_cand)
-    tl.store(counts + r * C + c, tl.sum(is_cand.to(tl.int32), axis=0))
+    tl.store(work_row + c, tl.sum(is_cand.to(tl.int32), axis=0))
     tl.debug_barrier()
     if tl.atomic_add(counter + r, 1, sem="acq_rel") == C - 1:
         tl.store(counter + r, 0)
         ci = tl.arange(0, C_PAD)
-        n_c = tl.load(counts + r * C + ci, mask=ci < C, other=0, cache_modifier=".cg")
+        n_c = tl.load(work_row + ci, mask=ci < C, other=0, cache_modifier=".cg")
         total = tl.sum(n_c, axis=0)
-        tl.store(flags + r, (total > SLOTS).to(tl.int32))
         if total <= SLOTS:
+            tl.store(flags + r, 0)
             # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
-            tl.store(prefix + r * C_PAD + ci, tl.cumsum(n_c, axis=0))
+            prefix = work_row + C_PAD
+            tl.store(prefix + ci, tl.cumsum(n_c, axis=0))
             tl.debug_barrier()
             s = tl.arange(0, SLOTS)
             chunk = tl.zeros([SLOTS], tl.int32)
             for b in tl.static_range(LOG_C):
                 probe = chunk + (C_PAD >> (b + 1))
-                incl = tl.load(prefix + r * C_PAD + probe - 1, mask=probe <= C, other=2147483647,
-                               cache_modifier=".cg")
+                incl = tl.load(prefix + probe - 1, mask=probe <= C, other=2147483647, cache_modifier=".cg")
                 chunk = tl.where(incl <= s, probe, chunk)
-            before = tl.load(prefix + r * C_PAD + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
+            before = tl.load(prefix + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
             ok = s < total
             ids = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
             skey = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
             out_row = out + r.to(tl.int64) * W
-            k_eff = _write_winners(skey, ids, k, out_row, 0, W)
+            k_eff = _write_winners(skey, ids, k, out_row, 0, W, cand_row, PAIR)
             _pad(out_row, k_eff, W, BLOCK_OUT)
+        else:
+            dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
+            te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
+            tl.store(threshold + r, te)
+            tl.store(flags + r, flag)
 
 
 @triton.jit
@@ -286,42 +391,63 @@ def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _fallback_kernel(scores, stride_r, out, flags, N, W, k_scalar, k_ptr, len_ptr,
-                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one row, only if it is flagged (or FORCE): exact radix select over the whole row in
-    memory (4 histogram rounds), then an ordered compaction; unflagged rows return at once."""
+def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
+    """Exact top-k of a row in memory by one program: 4 radix histogram rounds over the whole row, then
+    an ordered compaction (the last resort: rows that defeat the delegates, or k too wide for them)."""
+    valid_count = tl.zeros([], tl.int32)
+    for t in range(0, length, BLOCK):
+        offs = t + tl.arange(0, BLOCK)
+        valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+                               != -2147483648).to(tl.int32), axis=0)
+    k_eff = tl.minimum(k, valid_count)
+    ut = tl.zeros([], tl.int32)
+    k_rem = tl.maximum(k_eff, 1)
+    for p in tl.static_range(4):
+        ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
+    t_key = ut ^ -2147483648
+    done = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    for t in range(0, tl.where(k_eff > 0, length, 0), BLOCK):
+        offs = t + tl.arange(0, BLOCK)
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        done += _write_above_and_ties(key, offs, t_key, k_rem, ties_seen, out_row, done, W)
+        ties_seen += tl.sum((key == t_key).to(tl.int32), axis=0)
+    _pad(out_row, k_eff, W, BLOCK)
+
+
+@triton.jit
+def _fallback_kernel(scores, stride_r, out, flags, threshold, work, N, W, k_scalar, k_ptr, len_ptr,
+                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, CHUNK: tl.constexpr,
+                     LOG_C: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one CHUNK of a flagged row; unflagged rows (flag 0) return at once.
+
+    Flag 2 (the tie path): store the chunk's keys > Te and its share of the lowest-id keys == Te at
+    the offsets planned by the candidates kernel (every chunk in parallel, ids ascending).
+    Flag 1 (or FORCE): program 0 of the row runs the whole-row radix select."""
+    C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
+    c = tl.program_id(1)
     flag = tl.full([], 1, tl.int32)
     if not FORCE:
         flag = tl.load(flags + r)
     if flag != 0:
         k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
         row = scores + r.to(tl.int64) * stride_r
-        ut = tl.zeros([], tl.int32)
-        k_rem = tl.maximum(k, 1)
-        valid_count = tl.zeros([], tl.int32)
-        for t in range(0, length, BLOCK):
-            offs = t + tl.arange(0, BLOCK)
-            valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-                                   != -2147483648).to(tl.int32), axis=0)
-        k_eff = tl.minimum(k, valid_count)
-        k_rem = tl.maximum(k_eff, 1)
-        for p in tl.static_range(4):
-            ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
-        t_key = ut ^ -2147483648
         out_row = out + r.to(tl.int64) * W
-        done = tl.zeros([], tl.int32)
-        ties_seen = tl.zeros([], tl.int32)
-        for t in range(0, tl.where(k_eff > 0, length, 0), BLOCK):
-            offs = t + tl.arange(0, BLOCK)
+        if flag == 2:
+            work_row = work + r * (4 * C_PAD + 1)
+            te = tl.load(threshold + r)
+            need = tl.load(work_row + 4 * C_PAD)
+            above_before = tl.load(work_row + 2 * C_PAD + c)
+            ties_before = tl.load(work_row + 3 * C_PAD + c)
+            offs = c * CHUNK + tl.arange(0, CHUNK)
             key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-            eq = key == t_key
-            take = (key > t_key) | (eq & (ties_seen + tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
-            pos = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(out_row + pos, offs, mask=take & (pos < W))
-            done += tl.sum(take.to(tl.int32), axis=0)
-            ties_seen += tl.sum(eq.to(tl.int32), axis=0)
-        _pad(out_row, k_eff, W, BLOCK)
+            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
+                                  above_before + tl.minimum(ties_before, need), W)
+            if c == 0:
+                _pad(out_row, k, W, BLOCK)  # the tie path writes exactly k ids
+        elif c == 0:
+            _radix_select_row(row, length, k, out_row, W, BLOCK)
 
 
 @triton.jit
@@ -373,24 +499,31 @@ def plan(R: int, N: int, width: int) -> dict:
         chunk //= 2  # programs per row
     while R * (G // cols) < TUNING["min_programs"] and cols > 64:
         cols //= 2
-    return dict(register=register, n_pad=n_pad, G=G, slots=min(slots, n_pad), chunk=chunk, cols=cols,
+    slots = min(slots, n_pad)
+    pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # pairwise rank needs PAIR <= slots
+    return dict(register=register, n_pad=n_pad, G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
                 force_fallback=not register and G > TUNING["max_delegates"])
 
 
-def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
-    """Run the kernels (no checks): the ids of each row's winners in ascending order into ``out``.
+def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
+    """The kernel launches of one top-k call (no checks), as ``[(name, fn), ...]``: calling every ``fn``
+    in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
+    benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
 
-    Returns the per-row fallback flags of the long-row path (None for register rows), for tests;
-    ``stats`` (a dict) also receives the plan and, on the long-row path, the per-chunk candidate
-    counts and the thresholds (for benchmarks).
+    ``stats`` (a dict) receives the plan, the per-row fallback ``flags`` (long rows; 0 = done by the
+    candidates kernel, 2 = tie path, 1 = whole-row radix select) and on the long-row path the
+    per-chunk candidate ``counts`` and the thresholds (valid after the launches ran).
     """
     R, N = scores.shape
     W = out.shape[1]
     device = scores.device
     p = plan(R, N, W)
-    if stats is not None:
-        stats["plan"] = p
-    nw = TUNING["num_warps"] if device.type == "cuda" else 1
+    stats = {} if stats is None else stats
+    stats["plan"] = p
+    nw = TUNING["num_warps"]
+    if R * N <= TUNING["small_batch"] and not p["register"]:
+        nw = TUNING["num_warps_small"]
+    nw = nw if device.type == "cuda" else 1
     row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,
                     len_ptr=lengths if lengths is not None else out, HAS_K=k_tensor is not None,
                     HAS_LEN=lengths is not None)
@@ -398,41 +531,53 @@ def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = N
     stride = scores.stride(0)
     if p["register"]:
         scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
-        _register_row_kernel[(R,)](scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"],
-                                   SLOTS=p["slots"], BLOCK_OUT=block_out, num_warps=nw)
-        return None
+        return [("register_row", lambda: _register_row_kernel[(R,)](
+            scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
+            PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw))]
     block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
     flags = torch.empty((R,), dtype=torch.int32, device=device)
-    if not p["force_fallback"]:
-        G, cols, chunk = p["G"], p["cols"], p["chunk"]
-        C = triton.cdiv(N, chunk)
-        log_c = max(1, (C - 1).bit_length())
-        counter = _counters(device, R)
-        delegates = torch.empty((R, G), dtype=torch.int32, device=device)
-        threshold = torch.empty((R,), dtype=torch.int32, device=device)
-        rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
-        _delegates_kernel[(R, G // cols)](scores, stride, delegates, threshold, counter[0], N, W, **row_args,
-                                          G=G, COLS=cols, ROWS=rows, num_warps=nw)
-        cand = torch.empty((R, C * chunk), dtype=torch.int32, device=device)
-        counts = torch.empty((R, C), dtype=torch.int32, device=device)
-        prefix = torch.empty((R, 1 << log_c), dtype=torch.int32, device=device)
-        _candidates_kernel[(R, C)](scores, stride, out, threshold, cand, counts, prefix, flags, counter[1],
-                                   N, W, **row_args, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c,
-                                   BLOCK_OUT=block_out, num_warps=nw)
-        if stats is not None:
-            stats.update(counts=counts, threshold=threshold)
-    if stats is not None:
-        stats.update(plan=p, flags=flags)
-    _fallback_kernel[(R,)](scores, stride, out, flags, N, W, **row_args, FORCE=p["force_fallback"], BLOCK=block,
-                           num_warps=nw)
-    return flags
+    stats["flags"] = flags
+    G, cols, chunk = p["G"], p["cols"], p["chunk"]
+    C = triton.cdiv(N, chunk)
+    log_c = max(1, (C - 1).bit_length())
+    if p["force_fallback"]:
+        return [("fallback", lambda: _fallback_kernel[(R, 1)](
+            scores, stride, out, flags, flags, flags, N, W, **row_args, FORCE=True, CHUNK=chunk, LOG_C=log_c,
+            BLOCK=block, num_warps=nw))]
+    counter = _counters(device, R)
+    delegates = torch.empty((R, G), dtype=torch.int32, device=device)
+    threshold = torch.empty((R,), dtype=torch.int32, device=device)
+    cand = torch.empty((R, C * chunk), dtype=torch.int32, device=device)
+    work = torch.empty((R, 4 * (1 << log_c) + 1), dtype=torch.int32, device=device)
+    stats.update(counts=work[:, :C], threshold=threshold)
+    rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+    return [
+        ("delegates", lambda: _delegates_kernel[(R, G // cols)](
+            scores, stride, delegates, threshold, counter[0], N, W, **row_args, G=G, COLS=cols, ROWS=rows,
+            num_warps=nw)),
+        ("candidates", lambda: _candidates_kernel[(R, C)](
+            scores, stride, out, threshold, delegates, cand, work, flags, counter[1], N, W, **row_args, G=G,
+            CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw)),
+        ("fallback", lambda: _fallback_kernel[(R, C)](
+            scores, stride, out, flags, threshold, work, N, W, **row_args, FORCE=False, CHUNK=chunk, LOG_C=log_c,
+            BLOCK=block, num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
+    ]
+
+
+def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
+    """Run the kernels (no checks; see ``launches``). Returns the per-row fallback flags of the long-row
+    path (None for register rows), for tests."""
+    stats = {} if stats is None else stats
+    for _, fn in launches(scores, k_scalar, k_tensor, lengths, out, stats):
+        fn()
+    return stats.get("flags")
 
 
 def sort_winners(scores, out):
     """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id."""
     R, W = out.shape
     w_pad = max(16, triton.next_power_of_2(W))
-    num_warps = (16 if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
+    num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
     _sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
     return out
 
@@ -514,16 +659,18 @@ def _aot(kernel, constexprs, options=None, **types):
 _PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
 _FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
 AOT_VARIANTS = [
-    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, BLOCK_OUT=b), scratch="*i32", **_PTRS)
-      for f, g, b in zip(_FLAGS, (4096, 256), (1024, 128), strict=True)],
-    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=512, ROWS=16), delegates="*i32", threshold="*i32",
-           counter="*i32", **_PTRS) for f, g in zip(_FLAGS, (4096, 8192), strict=True)],
-    *[_aot(_candidates_kernel, dict(**f, CHUNK=4096, SLOTS=s, LOG_C=c, BLOCK_OUT=1024), threshold="*i32",
-           cand="*i32", counts="*i32", prefix="*i32", flags="*i32", counter="*i32", **_PTRS)
-      for f, s, c in zip(_FLAGS, (4096, 8192), (4, 5), strict=True)],
-    *[_aot(_fallback_kernel, dict(**f, FORCE=force, BLOCK=1024), flags="*i32", **_PTRS)
-      for f, force in zip(_FLAGS, (False, True), strict=True)],
+    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
+           **_PTRS) for f, g, b, pr in zip(_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
+    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8), {"num_warps": nw}, delegates="*i32",
+           threshold="*i32", counter="*i32", **_PTRS) for f, g, nw in zip(_FLAGS, (4096, 8192), (16, 8), strict=True)],
+    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK_OUT=1024),
+           {"num_warps": nw}, threshold="*i32", delegates="*i32", cand="*i32", work="*i32", flags="*i32",
+           counter="*i32", **_PTRS)
+      for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 8192), (4, 4), (16, 8), (0, 128), strict=True)],
+    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
+           flags="*i32", threshold="*i32", work="*i32", **_PTRS)
+      for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)],
     _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
-    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, BLOCK_OUT=16),
+    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
          {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),
 ]

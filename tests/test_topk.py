@@ -115,11 +115,52 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
     x = adversarial_rows(1000, 128)[:5]
     flags = topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5))
-    # ascending, descending and periodic rows fit the 128 slots here; the plateau and the all-equal row do not
-    assert flags.tolist() == [0, 0, 0, 1, 1]
+    # ascending, descending and periodic rows fit the 128 slots here; the plateau and the all-equal row
+    # do not, and take the tie path (flag 2: fewer than k keys above the exact k-th delegate)
+    assert flags.tolist() == [0, 0, 0, 2, 2]
     monkeypatch.setitem(topk_module.TUNING, "slots", 2)
-    assert topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5)).tolist() == [1] * 5
+    out = out.new_empty(5, 5)
+    # with 2 slots all overflow; the periodic row has many keys above its k-th delegate: whole-row radix
+    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == [2, 2, 1, 2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
+
+def test_tie_path_across_chunks(monkeypatch):
+    """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
+    chunk programs by their counts: the lowest ids win, also with lengths and per-row k."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    monkeypatch.setitem(topk_module.TUNING, "slots", 32)
+    x = make_scores(4, 700, seed=4, ties=True)  # 7 distinct values: ~100 copies of each
+    x[3, 650:] = 9.0  # the top ties all sit in the last chunk
+    k = torch.tensor([150, 5, 99, 60], device=DEVICE)
+    lengths = torch.tensor([700, 640, 333, 700], device=DEVICE)
+    out = torch.empty(4, 150, dtype=torch.int32, device=DEVICE)
+    flags = topk_module.launch_topk(x, 0, k.int(), lengths, out)
+    assert flags.tolist() == [2, 2, 2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), k.cpu(), lengths.cpu(), order="index", width=150))
+    # chunks of 1024 are counted 8 per step: 9 chunks = a full step and a partial one
+    monkeypatch.setitem(topk_module.TUNING, "chunk", 1024)
+    x = make_scores(2, 9000, seed=5, ties=True)
+    out = torch.empty(2, 300, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 300, None, None, out).tolist() == [2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 300, order="index"))
+
+
+
+@pytest.mark.parametrize("pair_rank", [0, 32])
+@pytest.mark.parametrize("knobs", [PATHS["register"], PATHS["long"]])
+def test_pairwise_rank(monkeypatch, knobs, pair_rank):
+    """TUNING["pair_rank"]: the exact k-th key by a pairwise rank after two radix rounds (few keys share
+    its top 16 bits), or by the last two rounds when too many do (ties); 0: four radix rounds."""
+    for name, value in {**knobs, "pair_rank": pair_rank}.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = make_scores(3, 700, seed=6)
+    x[1] = make_scores(1, 700, seed=7, ties=True)[0]  # ~100 equal keys: the radix rounds
+    x[2, ::5] = x[2, 3]  # a tie run inside the pairwise window
+    for k in (7, 60):
+        check(x, k, order="index")
+    check(x, 60, torch.tensor([700, 300, 650], device=DEVICE), order="score")
 
 def test_forced_fallback_for_wide_k(monkeypatch):
     """k too large for the delegates (2k > max_delegates) sends every row to the exact fallback."""
@@ -211,9 +252,8 @@ def test_input_errors(call, match):
 # GPU: realistic sizes, CUDA graphs
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("R, N, k", [(4, 131072, 2048), (1, 131072, 2048), (8, 16384, 512), (5, 10_000, 4096),
-                                     (3, 20_000, 100), (2, 1 << 20, 4096), (3, 100_003, 4096), (64, 65536, 2048),
-                                     (16, 8192, 128), (7, 6000, 2047)])
+@pytest.mark.parametrize("R, N, k", [(4, 131072, 2048), (1, 131072, 2048), (5, 10_000, 4096), (3, 20_000, 100),
+                                     (2, 1 << 20, 4096), (64, 65536, 2048), (7, 6000, 2047)])  # few compile variants
 def test_gpu_large_rows(R, N, k):
     x = make_scores(R, N, seed=8, device="cuda")
     x[0, ::7] = 0.25  # a big block of ties

@@ -35,7 +35,7 @@ def test_quest_retrieve_topk_replays_like_eager(backend):
     static_rows = setup.req_pool_indices.clone()
     static_mask = setup.sparse_mask.clone()
     static_fb = dataclasses.replace(setup.forward_batch, seq_lens=setup.forward_batch.seq_lens.clone(),
-                                    req_pool_indices=static_rows)
+                                    positions=setup.forward_batch.positions.clone(), req_pool_indices=static_rows)
     width = page_table_width(selection_width(algo.max_pages, cfg), r2t.shape[1], P)
     bufs = (torch.zeros(bs, width, dtype=torch.int32, device="cuda"),
             torch.zeros(bs, dtype=torch.int32, device="cuda"), torch.zeros(bs + 1, dtype=torch.int32, device="cuda"))
@@ -63,10 +63,11 @@ def test_quest_retrieve_topk_replays_like_eager(backend):
         mask = torch.rand(bs, generator=gen, device="cuda") < 0.8
         static_q.copy_(q)
         static_fb.seq_lens.copy_(seq)
+        static_fb.positions.copy_(seq - 1)  # DECODE: the token being decoded is each request's last
         static_mask.copy_(mask)
         g.replay()
         torch.cuda.synchronize()
-        fb = dataclasses.replace(setup.forward_batch, seq_lens=seq.clone())
+        fb = dataclasses.replace(setup.forward_batch, seq_lens=seq.clone(), positions=seq - 1)
         ref = eager(algo, q, setup.req_pool_indices, mask, fb, r2t, P)
         assert int(ref[1].max()) > 0, "some row must go sparse"
         for name, got, want in zip(("selected", "lengths", "page_table", "kv_lens", "cu_kv_lens"), outs, ref,

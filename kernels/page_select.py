@@ -5,7 +5,7 @@ one program per request row, the row's page scores held in registers:
 
 1. **Plan.** From ``seq_lens`` the program derives its row's pages ``n = ceil(seq_len / P)``, the
    recent window ``[n - recent, n)``, the sink window ``[0, sink)``, the history between them and
-   the history budget ``k`` (read from a table computed once by ``sparse_ref.selection``), and
+   the history budget ``k`` (read from a table computed once by ``SparseConfig.history_budget_tensor``), and
    whether the row goes sparse at all.
 2. **History top-k** with the delegate threshold of ``kernels/topk.py`` (delegates, threshold,
    candidates, exact select on the candidates; an exact select over the whole register row when
@@ -14,7 +14,9 @@ one program per request row, the row's page scores held in registers:
    pages go before the winners, the recent pages after them, then -1 padding and the length.
 
 No value is read back to the host, so the call can be captured in a CUDA graph. Rows longer
-than ``MAX_REGISTER_PAGES`` use the torch ``select_pages``.
+than ``MAX_REGISTER_PAGES`` are refused here; ``retrieve_topk`` sends them to the torch
+``select_pages``. The selection rules (history budget, static width) have one home,
+``SparseConfig``; this module imports only the leaf modules of the package and ``config``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from sparse_ref.checks import INDEX_DTYPES, capturing, check_int, check_range, c
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels.topk import TUNING, _select_in_registers, check_scores
-from sparse_ref.selection import _history_budget_tensor, select_pages, selection_width
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
 
@@ -78,7 +79,7 @@ def budget_table(max_pages: int, config: SparseConfig, device: torch.device) -> 
     cached per (device, size, budget); never cached from inside a graph capture."""
     key = (str(device), max_pages, config.keep_ratio, config.page_budget)
     if key not in _TABLES:
-        table = _history_budget_tensor(torch.arange(max_pages + 1, device=device), config).to(torch.int32)
+        table = config.history_budget_tensor(torch.arange(max_pages + 1, device=device)).to(torch.int32)
         if capturing():
             return table
         _TABLES[key] = table
@@ -100,13 +101,15 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
              SparseRefError)
     check_range(f"{fn}: seq_lens", seq_lens, 0, max_pages * page_size,
                 "score every page of the longest request (scores cover max_pages * page_size tokens).")
-    W = selection_width(max_pages, config)
+    W = config.selection_width(max_pages)
     if width is not None:  # wider is allowed (extra -1 padding); narrower would cut rows off
         width = check_int(f"{fn}: width", width, low=W, fix="leave width=None (a narrower output would cut rows "
                           "off).", error=SparseRefError)
         W = min(width, max_pages)  # as select_pages: a row never keeps more pages than it has
     if max_pages > MAX_REGISTER_PAGES:
-        return select_pages(scores, seq_lens, sparse_mask, page_size, config, width)
+        fail(f"{fn}: scores", f"at most {MAX_REGISTER_PAGES} pages per row (one program holds a row in registers)",
+             f"{max_pages} pages", "use sparse_ref.selection.select_pages for longer rows (retrieve_topk does).",
+             SparseRefError)
     device = scores.device
     selected = torch.empty((bs, W), dtype=torch.int32, device=device)
     lengths = torch.empty((bs,), dtype=torch.int32, device=device)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from sparse_ref.checks import INT32_MAX, check_choice, check_float, check_int, fail
 from sparse_ref.errors import ConfigError
 
@@ -65,3 +67,16 @@ class SparseConfig:
         if self.page_budget is not None:
             return min(self.page_budget, history)
         return min(max(math.floor(history * self.keep_ratio), 1), history)
+
+    def history_budget_tensor(self, history: torch.Tensor) -> torch.Tensor:
+        """``history_budget`` for an int tensor of history sizes (float64, so it rounds like Python's floats)."""
+        if self.page_budget is not None:
+            return history.clamp(max=self.page_budget)
+        k = torch.floor(history.double() * self.keep_ratio).long().clamp(min=1)
+        return torch.minimum(k, history)
+
+    def selection_width(self, max_pages: int) -> int:
+        """Static width of a selection: the most pages any row with <= ``max_pages`` pages can keep."""
+        recent = min(self.num_recent_pages, max_pages)
+        sink = min(self.num_sink_pages, max_pages - recent)
+        return min(max_pages, sink + self.history_budget(max_pages - recent - sink) + recent)

@@ -67,17 +67,7 @@ def check_config(config) -> SparseConfig:
 
 def selection_width(max_pages: int, config: SparseConfig) -> int:
     """Static width of ``selected``: the most pages any row with <= max_pages pages can keep."""
-    recent = min(config.num_recent_pages, max_pages)
-    sink = min(config.num_sink_pages, max_pages - recent)
-    return min(max_pages, sink + config.history_budget(max_pages - recent - sink) + recent)
-
-
-def _history_budget_tensor(history: torch.Tensor, config: SparseConfig) -> torch.Tensor:
-    """``config.history_budget`` for a tensor of history sizes (float64, like Python's floats)."""
-    if config.page_budget is not None:
-        return history.clamp(max=config.page_budget)
-    k = torch.floor(history.double() * config.keep_ratio).long().clamp(min=1)
-    return torch.minimum(k, history)
+    return config.selection_width(max_pages)
 
 
 def _candidates(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +167,7 @@ def select_pages_unchecked(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_
     recent_start = n - recent
     sink_end = recent_start.clamp(max=config.num_sink_pages)
     history = recent_start - sink_end
-    k = _history_budget_tensor(history, config)
+    k = config.history_budget_tensor(history)
     sparse = (sparse_mask & (seq >= config.min_sparse_seq_len) & (n > 0)
               & (sink_end + k + recent < n))
 

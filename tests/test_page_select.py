@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref import checks
+from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import page_select as page_select_module
@@ -102,12 +103,19 @@ def test_adversarial_history(monkeypatch, slots):
 
 
 def test_rows_too_long_for_registers(monkeypatch):
-    """Beyond MAX_REGISTER_PAGES the torch selection runs (same contract)."""
+    """Beyond MAX_REGISTER_PAGES the kernel refuses; retrieve_topk's triton backend then runs the torch selection."""
     monkeypatch.setattr(page_select_module, "MAX_REGISTER_PAGES", 16)
     config = SparseConfig(keep_ratio=0.3, num_recent_pages=2, num_sink_pages=1)
     scores = page_scores(3, 30, seed=9, ties=True, nonfinite=True)
     seq_lens = torch.tensor([120, 57, 9], device=DEVICE)
-    check_against_references(scores, seq_lens, torch.tensor([True, True, True], device=DEVICE), 4, config)
+    mask = torch.tensor([True, True, True], device=DEVICE)
+    with pytest.raises(SparseRefError, match="at most 16 pages per row"):
+        select_pages_triton(scores, seq_lens, mask, 4, config)
+    algo = SparseAlgorithm(config, selection_backend="triton")
+    algo.page_size = 4
+    got = algo._select(scores, seq_lens, mask)
+    want = select_pages(scores, seq_lens, mask, 4, config)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_kernel_clamps_bad_seq_lens(monkeypatch):

@@ -194,9 +194,10 @@ class SparseAlgorithm:
         if backend == "auto":
             backend = "triton" if scores.is_cuda else "torch"
         if backend == "triton":
-            from sparse_ref.kernels.page_select import select_pages_triton  # lazy: optional kernel module
+            from sparse_ref.kernels import page_select  # lazy: optional kernel module
 
-            return select_pages_triton(scores, seq_lens, sparse_mask, self.page_size, self.config)
+            if scores.shape[1] <= page_select.MAX_REGISTER_PAGES:  # one program holds a row in registers
+                return page_select.select_pages_triton(scores, seq_lens, sparse_mask, self.page_size, self.config)
         return select_pages_unchecked(scores, seq_lens, sparse_mask, self.page_size, self.config)
 
     def retrieve_topk(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,

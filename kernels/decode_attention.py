@@ -60,6 +60,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
                          FP32_DOT: tl.constexpr, PRECISE: tl.constexpr):
+    """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
+    writes the group's partial outputs and log-sum-exps for the merge."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = pid // num_kv_heads
@@ -135,6 +137,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program = one (request, query head): merges its splits' partial outputs by their log-sum-exps."""
     bh = tl.program_id(0).to(tl.int64)  # one (request, query head)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -208,7 +211,7 @@ def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted:
 def _check_knob(name: str, value, low: int) -> None:
     if value is None:
         return
-    check_int(name, value, low=low, fix=f"leave {name}=None for the default.")
+    check_int(name, value, low=low, high=1024, fix=f"leave {name}=None for the default.")
     if value & (value - 1):
         fail(name, "a power of two", repr(value), f"leave {name}=None for the default.", ConfigError)
 
@@ -271,7 +274,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
              "move the tensors to the GPU, or use sparse_ref.attention.sparse_decode_attention on CPU.")
     scale = 1.0 / head_dim ** 0.5 if scale is None else check_float("scale", scale, error=ShapeError)
     if num_splits is not None:
-        num_splits = check_int("num_splits", num_splits, low=1, high=65535, fix="leave num_splits=None.")
+        num_splits = check_int("num_splits", num_splits, low=1, high=MAX_SPLITS, fix="leave num_splits=None.")
     _check_knob("block_n", block_n, 16)
     _check_knob("num_warps", num_warps, 1)
     if num_stages is not None:

@@ -98,6 +98,8 @@ def _indexer_logits_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, 
                            BLOCK_T: tl.constexpr, TILES: tl.constexpr, PAGE_STRIDE_K: tl.constexpr,
                            PAGE_STRIDE_S: tl.constexpr, FP8: tl.constexpr, FILL_TAIL: tl.constexpr,
                            RUNTIME_LOOP: tl.constexpr):
+    """One program = one query token x TILES key tiles of its request (pages through the block table):
+    per tile, tl.dot(K [BLOCK_T, D], Q^T [D, H]) -> relu * w -> sum over heads -> * k_scale -> logits."""
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     bt_row = tl.load(token_req_ptr + t).to(tl.int64) * max_pages

@@ -124,7 +124,8 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
     pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # see kernels/topk.py plan()
     scratch = torch.empty((bs, slots), dtype=torch.int32, device=device)
     _page_select_kernel[(bs,)](
-        scores, scores.stride(0), selected, lengths, seq_lens, sparse_mask, budget_table(max_pages, config, device),
+        scores, scores.stride(0), selected, lengths, seq_lens.contiguous(), sparse_mask.contiguous(),
+        budget_table(max_pages, config, device),
         scratch, max_pages, W, page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len,
         N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
         num_warps=TUNING["num_warps"] if device.type == "cuda" else 1)

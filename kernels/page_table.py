@@ -48,6 +48,8 @@ def _page_table_kernel(selected_ptr, lengths_ptr, mask_ptr, seq_lens_ptr, rows_p
                        page_table_ptr, kv_lens_ptr, cu_kv_lens_ptr,
                        bs, width, out_width, r2t_rows, r2t_width, page_size,
                        BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program = one BLOCK_W block of one row's page table; the one extra program row ``r == bs``
+    writes every ``kv_lens`` entry and their running sum ``cu_kv_lens`` in BLOCK_B chunks."""
     c = tl.program_id(0)
     r = tl.program_id(1)
     if r < bs:  # one block of one row's page table

@@ -50,6 +50,7 @@ BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid_ptr, pages_ptr, out_ptr,
                          max_pages, num_pages, HD,
                          BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """One program = BLOCK_P pages of one request: streams their min/max bounds once, BLOCK_HD values a step."""
     row = tl.program_id(1).to(tl.int64)
     j = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     in_row = j < max_pages
@@ -238,16 +239,18 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
                  fix="pass forward_batch.req_pool_indices, one row of req_to_token per request.")
     bs = req_pool_indices.shape[0]
     check_tensor("queries", queries, dtype=BOUND_DTYPES, dims=(2, 3), fix="pass the float decode queries.")
-    num_q_heads = queries.shape[1] if queries.dim() == 3 else queries.shape[1] // head_dim
-    width = queries.shape[2] if queries.dim() == 3 else queries.shape[1] % head_dim + head_dim
-    if queries.shape[0] != bs or width != head_dim or num_q_heads == 0 or num_q_heads % num_kv_heads:
+    if queries.dim() == 3:
+        num_q_heads, head_dim_fits = queries.shape[1], queries.shape[2] == head_dim
+    else:
+        num_q_heads, head_dim_fits = queries.shape[1] // head_dim, queries.shape[1] % head_dim == 0
+    if queries.shape[0] != bs or not head_dim_fits or num_q_heads == 0 or num_q_heads % num_kv_heads:
         fail("queries", f"[bs={bs}, H_q, {head_dim}] or [bs, H_q * {head_dim}] with H_q a multiple of the "
              f"{num_kv_heads} KV heads", f"shape {tuple(queries.shape)}",
              "pass all query heads of the layer, one decode query per request.")
     group = num_q_heads // num_kv_heads
     check_choice("gqa_mode", gqa_mode, ("mean", "per_kv_head"), "pass SparseConfig.gqa_mode.", SparseRefError)
-    check_int("page_size", page_size, low=1, fix="pass the pool's page size.", error=SparseRefError)
-    check_int("max_pages", max_pages, low=0, fix="pass QuestAlgorithm.max_pages.", error=SparseRefError)
+    page_size = check_int("page_size", page_size, low=1, fix="pass the pool's page size.", error=SparseRefError)
+    max_pages = check_int("max_pages", max_pages, low=0, fix="pass QuestAlgorithm.max_pages.", error=SparseRefError)
     if out is not None:
         check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
                      fix="pass torch.empty(bs, max_pages) in fp32.")
@@ -273,7 +276,7 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     grid = (triton.cdiv(max_pages, block_p), bs)
     _quest_scores_from_queries_kernel[grid](
         queries.contiguous(), page_min, page_max, page_valid.view(torch.uint8), req_to_token.contiguous(),
-        req_pool_indices, out, max_pages, num_pages, hd, head_dim, r2t_rows, r2t_width, page_size,
+        req_pool_indices.contiguous(), out, max_pages, num_pages, hd, head_dim, r2t_rows, r2t_width, page_size,
         GROUP=group, MEAN=gqa_mode == "mean", BLOCK_P=block_p, BLOCK_HD=block_hd, num_warps=num_warps)
     return out
 

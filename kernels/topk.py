@@ -246,7 +246,7 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
     else:
         k = tl.full([], 0, tl.int32) + k_scalar
     if HAS_LEN:
-        length = tl.minimum(tl.maximum(tl.load(len_ptr + r).to(tl.int32), 0), N)
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + r).to(tl.int64), 0), N).to(tl.int32)  # no int32 wrap
     else:
         length = tl.full([], 0, tl.int32) + N
     return tl.minimum(tl.maximum(k, 0), W), length
@@ -535,7 +535,10 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
             PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw))]
     block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
-    flags = torch.empty((R,), dtype=torch.int32, device=device)
+    if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
+        flags = torch.ones((R,), dtype=torch.int32, device=device)
+    else:  # written for every row by the candidates kernel
+        flags = torch.empty((R,), dtype=torch.int32, device=device)
     stats["flags"] = flags
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
     C = triton.cdiv(N, chunk)

@@ -64,7 +64,7 @@ def _check_inputs(selected, lengths, sparse_mask, forward_batch, req_to_token, p
         check_rows(name, t, bs, "one per row of selected")
     check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2)
     check_same_device("to_attention_metadata", "selected", {**tensors, "req_to_token": req_to_token})
-    check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
     w_out = page_table_width(width, req_to_token.shape[1], page_size)
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:

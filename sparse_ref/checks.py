@@ -1,7 +1,7 @@
 """Argument checks for the public entry points, in one place.
 
 Every public function of ``sparse_ref`` and every kernel launcher in ``sparse_ref.kernels``
-checks its arguments with these helpers, once per call, before any kernel launch. A failed
+checks its arguments with these helpers at the entry point, before any kernel launch. A failed
 check raises a ``SparseRefError`` subclass whose message says:
 
     <argument>: expected <what>, got <what arrived>. Fix: <how to fix it>
@@ -49,13 +49,6 @@ def fail(name: str, expected: str, got: str, fix: str = "", error: type[SparseRe
     """Raise ``error`` with the standard message: argument, what was expected, what arrived, the fix."""
     tail = f" Fix: {fix}" if fix else ""
     raise error(f"{name}: expected {expected}, got {got}.{tail}")
-
-
-def check_not_none(name: str, value, fix: str = "", error: type[SparseRefError] = ShapeError):
-    """``value`` unless it is None."""
-    if value is None:
-        fail(name, "a value", "None", fix, error)
-    return value
 
 
 def check_int(name: str, value, *, low: int | None = None, high: int | None = None, fix: str = "",
@@ -167,11 +160,3 @@ def check_range(name: str, t: torch.Tensor, low: int, high: int, fix: str = "",
     lo, hi = (int(x) for x in t.aminmax()) if t.dtype != torch.bool else (0, 1)
     if lo < low or hi > high:
         fail(name, f"values in [{low}, {high}]", f"min {lo}, max {hi}", fix, error)
-
-
-def check_finite_or_masked(name: str, t: torch.Tensor, fix: str = "", error: type[SparseRefError] = ShapeError) -> None:
-    """No NaN in ``t`` (one host sync; skipped while capturing)."""
-    if t.numel() == 0 or capturing() or not t.is_floating_point():
-        return
-    if bool(torch.isnan(t).any()):
-        fail(name, "no NaN values", f"{int(torch.isnan(t).sum())} NaN entries", fix, error)

@@ -52,8 +52,9 @@ class SparseConfig:
         if ratio is not None:
             ratio = check_float("SparseConfig.keep_ratio", ratio, low=0, high=1, low_open=True)
         object.__setattr__(self, "keep_ratio", ratio)  # frozen: the one write, during construction
-        if self.page_budget is not None:
-            check_int("SparseConfig.page_budget", self.page_budget, low=1, high=INT32_MAX)
+        if self.page_budget is not None:  # stored as a plain int (a 0-d tensor would leak into cache keys)
+            object.__setattr__(self, "page_budget",
+                               check_int("SparseConfig.page_budget", self.page_budget, low=1, high=INT32_MAX))
         check_int("SparseConfig.num_recent_pages", self.num_recent_pages, low=1, high=INT32_MAX,
                   fix="The last page holds the token being decoded, so at least 1 recent page is always kept.")
         check_int("SparseConfig.num_sink_pages", self.num_sink_pages, low=0, high=INT32_MAX)

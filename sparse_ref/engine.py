@@ -51,7 +51,7 @@ from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, decode_step
 from sparse_ref.checks import check_choice, check_int
 from sparse_ref.config import SparseConfig
-from sparse_ref.errors import ConfigError
+from sparse_ref.errors import ConfigError, PoolError
 from sparse_ref.memory import KVCacheManager, Request
 from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
 from sparse_ref.workloads import PlantedEngineWorkload
@@ -188,6 +188,12 @@ class DecodeEngine:
                 raise ConfigError(f"algorithms: each entry must be one of {ALGORITHMS}, got {name!r}.")
         check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
         configs = list(config) if isinstance(config, (list, tuple)) else [config or SparseConfig()] * len(algorithms)
+        if len(configs) != len(algorithms):
+            raise ConfigError(f"config: expected one SparseConfig, or one per layer ({len(algorithms)}), got "
+                              f"{len(configs)}.")
+        for name, value, low in (("page_size", page_size, 1), ("max_requests", max_requests, 1),
+                                 ("max_context_len", max_context_len, 1)):
+            check_int(name, value, low=low)
         self.workload, self.device, self.compare_dense = workload, torch.device(device), compare_dense
         num_pages = num_pages or max_requests * -(-max_context_len // page_size) + 1
         self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
@@ -244,6 +250,9 @@ class DecodeEngine:
 
     def finish(self, req: Request) -> None:
         """The request leaves: its pages and row are freed (Quest bounds and indexer keys with them)."""
+        if req not in self.live:
+            raise PoolError(f"finish: expected a live request of this engine, got {req!r} (finished already, or "
+                            "never added). Fix: call finish once per request returned by add_request.")
         self.coordinator.on_request_end(req)
         self.live.remove(req)
         del self.plans[req.rid]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparse_ref.batch import ForwardBatch, build_decode_batch, build_extend_batch
+from sparse_ref.checks import check_float, check_int
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.memory import KVCacheManager, Request
@@ -89,6 +90,9 @@ def make_planted_workload(seq_lens: Sequence[int], *, page_size: int = 16, num_q
     seq_lens = [int(s) for s in seq_lens]
     if not seq_lens or min(seq_lens) < 1:
         raise SparseRefError(f"seq_lens: expected at least one request, each of >= 1 token, got {seq_lens}.")
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("page_size", page_size)):
+        check_int(name, value, low=1, error=SparseRefError)
     if num_q_heads % num_kv_heads:
         raise SparseRefError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}.")
     device = torch.device(device)
@@ -236,6 +240,8 @@ class PlantedEngineWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+            check_int(name, getattr(self, name), low=1, error=SparseRefError)
         if self.num_q_heads % self.num_kv_heads:
             raise SparseRefError(f"num_q_heads {self.num_q_heads} must be a multiple of num_kv_heads "
                                  f"{self.num_kv_heads}.")
@@ -252,6 +258,9 @@ class PlantedEngineWorkload:
         """Plan request ``key`` of ``prompt_len`` tokens. ``needle_depths`` in [0, 1) place the needles by hand."""
         gen = torch.Generator().manual_seed(_mixed_seed(self.seed, key, 1))
         if needle_depths is not None:
+            for d in needle_depths:
+                check_float("needle_depths", d, low=0.0, high=1.0, fix="depths are fractions of the prompt in [0, 1).",
+                            error=SparseRefError)
             needles = sorted({min(int(d * prompt_len), prompt_len - 1) for d in needle_depths})
         else:
             needles = sorted(torch.randperm(prompt_len, generator=gen)[: self.num_needles].tolist())

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from sparse_ref.checks import FLOAT_DTYPES, check_float, check_int, check_range, check_same_device, check_tensor, fail
-from sparse_ref.device import triton_interpreted
+from sparse_ref.device import check_kernel_device, triton_interpreted
 from sparse_ref.errors import ConfigError, ShapeError
 
 LOG2E = 1.4426950408889634
@@ -269,9 +269,8 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     check_same_device(fn, "q", {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer, "page_table": page_table,
                                 "kv_lens": kv_lens, "out": out})
     interpreted = triton_interpreted()
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreted):
-        fail(f"{fn}: q", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"one on {q.device}",
-             "move the tensors to the GPU, or use sparse_ref.attention.sparse_decode_attention on CPU.")
+    check_kernel_device(f"{fn}: q", q, "move the tensors to the GPU, or use sparse_ref.attention."
+                        "sparse_decode_attention on CPU.")
     scale = 1.0 / head_dim ** 0.5 if scale is None else check_float("scale", scale, error=ShapeError)
     if num_splits is not None:
         num_splits = check_int("num_splits", num_splits, low=1, high=MAX_SPLITS, fix="leave num_splits=None.")

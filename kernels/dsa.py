@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from sparse_ref.checks import capturing, check_int, check_tensor, fail
-from sparse_ref.device import triton_interpreted
+from sparse_ref.device import check_kernel_device, triton_interpreted
 from sparse_ref.errors import ShapeError, SparseRefError
 
 FP8 = torch.float8_e4m3fn
@@ -330,9 +330,8 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
     check_tensor("out", out, dtype=torch.float32, shape=(T, width), contiguous=True,
                  fix=f"pass out=None, or torch.empty({T}, {width}) in fp32.")
     device = q.device
-    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
-        fail(f"{fn}: q", "a tensor on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"one on {device}",
-             "move the cache and queries to the GPU, or use LightningIndexer(scoring_backend='torch').")
+    check_kernel_device(f"{fn}: q", q, "move the cache and queries to the GPU, or use "
+                        "LightningIndexer(scoring_backend='torch').")
     for name, t in (("weights", weights), ("keys", keys), ("scales", scales), ("block_table", block_table),
                     ("token_req", token_req), ("bounds", bounds), ("out", out)):
         if t.device != device:

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from sparse_ref.checks import INDEX_DTYPES, capturing, check_int, check_range, check_same_device, check_tensor, fail
-from sparse_ref.device import triton_interpreted
+from sparse_ref.device import check_kernel_device, triton_interpreted
 
 
 @triton.jit
@@ -142,9 +142,8 @@ def page_table_from_selection(selected: torch.Tensor, lengths: torch.Tensor, spa
                                        **({} if out is None else {"out page_table": out[0], "out kv_lens": out[1],
                                                                   "out cu_kv_lens": out[2]})})
     interpreted = triton_interpreted()
-    if selected.device.type != "cuda" and not (selected.device.type == "cpu" and interpreted):
-        fail(f"{fn}: selected", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)",
-             f"one on {selected.device}", "use sparse_ref.adaptor.to_attention_metadata(backend='torch') on CPU.")
+    check_kernel_device(f"{fn}: selected", selected,
+                        "use sparse_ref.adaptor.to_attention_metadata(backend='torch') on CPU.")
     if check_values and not capturing():
         check_range("lengths", lengths, 0, width, "pass the lengths of retrieve_topk (at most W kept pages).")
         check_range("seq_lens", seq_lens, 0, r2t_width, "every request fits in req_to_token.")

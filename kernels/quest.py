@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from sparse_ref.checks import check_choice, check_int, check_range, check_same_device, check_tensor, fail
-from sparse_ref.device import triton_interpreted
+from sparse_ref.device import check_kernel_device
 from sparse_ref.errors import SparseRefError
 
 BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -187,9 +187,8 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
         check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
                      fix="pass torch.empty(bs, max_pages) in fp32.")
     device = page_min.device
-    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
-        fail(f"{fn}: page_min", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"{device}",
-             "move the pools and queries to the GPU, or use the torch scoring backend.")
+    check_kernel_device(f"{fn}: page_min", page_min, "move the pools and queries to the GPU, or use the torch "
+                        "scoring backend.")
     check_same_device(fn, "page_min", {"page_min": page_min, "q_pos": q_pos, "q_neg": q_neg, "page_max": page_max,
                                        "page_valid": page_valid, "pages": pages, "out": out})
     block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps, bs, max_pages, device)
@@ -255,9 +254,8 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
         check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
                      fix="pass torch.empty(bs, max_pages) in fp32.")
     device = page_min.device
-    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreted()):
-        fail(f"{fn}: page_min", "tensors on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"{device}",
-             "move the pools and queries to the GPU, or use the torch scoring backend.")
+    check_kernel_device(f"{fn}: page_min", page_min, "move the pools and queries to the GPU, or use the torch "
+                        "scoring backend.")
     check_same_device(fn, "page_min", {"page_min": page_min, "queries": queries, "page_max": page_max,
                                        "page_valid": page_valid, "req_to_token": req_to_token,
                                        "req_pool_indices": req_pool_indices, "out": out})

@@ -57,7 +57,7 @@ from sparse_ref.checks import (
     check_tensor,
     fail,
 )
-from sparse_ref.device import triton_interpreted
+from sparse_ref.device import check_kernel_device
 from sparse_ref.errors import SparseRefError
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
@@ -591,9 +591,7 @@ def check_scores(fn: str, name: str, scores) -> None:
     if scores.shape[1] > 1 and scores.stride(1) != 1:
         fail(f"{fn}: {name}", "unit stride along the last dim", f"strides {scores.stride()}",
              f"pass {name}.contiguous().")
-    if scores.device.type != "cuda" and not (scores.device.type == "cpu" and triton_interpreted()):
-        fail(f"{fn}: {name}", "a CUDA tensor (CPU only under the Triton interpreter, TRITON_INTERPRET=1)",
-             f"one on {scores.device}", "move it with .cuda().")
+    check_kernel_device(f"{fn}: {name}", scores, "move it with .cuda().")
     if scores.shape[1] >= 2**31 - 1:
         fail(f"{fn}: {name}", "rows shorter than 2**31 - 1", f"N={scores.shape[1]}", "split the rows.")
 

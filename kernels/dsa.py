@@ -292,7 +292,8 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
                          block_table: torch.Tensor, token_req: torch.Tensor, bounds: torch.Tensor, width: int, *,
                          fill_tail: bool = True, out: torch.Tensor | None = None, tiles: int | None = None,
                          block_t: int = BLOCK_T, num_warps: int = 4, num_stages: int | None = 3,
-                         variant: str = "pointer", queries_per_program: int | None = None) -> torch.Tensor:
+                         variant: str = "pointer", queries_per_program: int | None = None,
+                         check_values: bool = True) -> torch.Tensor:
     """fp32 ``[T, width]`` indexer logits read through the page table (see the module docstring).
 
     Launch knobs: ``tiles`` (tiles of ``block_t`` key tokens per program; None: ~32 programs per SM),
@@ -300,6 +301,9 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
     "tma" on compute capability >= 9.0 with ``block_t`` == page size), ``queries_per_program`` (a
     power of two: that many consecutive query tokens share each key tile, for prefill; None: 4 when
     the batch has on average 4 or more query tokens per block-table row, else 1).
+    ``check_values=False`` skips the host-side range checks of index values when the caller has made
+    them (``LightningIndexer`` does: its token rows come from its own batch). The kernel clamps page
+    ids and bounds, but not the ``token_req`` rows, so pass False only with rows you built yourself.
     """
     fn = "paged_indexer_logits"
     check_tensor("q", q, dtype=(FP8, torch.float32), dims=3, contiguous=True,
@@ -350,7 +354,7 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
         fail(f"{fn}: block_t", "a power of two in [16, 256]", repr(block_t), error=SparseRefError)
     if variant not in VARIANTS:
         fail(f"{fn}: variant", f"one of {VARIANTS}", repr(variant), "variant='pointer'", SparseRefError)
-    if T and not capturing():
+    if T and check_values and not capturing():  # LightningIndexer checked its batch already
         lo, hi = (int(x) for x in token_req.aminmax())
         if lo < 0 or hi >= bs:
             fail(f"{fn}: token_req", f"rows in [0, {bs}) of block_table", f"min {lo}, max {hi}",

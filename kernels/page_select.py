@@ -87,8 +87,13 @@ def budget_table(max_pages: int, config: SparseConfig, device: torch.device) -> 
 
 
 def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
-                        config: SparseConfig, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_pages`` in one Triton launch: ``(selected int32 [bs, W], lengths int32 [bs])``."""
+                        config: SparseConfig, width: int | None = None, *, check_values: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_pages`` in one Triton launch: ``(selected int32 [bs, W], lengths int32 [bs])``.
+
+    ``check_values=False`` skips the host-side range checks of index values when the caller has made
+    them (one host sync per call, not two); the kernel still clamps every index it reads.
+    """
     fn = "select_pages_triton"
     check_scores(fn, "scores", scores)
     bs, max_pages = scores.shape
@@ -99,8 +104,9 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
     if not isinstance(config, SparseConfig):
         fail(f"{fn}: config", "a sparse_ref.SparseConfig", type(config).__name__, "pass SparseConfig(...).",
              SparseRefError)
-    check_range(f"{fn}: seq_lens", seq_lens, 0, max_pages * page_size,
-                "score every page of the longest request (scores cover max_pages * page_size tokens).")
+    if check_values:  # retrieve_topk checked the lengths already
+        check_range(f"{fn}: seq_lens", seq_lens, 0, max_pages * page_size,
+                    "score every page of the longest request (scores cover max_pages * page_size tokens).")
     W = config.selection_width(max_pages)
     if width is not None:  # wider is allowed (extra -1 padding); narrower would cut rows off
         width = check_int(f"{fn}: width", width, low=W, fix="leave width=None (a narrower output would cut rows "

@@ -215,7 +215,7 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
                                    req_pool_indices: torch.Tensor, page_size: int, max_pages: int,
                                    gqa_mode: str = "mean", *, out: torch.Tensor | None = None,
                                    block_p: int | None = None, block_hd: int | None = None,
-                                   num_warps: int | None = None) -> torch.Tensor:
+                                   num_warps: int | None = None, check_values: bool = True) -> torch.Tensor:
     """fp32 ``[bs, max_pages]`` Quest scores straight from the raw queries and ``req_to_token``, in one launch.
 
     Equals ``quest_page_scores(*split_query_sign(queries, H_kv, D, gqa_mode), page_min, page_max,
@@ -223,6 +223,8 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     the pool (``QuestAlgorithm.physical_pages``); scores may differ in the last bits (the group
     sum is taken in another order). ``queries``: ``[bs, H_q, D]`` or ``[bs, H_q * D]``, fp32/bf16/fp16;
     ``gqa_mode``: "mean" or "per_kv_head".
+    ``check_values=False`` skips the host-side range checks of index values when the caller has made
+    them (one host sync per call, not two); the kernel still clamps every index it reads.
     """
     fn = "quest_page_scores_from_queries"
     check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
@@ -263,7 +265,8 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     if bs and max_pages and (num_pages == 0 or r2t_rows == 0 or r2t_width == 0):
         fail("page_min", "allocated pools", f"page_min {tuple(page_min.shape)}, req_to_token "
              f"{tuple(req_to_token.shape)}", "allocate the pools before scoring.")
-    check_range("req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass forward_batch.req_pool_indices.")
+    if check_values:  # retrieve_topk checked the rows already (one host sync per call, not two)
+        check_range("req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass forward_batch.req_pool_indices.")
     if bs > 65535:
         fail("req_pool_indices", "at most 65535 requests per launch", f"bs={bs}", "score the batch in chunks.")
     block_p, block_hd, num_warps = _block_sizes(hd, block_p, block_hd, num_warps, bs, max_pages, device)

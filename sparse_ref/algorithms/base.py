@@ -197,7 +197,8 @@ class SparseAlgorithm:
             from sparse_ref.kernels import page_select  # lazy: optional kernel module
 
             if scores.shape[1] <= page_select.MAX_REGISTER_PAGES:  # one program holds a row in registers
-                return page_select.select_pages_triton(scores, seq_lens, sparse_mask, self.page_size, self.config)
+                return page_select.select_pages_triton(scores, seq_lens, sparse_mask, self.page_size, self.config,
+                                                       check_values=False)  # checked by retrieve_topk
         return select_pages_unchecked(scores, seq_lens, sparse_mask, self.page_size, self.config)
 
     def retrieve_topk(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,

@@ -512,7 +512,7 @@ class LightningIndexer(nn.Module):
             from sparse_ref.kernels.dsa import paged_indexer_logits
 
             return paged_indexer_logits(qk.q.contiguous(), qk.weights.float().contiguous(), keys, scales, block_table,
-                                        token_req, bounds, width, fill_tail=fill_tail)
+                                        token_req, bounds, width, fill_tail=fill_tail, check_values=False)
         return paged_indexer_logits_reference(qk.q, qk.weights, keys, scales, block_table, token_req, bounds, width)
 
     @torch.no_grad()

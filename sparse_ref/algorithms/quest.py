@@ -302,7 +302,7 @@ class QuestAlgorithm(SparseAlgorithm):
             return quest_page_scores_from_queries(
                 queries.to(self.device), self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
                 self.req_to_token_pool.req_to_token.to(self.device), req_pool_indices.to(self.device), self.page_size,
-                self.max_pages, self.config.gqa_mode)
+                self.max_pages, self.config.gqa_mode, check_values=False)  # rows checked by retrieve_topk
         bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id], pages)
         return quest_page_scores_reference(q_pos, q_neg, *bounds)
 

@@ -158,6 +158,17 @@ def _block_sizes(hd: int, block_p, block_hd, num_warps, bs: int = 1, max_pages: 
     return block_p, block_hd, num_warps
 
 
+def _check_bounds(page_min: torch.Tensor, page_max: torch.Tensor, page_valid: torch.Tensor) -> tuple[int, int, int]:
+    """The Quest bounds pool of one layer, checked: ``(num_pages, H_kv, D)``."""
+    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
+                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
+    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
+                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(page_min.shape[0],), contiguous=True,
+                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
+    return tuple(page_min.shape)
+
+
 def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
                       page_valid: torch.Tensor, pages: torch.Tensor, *, out: torch.Tensor | None = None,
                       block_p: int | None = None, block_hd: int | None = None,
@@ -168,14 +179,8 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
     ``block_hd``, ``num_warps``: launch knobs (powers of two); None picks the defaults.
     """
     fn = "quest_page_scores"
-    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
-                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
-    num_pages, num_kv_heads, head_dim = page_min.shape
+    num_pages, num_kv_heads, head_dim = _check_bounds(page_min, page_max, page_valid)
     hd = num_kv_heads * head_dim
-    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
-                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
-    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), contiguous=True,
-                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
     check_tensor("pages", pages, dtype=(torch.int32, torch.int64), dims=2, contiguous=True,
                  fix="pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
     bs, max_pages = pages.shape
@@ -227,14 +232,8 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     them (one host sync per call, not two); the kernel still clamps every index it reads.
     """
     fn = "quest_page_scores_from_queries"
-    check_tensor("page_min", page_min, dtype=BOUND_DTYPES, dims=3, contiguous=True,
-                 fix="pass QuestAlgorithm.page_min[layer_id], [num_pages, H_kv, D].")
-    num_pages, num_kv_heads, head_dim = page_min.shape
+    num_pages, num_kv_heads, head_dim = _check_bounds(page_min, page_max, page_valid)
     hd = num_kv_heads * head_dim
-    check_tensor("page_max", page_max, dtype=page_min.dtype, shape=tuple(page_min.shape), contiguous=True,
-                 fix="pass QuestAlgorithm.page_max[layer_id] of the same layer as page_min.")
-    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), contiguous=True,
-                 fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
     check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, fix="pass ReqToTokenPool.req_to_token.")
     check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
                  fix="pass forward_batch.req_pool_indices, one row of req_to_token per request.")

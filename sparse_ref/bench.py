@@ -139,7 +139,7 @@ class Timer:
             return statistics.median(times)
         torch.cuda.synchronize()
         try:
-            calls = [_graph_of(fn, 1).replay for fn in fns]
+            calls = [capture_graph(fn).replay for fn in fns]
             self.mode = "graph"
         except Exception:  # not capturable (e.g. a host sync inside): time eager calls
             torch.cuda.synchronize()
@@ -160,7 +160,7 @@ class Timer:
         if not self.on_gpu:
             return self.cold([fn])
         fn()
-        graph = _graph_of(fn, calls)
+        graph = capture_graph(fn, calls)
         times = []
         for _ in range(max(5, self.reps // 10)):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -172,7 +172,7 @@ class Timer:
         return statistics.median(times)
 
 
-def _graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
+def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``calls`` back-to-back calls of ``fn`` (warmed up on a side stream first)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

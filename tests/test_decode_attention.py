@@ -18,6 +18,7 @@ from sparse_ref import SparseConfig
 from sparse_ref.adaptor import to_attention_metadata
 from sparse_ref.algorithms import QuestAlgorithm
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
+from sparse_ref.bench import capture_graph
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels.decode_attention import MAX_SPLITS, choose_num_splits, paged_decode_attention
 from sparse_ref.workloads import make_planted_workload
@@ -214,14 +215,7 @@ def test_cuda_graph_replay_equals_eager():
     def call():
         paged_decode_attention(static[0], static[1], static[2], static[3], static[4], P, out=out)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)  # warmed up on a side stream, then one call captured
     for seed in range(3):
         lens = [int(x) for x in torch.randint(0, 70 * P + 1, (bs,), generator=torch.Generator().manual_seed(seed))]
         fresh = make_case(lens, 32, 8, 128, P, torch.bfloat16, width=70, num_pages=400, seed=seed + 20)

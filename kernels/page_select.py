@@ -8,8 +8,9 @@ one program per request row, the row's page scores held in registers:
    the history budget ``k`` (read from a table computed once by ``SparseConfig.history_budget_tensor``), and
    whether the row goes sparse at all.
 2. **History top-k** with the delegate threshold of ``kernels/topk.py`` (delegates, threshold,
-   candidates, exact select on the candidates; an exact select over the whole register row when
-   the candidates overflow), winners written in ascending page order.
+   candidates, exact select on the candidates; ``_select_history``: a 16-bit threshold first, the
+   exact k-th delegate when page scores are packed too tightly for 16 bits, an exact select over
+   the whole register row only when even that overflows), winners written in ascending page order.
 3. **Merge.** Sink ids < history ids < recent ids, so "ascending" is a concatenation: the sink
    pages go before the winners, the recent pages after them, then -1 padding and the length.
 
@@ -28,9 +29,59 @@ import triton.language as tl
 from sparse_ref.checks import INDEX_DTYPES, capturing, check_int, check_range, check_same_device, check_tensor, fail
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
-from sparse_ref.kernels.topk import TUNING, _select_in_registers, check_scores
+from sparse_ref.kernels.topk import (
+    TUNING,
+    _exact_delegate,
+    _keys,
+    _threshold,
+    _write_above_and_ties,
+    _write_winners,
+    check_scores,
+)
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
+
+
+@triton.jit
+def _select_history(row, lo, hi, k, out_row, base, W, scratch_row,
+                    N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
+    """The k best pages among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:].
+
+    Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k pages
+    reach; the pages >= T (the candidates) are compacted into SLOTS slots and the exact top-k is
+    taken among them. T is first the k-th delegate with its low 16 bits cleared (two radix rounds).
+    Page scores are often packed in a narrow range (Quest bounds: sums over many heads and dims,
+    a spread of ~2% around the mean), where 16 bits let hundreds of pages through; then T becomes
+    the exact k-th delegate (two more rounds over the G delegates, not over the row). Only when
+    even that overflows (ties, rows that defeat the delegates): keys > Te plus the lowest-id ties
+    == Te when that is the answer, else an exact radix select over the whole register row.
+    """
+    j = tl.arange(0, N_PAD)
+    valid = (j >= lo) & (j < hi)
+    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
+    T = _threshold(dkey, k)
+    count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    if count > SLOTS:  # the 16-bit threshold let too many through: the exact k-th delegate
+        te, usable = _exact_delegate(dkey, k)
+        T = tl.where(usable, te, T)
+        count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    cand = (key >= T) & (key != -2147483648)
+    if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row
+        tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
+        tl.debug_barrier()
+        s = tl.arange(0, SLOTS)
+        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
+        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+        k_eff = _write_winners(skey, ids, k, out_row, base, W, scratch_row, PAIR)
+    else:  # overflow even at the exact delegate
+        te, usable = _exact_delegate(dkey, k)
+        above = tl.sum((key > te).to(tl.int32), axis=0)
+        if usable & (above < k):  # the k-th key is te: keys > te plus the first k - above keys == te
+            k_eff = _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
+        else:  # exact radix select over the whole register row
+            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
+    return k_eff
 
 
 @triton.jit
@@ -50,8 +101,8 @@ def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_ma
     sparse = on & (seq >= min_seq) & (n > 0) & (sink_end + k + n - recent_start < n)  # else: stays dense
     k = tl.where(sparse, k, 0)
     out_row = selected + r.to(tl.int64) * W
-    k_eff = _select_in_registers(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
-                                 sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
+    k_eff = _select_history(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
+                            sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = tl.where(sparse, sink_end + k_eff + n - recent_start, 0)
     tl.store(lengths + r, filled)
     for t in range(0, W, BLOCK_OUT):

@@ -102,6 +102,20 @@ def test_adversarial_history(monkeypatch, slots):
     check_against_references(scores, seq_lens, torch.ones(4, dtype=torch.bool, device=DEVICE), 4, config)
 
 
+@pytest.mark.parametrize("spread", [1e-3, 1e-6])
+@pytest.mark.parametrize("slots", [0, 16])
+def test_packed_scores_take_the_exact_delegate(monkeypatch, spread, slots):
+    """Scores packed in a narrow range (like Quest bounds: ~5700 +- 2%) share their top 16 bits, so the
+    16-bit delegate threshold lets every page through; the exact k-th delegate must take over (and at
+    1e-6 many scores tie exactly in fp32). 16 slots: ~85 candidates at 16 bits, 7 at the exact delegate."""
+    monkeypatch.setitem(topk_module.TUNING, "slots", slots)
+    config = SparseConfig(page_budget=7, num_recent_pages=2, num_sink_pages=1)
+    g = torch.Generator().manual_seed(11)
+    scores = (5700.0 * (1 + spread * torch.randn(3, 90, generator=g))).to(DEVICE)
+    seq_lens = torch.tensor([360, 301, 90 * 4 - 5], device=DEVICE)
+    check_against_references(scores, seq_lens, torch.ones(3, dtype=torch.bool, device=DEVICE), 4, config)
+
+
 def test_rows_too_long_for_registers(monkeypatch):
     """Beyond MAX_REGISTER_PAGES the kernel refuses; retrieve_topk's triton backend then runs the torch selection."""
     monkeypatch.setattr(page_select_module, "MAX_REGISTER_PAGES", 16)
@@ -168,6 +182,21 @@ def test_gpu_benchmark_shape(monkeypatch, slots):
     mask = torch.ones(32, dtype=torch.bool, device="cuda")
     monkeypatch.setitem(topk_module.TUNING, "slots", slots)  # 2: the in-register fallback on every row
     check_against_references(scores, seq_lens, mask, 16, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pages", [2048, 8192])
+def test_gpu_packed_quest_like_rows(pages):
+    """bs=1 and bs=4 rows of Quest-like packed scores (5700 +- 2%, bf16-coarse: many exact ties) at the
+    decode-step shapes (32K and 128K tokens of page 16, budget 123 + 1 sink + 4 recent)."""
+    config = SparseConfig(page_budget=123, num_recent_pages=4, num_sink_pages=1)
+    g = torch.Generator().manual_seed(pages)
+    for bs in (1, 4):
+        scores = 5700.0 * (1 + 0.02 * torch.randn(bs, pages, generator=g))
+        scores = scores.to(torch.bfloat16).float().to("cuda")  # coarse: ties
+        seq_lens = torch.full((bs,), pages * 16, device="cuda")
+        seq_lens[-1] -= 7
+        check_against_references(scores, seq_lens, torch.ones(bs, dtype=torch.bool, device="cuda"), 16, config)
 
 
 @pytest.mark.gpu

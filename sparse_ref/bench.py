@@ -438,7 +438,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     """
     from types import SimpleNamespace
 
-    from sparse_ref.adaptor import page_table_width, to_attention_metadata
+    from sparse_ref.adaptor import page_table_width, retrieve_attention_metadata, to_attention_metadata
     from sparse_ref.algorithms.quest import QuestAlgorithm, split_query_sign
     from sparse_ref.kernels.decode_attention import paged_decode_attention
     from sparse_ref.selection import selection_width
@@ -489,15 +489,18 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def sparse_attention():
         return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse, **knobs["sparse"])
 
+    def retrieve_table():  # retrieve + adaptor; on CUDA the selection kernel writes the page table (one launch)
+        return retrieve_attention_metadata(algo, q, 0, rows, mask, fb, r2t, out=meta)
+
     def sparse_step():
-        sel, lens = retrieve()
-        adaptor(sel, lens)
+        retrieve_table()
         return sparse_attention()
 
     def dense_step():
         return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense, **knobs["dense"])
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
+    ns.retrieve_table = retrieve_table
     ns.scores, ns.scores_unfused, ns.knobs = scores, scores_unfused, knobs
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
@@ -583,8 +586,10 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             sel = s.retrieve()
             torch_meta = s.adaptor(*sel, backend="torch")
             torch_meta = tuple(t.clone() for t in torch_meta)
-            triton_meta = s.adaptor(*sel)
-            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip(torch_meta, triton_meta, strict=True))
+            triton_meta = tuple(t.clone() for t in s.adaptor(*sel))
+            fused = s.retrieve_table()  # the step's own path (selection + table in one launch on CUDA)
+            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip((*torch_meta, *sel, *torch_meta),
+                                                                           (*triton_meta, *fused), strict=True))
             # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
             # side, so neither side is held back by a default chosen blind; the all-defaults step is timed too
             cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
@@ -605,7 +610,8 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             m_dense = timer.mode
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
-            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve]),
+            parts = {"retrieve + page table (the step's; fused on CUDA)": timer.cold([s.retrieve_table]),
+                     "retrieve (scores + selection)": timer.cold([s.retrieve]),
                      "retrieve: scores (one launch)": timer.cold([s.scores]),
                      "retrieve: scores unfused (torch q split + page map + kernel, not used)":
                          timer.cold([s.scores_unfused]),

@@ -7,17 +7,20 @@ pages listed in ``page_table[r]`` (token ``t`` of the row lives at slot
 kernel serves the dense step (the table lists every page of the request) and the sparse step
 (the selected pages), so the speed of the two is compared on equal terms.
 
-Two launches:
+One launch, two phases:
 
-1. **split kernel**, grid ``(bs * H_kv, num_splits)``. A program takes one request, one KV head
+1. **split**, grid ``(bs * H_kv, num_splits)``. A program takes one request, one KV head
    and one slice of the row's KV length (the length is split evenly among ``num_splits``
    programs, in blocks of ``BLOCK_N`` tokens, from ``kv_lens`` read on the device: no host
    sync). It handles the whole GQA group of that KV head (query heads ``kvh * G .. kvh * G +
    G - 1``), so each K/V byte is read once. Online softmax in fp32 (running max, running sum,
    rescaled accumulator). It writes the slice's normalized output and its log-sum-exp.
-2. **merge kernel**, grid ``(bs * H_q,)``: ``out = sum_s w_s o_s / sum_s w_s`` with
-   ``w_s = exp(lse_s - max lse)``. With one split the split kernel writes ``out`` directly and
-   the merge is skipped.
+2. **merge**: ``out = sum_s w_s o_s / sum_s w_s`` with ``w_s = exp(lse_s - max lse)``, done by
+   the last split program of each (request, KV head) to finish (an atomic counter per pair,
+   reset by that program, so CUDA-graph replays start from zero), for the group's query heads.
+   At bs=1 a launch costs microseconds of latency, as much as the merge itself; ``fused_merge=False``
+   runs it as a second launch instead, grid ``(bs * H_q,)``. With one split the split program
+   writes ``out`` directly and there is no merge.
 
 Two ways to form ``q . k`` and ``p . v`` (``USE_DOT``):
 
@@ -47,7 +50,16 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.checks import FLOAT_DTYPES, check_float, check_int, check_range, check_same_device, check_tensor, fail
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    capturing,
+    check_float,
+    check_int,
+    check_range,
+    check_same_device,
+    check_tensor,
+    fail,
+)
 from sparse_ref.device import check_kernel_device, triton_interpreted
 from sparse_ref.errors import ConfigError, ShapeError
 
@@ -56,12 +68,14 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
-                         sm_scale, num_kv_heads, width, page_size, num_pages, num_splits,
+                         out_ptr, counter_ptr, sm_scale, num_kv_heads, width, page_size, num_pages, num_splits,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, MERGE: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
     """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
-    writes the group's partial outputs and log-sum-exps for the merge."""
+    writes the group's partial outputs and log-sum-exps. ``MERGE``: the last split program of the
+    (request, KV head) to finish (an atomic counter, reset by that program) merges them into ``out``."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = pid // num_kv_heads
@@ -132,26 +146,46 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_
     base = (row * num_q_heads + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=in_g[:, None] & in_d[None, :])
     tl.store(part_lse_ptr + base, lse, mask=in_g)
+    if MERGE:
+        tl.debug_barrier()  # every thread's stores happen before the counter says "done"
+        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == num_splits - 1:
+            tl.store(counter_ptr + pid, 0)  # reset for the next call (CUDA-graph replays)
+            for gi in range(GROUP):
+                _merge_head(part_out_ptr, part_lse_ptr, out_ptr, row * num_q_heads + kvh * GROUP + gi, num_splits,
+                            HEAD_DIM, BLOCK_S, BLOCK_D, True)
+
+
+@triton.jit
+def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, bh, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_D: tl.constexpr, FROM_L2: tl.constexpr):
+    """Merge one (request, query head)'s split outputs by their log-sum-exps into ``out``.
+    ``FROM_L2``: the partials were written by other programs of this launch (read past L1)."""
+    bh = bh.to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    in_s = s < num_splits
+    in_d = d < HEAD_DIM
+    o_offs = (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :]
+    if FROM_L2:
+        lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_out_ptr + o_offs, mask=in_s[:, None] & in_d[None, :], other=0.0, cache_modifier=".cg")
+    else:
+        lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"))
+        o = tl.load(part_out_ptr + o_offs, mask=in_s[:, None] & in_d[None, :], other=0.0)
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
+    tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
 
 
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program = one (request, query head): merges its splits' partial outputs by their log-sum-exps."""
-    bh = tl.program_id(0).to(tl.int64)  # one (request, query head)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    in_s = s < num_splits
-    in_d = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
-    o = tl.load(part_out_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                mask=in_s[:, None] & in_d[None, :], other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
-    tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
+    """One program = one (request, query head): merges its splits' partial outputs by their log-sum-exps
+    (the separate merge launch, ``fused_merge=False``)."""
+    _merge_head(part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), num_splits, HEAD_DIM, BLOCK_S, BLOCK_D, False)
 
 
 # ------------------------------------------------------------------------------------------
@@ -208,6 +242,21 @@ def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted:
                 options=options)
 
 
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 "last split program" counters, one buffer per device; the kernel
+    leaves them at zero again. Two calls running at the same time on different streams would share
+    them (not supported). A buffer made while a CUDA graph captures is that graph's own (not kept)."""
+    buf = _COUNTERS.get(str(device))
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        if not capturing():
+            _COUNTERS[str(device)] = buf
+    return buf
+
+
 def _check_knob(name: str, value, low: int) -> None:
     if value is None:
         return
@@ -224,7 +273,8 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
                            scale: float | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None, use_dot: bool | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, precise: bool = True) -> torch.Tensor:
+                           num_stages: int | None = None, precise: bool = True,
+                           fused_merge: bool = True) -> torch.Tensor:
     """fp32 ``[bs, H_q, D]``: attention over the first ``kv_lens[r]`` tokens of the pages in ``page_table[r]``.
 
     Equals ``sparse_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale)``
@@ -234,7 +284,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     ``[0, W * P]``. ``scale`` defaults to ``1 / sqrt(D)``. ``num_splits``: slices of the KV length
     per (request, KV head); None chooses from the shapes. ``out``: fp32 ``[bs, H_q, D]`` buffer.
     Launch knobs (for tuning; None = default): ``use_dot``, ``block_n``, ``num_warps``, ``num_stages``, ``precise``
-    (two-term 16-bit dots, see the module docstring).
+    (two-term 16-bit dots, see the module docstring), ``fused_merge`` (False: the merge as its own launch).
     """
     fn = "paged_decode_attention"
     check_tensor("q", q, dtype=FLOAT_DTYPES, dims=3, fix="pass one query token per request, [bs, H_q, D].")
@@ -278,6 +328,8 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     _check_knob("num_warps", num_warps, 1)
     if num_stages is not None:
         check_int("num_stages", num_stages, low=1, high=8, fix="leave num_stages=None for the default.")
+    if not isinstance(fused_merge, bool):
+        fail("fused_merge", "a bool", repr(fused_merge), "leave fused_merge=True (the default).", ConfigError)
     if width * page_size >= 2**31:
         fail("page_table", "W * page_size < 2**31", f"W={width}, page_size={page_size}")
     # value checks (host syncs; skipped while a CUDA graph captures: the kernel clamps instead)
@@ -300,10 +352,13 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                                    device=q.device)
+    merge = bool(fused_merge) and num_splits > 1
+    counter = _counters(q.device, bs * num_kv_heads) if merge else lse  # (unused without the merge)
     _decode_split_kernel[(bs * num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, scale, num_kv_heads, width, page_size, num_pages,
-        num_splits, **ce, **cfg["options"])
-    if num_splits > 1:
+        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, out, counter, scale, num_kv_heads, width, page_size,
+        num_pages, num_splits, **ce, MERGE=merge, BLOCK_S=triton.next_power_of_2(num_splits) if merge else 1,
+        **cfg["options"])
+    if num_splits > 1 and not merge:
         _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   BLOCK_S=triton.next_power_of_2(num_splits),
                                                   BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
@@ -319,8 +374,8 @@ _TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 def _split_signature(q_dtype, kv_dtype, constexprs):
     sig = {"q_ptr": _TRITON_TYPES[q_dtype], "k_ptr": _TRITON_TYPES[kv_dtype], "v_ptr": _TRITON_TYPES[kv_dtype],
            "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-           "sm_scale": "fp32", "num_kv_heads": "i32", "width": "i32", "page_size": "i32", "num_pages": "i32",
-           "num_splits": "i32"}
+           "out_ptr": "*fp32", "counter_ptr": "*i32", "sm_scale": "fp32", "num_kv_heads": "i32", "width": "i32",
+           "page_size": "i32", "num_pages": "i32", "num_splits": "i32"}
     sig.update({name: "constexpr" for name in constexprs})
     return sig
 
@@ -336,12 +391,18 @@ def _aot_variants():
     ]:
         for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
             cfg = launch_config(group, head_dim, kv_dtype, False, precise=precise)
-            ce = cfg["constexprs"]
+            ce = {**cfg["constexprs"], "MERGE": True, "BLOCK_S": 64 if group == 1 else 4}  # bs=1 MHA / bs=64 GQA
             variants.append((_decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce, cfg["options"]))
+    for group, merge, block_s in ((4, False, 1), (1, True, 16), (8, True, 32)):  # one split; other split counts
+        cfg = launch_config(group, 128, torch.bfloat16, False)
+        ce = {**cfg["constexprs"], "MERGE": merge, "BLOCK_S": block_s}
+        variants.append((_decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce), ce,
+                         cfg["options"]))
     for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
         cfg = launch_config(group, 128, torch.bfloat16, False, use_dot=False)
-        variants.append((_decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, cfg["constexprs"]),
-                         cfg["constexprs"], {"num_warps": 4}))
+        ce = {**cfg["constexprs"], "MERGE": True, "BLOCK_S": 4}
+        variants.append((_decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce), ce,
+                         {"num_warps": 4}))
     for head_dim, block_s in ((128, 2), (128, 4), (128, 8), (128, 16), (128, 32), (128, 64), (64, 32)):
         ce = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=head_dim)
         sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp32", "num_splits": "i32",

@@ -531,7 +531,8 @@ def _eager_cold(timer, fn, reps):
 
 
 ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=64),
-                        dict(num_warps=8)]
+                        dict(num_warps=8), dict(fused_merge=False), dict(num_splits=32, block_n=64),
+                        dict(num_splits=64, block_n=16), dict(num_stages=1), dict(num_stages=4, block_n=64)]
 
 
 def bench_decode(device, timer, copy_bw, quick, on_cpu):
@@ -640,7 +641,8 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
                                         "dense: K/V of every token"))
             print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
-                  f"default knobs x{t_dense_default / t_sparse_default:.2f}", flush=True)
+                  f"default knobs x{t_dense_default / t_sparse_default:.2f}; sparse attention sweep (us) "
+                  f"{chosen['sparse']['sweep_us']}", flush=True)
             print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
                   "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
             del s, ref, sel

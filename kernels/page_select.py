@@ -154,10 +154,14 @@ def _select_to_table_kernel(scores, stride_r, selected, lengths, seq_lens, spars
                         req_to_token + row * r2t_width, r2t_width, page_size,
                         page_table + r.to(tl.int64) * out_width, out_width, BLOCK_T)
     tl.store(kv_lens + r, kv_len.to(tl.int32))
-    tl.debug_barrier()  # every thread's stores happen before the counter says "done"
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.store(counter, 0)  # reset for the next call
-        _running_sum(kv_lens, cu_kv_lens, tl.num_programs(0), BLOCK_B)
+    if tl.num_programs(0) == 1:  # bs=1: no other row to wait for
+        tl.store(cu_kv_lens, 0)
+        tl.store(cu_kv_lens + 1, kv_len.to(tl.int32))
+    else:
+        tl.debug_barrier()  # every thread's stores happen before the counter says "done"
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(counter, 0)  # reset for the next call
+            _running_sum(kv_lens, cu_kv_lens, tl.num_programs(0), BLOCK_B)
 
 
 _TABLES: dict = {}

@@ -175,6 +175,9 @@ def test_fused_page_table_into_buffers_twice():
         got = check_fused_table(page_scores(5, 18, seed, ties=True, nonfinite=False), seq_lens, mask, 4, config,
                                 rows, r2t, out=out)
         assert got[2] is out[0] and got[4] is out[2]
+    one = check_fused_table(page_scores(1, 18, 5, ties=False, nonfinite=False), seq_lens[:1], mask[:1], 4, config,
+                            rows[:1], r2t)  # bs=1: cu_kv_lens without the counter
+    assert one[4].tolist() == [0, int(one[3][0])] and int(one[1][0]) == 1 + 3 + 2
     with pytest.raises(SparseRefError, match="out page_table: expected shape"):
         select_pages_to_table(page_scores(5, 18, 1, False, False), seq_lens, mask, 4, config, rows, r2t,
                               out=(out[0][:, :3], out[1], out[2]))

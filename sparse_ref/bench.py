@@ -269,20 +269,33 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
     return rows
 
 
+def _quest_like_scores(bs, pages, device, seed):
+    """Page scores packed like Quest's (sums over heads and dims: ~5700 +- 2%), bf16-coarse (many ties)."""
+    g = torch.Generator().manual_seed(seed)
+    return (5700.0 * (1 + 0.02 * torch.randn(bs, pages, generator=g))).to(torch.bfloat16).float().to(device)
+
+
 def bench_select(device, timer, copy_bw, quick, on_cpu):
+    """The fused page selection: 32 x 8192 pages k=128 + 4 recent (issue target) on random and on
+    Quest-like packed scores, and the bs=1 decode-step rows (2048 / 8192 pages, k=123 + 1 sink + 4 recent)."""
     from sparse_ref.kernels.page_select import select_pages_triton
     from sparse_ref.selection import select_pages
 
-    bs, pages, page_size, k = (2, 64, 4, 8) if on_cpu else (32, 8192, 16, 128)
-    config = SparseConfig(page_budget=k, num_recent_pages=4)
-    dists = ["randn"] if quick else ["randn", "indexer", "clustered"]
+    page_size = 4 if on_cpu else 16
+    if on_cpu:
+        cases = [(2, 64, 8, 0, "randn"), (1, 64, 8, 1, "quest")]
+    else:
+        cases = [(32, 8192, 128, 0, d) for d in (["randn"] if quick else ["randn", "indexer", "clustered"])]
+        cases += [(32, 8192, 128, 0, "quest"), (1, 2048, 123, 1, "quest"), (1, 8192, 123, 1, "quest")]
     rows = []
-    g = torch.Generator().manual_seed(0)
-    seq_lens = torch.randint(pages * page_size * 3 // 4, pages * page_size + 1, (bs,), generator=g).to(device)
-    seq_lens[0] = pages * page_size
-    mask = torch.ones(bs, dtype=torch.bool, device=device)
-    for dist in dists:
-        copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(1 if on_cpu else 4)]
+    for bs, pages, k, sink, dist in cases:
+        config = SparseConfig(page_budget=k, num_recent_pages=4, num_sink_pages=sink)
+        g = torch.Generator().manual_seed(0)
+        seq_lens = torch.randint(pages * page_size * 3 // 4, pages * page_size + 1, (bs,), generator=g).to(device)
+        seq_lens[0] = pages * page_size
+        mask = torch.ones(bs, dtype=torch.bool, device=device)
+        copies = [_quest_like_scores(bs, pages, device, s) if dist == "quest" else
+                  make_distribution(dist, bs, pages, device, seed=s) for s in range(1 if on_cpu else 4)]
         W = select_pages_triton(copies[0], seq_lens, mask, page_size, config)[0].shape[1]
         nbytes = bs * pages * 4 + bs * 8 + bs * 1 + bs * W * 4 + bs * 4
         t_ours = timer.cold([partial(select_pages_triton, x, seq_lens, mask, page_size, config) for x in copies])

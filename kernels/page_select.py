@@ -35,7 +35,7 @@ from sparse_ref.kernels.topk import (
     TUNING,
     _exact_delegate,
     _keys,
-    _threshold,
+    _radix_rounds,
     _write_above_and_ties,
     _write_winners,
     check_scores,
@@ -54,7 +54,7 @@ def _select_history(row, lo, hi, k, out_row, base, W, scratch_row,
     taken among them. T is first the k-th delegate with its low 16 bits cleared (two radix rounds).
     Page scores are often packed in a narrow range (Quest bounds: sums over many heads and dims,
     a spread of ~2% around the mean), where 16 bits let hundreds of pages through; then T becomes
-    the exact k-th delegate (two more rounds over the G delegates, not over the row). Only when
+    the exact k-th delegate (radix rounds 3-4 continue over the G delegates, not over the row). Only when
     even that overflows (ties, rows that defeat the delegates): keys > Te plus the lowest-id ties
     == Te when that is the answer, else an exact radix select over the whole register row.
     """
@@ -62,11 +62,15 @@ def _select_history(row, lo, hi, k, out_row, base, W, scratch_row,
     valid = (j >= lo) & (j < hi)
     key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
     dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
-    T = _threshold(dkey, k)
+    n_valid = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
+    ut, k_rem = _radix_rounds(dkey, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k, n_valid), 1), 0, 2)
+    T = tl.where(usable, ut ^ -2147483648, -2147483648)  # the k-th delegate, low 16 bits cleared
+    T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
-    if count > SLOTS:  # the 16-bit threshold let too many through: the exact k-th delegate
-        te, usable = _exact_delegate(dkey, k)
-        T = tl.where(usable, te, T)
+    if usable & (count > SLOTS):  # too many through 16 bits: the exact k-th delegate (radix rounds 3-4)
+        ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)
+        T = ut ^ -2147483648
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row

@@ -67,12 +67,59 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _slots(table_row, t, valid, page_size, num_pages):
+    """Pool slots of the row's tokens ``t``: ``page_table[row, t // P] * P + t % P`` (pages clamped into the pool)."""
+    page = tl.load(table_row + t // page_size, mask=valid, other=0)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never outside the pool
+    return page * page_size + t % page_size
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, slots, valid, kv_col, in_d, row_stride):
+    """The K and V rows of one KV head at ``slots`` (``[BLOCK_N, BLOCK_D]``, zeros where not ``valid``)."""
+    kv_offs = slots[:, None] * row_stride + kv_col[None, :]
+    kv_mask = valid[:, None] & in_d[None, :]
+    return tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0), tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+
+
+@triton.jit
+def _attend(q, k, v, valid, m_i, l_i, acc, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PRECISE: tl.constexpr):
+    """One block of online softmax: the group's logits against ``k``, then ``acc``, ``m_i``, ``l_i`` updated."""
+    if USE_DOT:
+        if FP32_DOT:
+            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            q_hi = q.to(k.dtype)
+            qk = tl.dot(q_hi, tl.trans(k))
+            if PRECISE:
+                qk += tl.dot((q - q_hi.to(tl.float32)).to(k.dtype), tl.trans(k))
+    else:
+        qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            p_hi = p.to(v.dtype)
+            pv = tl.dot(p_hi, v)
+            if PRECISE:
+                pv += tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
                          out_ptr, counter_ptr, sm_scale, num_kv_heads, width, page_size, num_pages, num_splits,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, MERGE: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PREFETCH: tl.constexpr,
+                         MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
     writes the group's partial outputs and log-sum-exps. ``MERGE``: the last split program of the
     (request, KV head) to finish (an atomic counter, reset by that program) merges them into ``out``."""
@@ -100,44 +147,26 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table_row = page_table_ptr + row.to(tl.int64) * width
+    kv_col = kvh * HEAD_DIM + d
     row_stride = num_kv_heads * HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        valid = t < end
-        page = tl.load(page_table_ptr + row.to(tl.int64) * width + t // page_size, mask=valid, other=0)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never outside the pool
-        slot = page * page_size + t % page_size
-        kv_offs = slot[:, None] * row_stride + kvh * HEAD_DIM + d[None, :]
-        kv_mask = valid[:, None] & in_d[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if USE_DOT:
-            if FP32_DOT:
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                q_hi = q.to(k.dtype)
-                qk = tl.dot(q_hi, tl.trans(k))
-                if PRECISE:
-                    qk += tl.dot((q - q_hi.to(tl.float32)).to(k.dtype), tl.trans(k))
-        else:
-            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            if FP32_DOT:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                p_hi = p.to(v.dtype)
-                pv = tl.dot(p_hi, v)
-                if PRECISE:
-                    pv += tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if PREFETCH:  # block i+1's K/V and block i+2's page ids are in flight while block i is computed
+        t = start + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(k_ptr, v_ptr, _slots(table_row, t, t < end, page_size, num_pages), t < end, kv_col, in_d,
+                        row_stride)
+        slots_next = _slots(table_row, t + BLOCK_N, t + BLOCK_N < end, page_size, num_pages)
+        for n0 in range(start, end, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)
+            k_next, v_next = _load_kv(k_ptr, v_ptr, slots_next, t + BLOCK_N < end, kv_col, in_d, row_stride)
+            slots_next = _slots(table_row, t + 2 * BLOCK_N, t + 2 * BLOCK_N < end, page_size, num_pages)
+            m_i, l_i, acc = _attend(q, k, v, t < end, m_i, l_i, acc, USE_DOT, FP32_DOT, PRECISE)
+            k, v = k_next, v_next
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)
+            k, v = _load_kv(k_ptr, v_ptr, _slots(table_row, t, t < end, page_size, num_pages), t < end, kv_col,
+                            in_d, row_stride)
+            m_i, l_i, acc = _attend(q, k, v, t < end, m_i, l_i, acc, USE_DOT, FP32_DOT, PRECISE)
 
     empty = start >= end  # nothing to read in this slice (or the whole row is empty)
     l_safe = tl.where(empty, 1.0, l_i)  # l_i > 0 once a token was read (or NaN, from a NaN query: kept)
@@ -194,6 +223,7 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 MAX_SPLITS = 64
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
 PROGRAMS_PER_SM = 8  # split-kernel programs per SM the default split count aims for
+PREFETCH_DEFAULT = False  # issue block i+1's K/V loads before block i's math (the loop is not pipelined otherwise)
 
 
 @functools.cache
@@ -225,7 +255,7 @@ def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int,
 
 def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted: bool,
                   use_dot: bool | None = None, block_n: int | None = None, num_warps: int | None = None,
-                  precise: bool = True, num_stages: int | None = None) -> dict:
+                  precise: bool = True, num_stages: int | None = None, prefetch: bool | None = None) -> dict:
     """The constexprs and launch options of the split kernel for a GQA group size, head dim and K/V dtype."""
     use_dot = group >= DOT_MIN_GROUP if use_dot is None else use_dot
     fp32_dot = bool(use_dot and (interpreted or kv_dtype == torch.float32))
@@ -238,7 +268,8 @@ def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted:
         num_warps = 4
     options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages is not None else {})}
     return dict(constexprs=dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-                                USE_DOT=bool(use_dot), FP32_DOT=fp32_dot, PRECISE=bool(precise and not fp32_dot)),
+                                USE_DOT=bool(use_dot), FP32_DOT=fp32_dot, PRECISE=bool(precise and not fp32_dot),
+                                PREFETCH=PREFETCH_DEFAULT if prefetch is None else bool(prefetch)),
                 options=options)
 
 
@@ -274,7 +305,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
                            out: torch.Tensor | None = None, use_dot: bool | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, precise: bool = True,
-                           fused_merge: bool = True) -> torch.Tensor:
+                           fused_merge: bool = True, prefetch: bool | None = None) -> torch.Tensor:
     """fp32 ``[bs, H_q, D]``: attention over the first ``kv_lens[r]`` tokens of the pages in ``page_table[r]``.
 
     Equals ``sparse_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale)``
@@ -284,7 +315,8 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     ``[0, W * P]``. ``scale`` defaults to ``1 / sqrt(D)``. ``num_splits``: slices of the KV length
     per (request, KV head); None chooses from the shapes. ``out``: fp32 ``[bs, H_q, D]`` buffer.
     Launch knobs (for tuning; None = default): ``use_dot``, ``block_n``, ``num_warps``, ``num_stages``, ``precise``
-    (two-term 16-bit dots, see the module docstring), ``fused_merge`` (False: the merge as its own launch).
+    (two-term 16-bit dots, see the module docstring), ``fused_merge`` (False: the merge as its own launch),
+    ``prefetch`` (the next block's K/V loads issued before this block's math: a hand-written two-stage pipeline).
     """
     fn = "paged_decode_attention"
     check_tensor("q", q, dtype=FLOAT_DTYPES, dims=3, fix="pass one query token per request, [bs, H_q, D].")
@@ -330,6 +362,8 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         check_int("num_stages", num_stages, low=1, high=8, fix="leave num_stages=None for the default.")
     if not isinstance(fused_merge, bool):
         fail("fused_merge", "a bool", repr(fused_merge), "leave fused_merge=True (the default).", ConfigError)
+    if prefetch is not None and not isinstance(prefetch, bool):
+        fail("prefetch", "a bool or None", repr(prefetch), "leave prefetch=None for the default.", ConfigError)
     if width * page_size >= 2**31:
         fail("page_table", "W * page_size < 2**31", f"W={width}, page_size={page_size}")
     # value checks (host syncs; skipped while a CUDA graph captures: the kernel clamps instead)
@@ -344,7 +378,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         return out
     group = num_q_heads // num_kv_heads
     cfg = launch_config(group, head_dim, k_buffer.dtype, interpreted, use_dot, block_n, num_warps, precise,
-                        num_stages)
+                        num_stages, prefetch)
     ce = cfg["constexprs"]
     if num_splits is None:
         num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, ce["BLOCK_N"], q.device)
@@ -393,8 +427,9 @@ def _aot_variants():
             cfg = launch_config(group, head_dim, kv_dtype, False, precise=precise)
             ce = {**cfg["constexprs"], "MERGE": True, "BLOCK_S": 64 if group == 1 else 4}  # bs=1 MHA / bs=64 GQA
             variants.append((_decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce, cfg["options"]))
-    for group, merge, block_s in ((4, False, 1), (1, True, 16), (8, True, 32)):  # one split; other split counts
-        cfg = launch_config(group, 128, torch.bfloat16, False)
+    for group, merge, block_s, prefetch in ((4, False, 1, False), (1, True, 16, False), (8, True, 32, False),
+                                            (1, True, 64, True), (4, True, 4, True), (4, False, 1, True)):
+        cfg = launch_config(group, 128, torch.bfloat16, False, prefetch=prefetch)
         ce = {**cfg["constexprs"], "MERGE": merge, "BLOCK_S": block_s}
         variants.append((_decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce), ce,
                          cfg["options"]))

@@ -494,6 +494,12 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return quest_page_scores(q_pos, q_neg, algo.page_min[0], algo.page_max[0], algo.page_valid[0],
                                  algo.physical_pages(rows))
 
+    def scores_with(**knobs):  # the fused scoring launch with explicit launch knobs (the decode bench sweeps them)
+        from sparse_ref.kernels.quest import quest_page_scores_from_queries
+
+        return quest_page_scores_from_queries(q, algo.page_min[0], algo.page_max[0], algo.page_valid[0], r2t, rows,
+                                              page_size, algo.max_pages, config.gqa_mode, check_values=False, **knobs)
+
     def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
         return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
 
@@ -514,13 +520,22 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
     ns.retrieve_table = retrieve_table
-    ns.scores, ns.scores_unfused, ns.knobs = scores, scores_unfused, knobs
+    ns.scores, ns.scores_unfused, ns.knobs, ns.scores_with = scores, scores_unfused, knobs, scores_with
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
     bounds_bytes = 2 * torch.tensor([], dtype=bounds_dtype).element_size() * h_kv * d  # min + max of one page
     ns.sparse_bytes = bs * pages * bounds_bytes + bs * min(budget_tokens, ctx) * kv_bytes
     return ns
+
+
+def _scoring_default(s) -> str:
+    """The Quest scoring launch's default (block_p, block_hd) for a decode-step setup, as the sweep names it."""
+    from sparse_ref.kernels.quest import _default_blocks
+
+    hd = s.algo.num_kv_heads * s.algo.head_dim
+    bp, bhd = _default_blocks(hd, s.q.shape[0], s.algo.max_pages, s.q.device)
+    return f"p{bp}_hd{bhd}_w4"
 
 
 def _eager_cold(timer, fn, reps):
@@ -633,6 +648,16 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                      "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
                      "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
                      "sparse attention": timer.cold([s.sparse_attention])}
+            scoring_sweep = {}
+            if bs == 1 and not on_cpu:  # bs=1 scoring is latency bound: a few launch shapes beside the default
+                for bp, bhd, nw in ((2, 2048, 4), (4, 1024, 4), (8, 512, 4), (1, 4096, 4), (2, 4096, 8), (4, 2048, 8),
+                                    (16, 256, 4)):
+                    try:
+                        t_ = timer.cold([partial(s.scores_with, block_p=bp, block_hd=bhd, num_warps=nw)])
+                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = round(t_, 2)
+                    except Exception as e:  # e.g. out of resources
+                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = f"failed: {type(e).__name__}"
+                print(f"    scoring launch sweep (us; default {_scoring_default(s)}): {scoring_sweep}", flush=True)
             tuned_sparse = s.knobs["sparse"]
             s.knobs["sparse"] = {}
             t_sparse_default = timer.cold([s.sparse_step])  # both steps with default knobs, for comparison
@@ -646,6 +671,7 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
                              byte_limit_speedup=round(ceiling, 2), target_speedup=target,
                              parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
+                             scoring_sweep_us=scoring_sweep,
                              max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
                              attention_knobs=chosen, dense_default_knobs_us=t_dense_default,
                              sparse_step_default_knobs_us=round(t_sparse_default, 2),

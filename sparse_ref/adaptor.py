@@ -101,7 +101,7 @@ def _check_inputs(selected, lengths, sparse_mask, forward_batch, req_to_token, p
     ids = torch.sort(ids, dim=1).values
     if bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()):
         raise ShapeError("selected: a row names the same page twice; each kept page must appear once.")
-    if page_size > 1:
+    if page_size > 1 and width > 0:  # (width 0: every length is 0, every row dense)
         last = selected.long().gather(1, (lengths.long() - 1).clamp(min=0)[:, None]).squeeze(1)
         wrong = sparse & (last != n - 1)
         if bool(wrong.any()):

@@ -187,6 +187,17 @@ def test_fused_page_table_into_buffers_twice():
         select_pages_to_table(page_scores(5, 18, 1, False, False), seq_lens, mask, 4, config, rows, r2t.long())
 
 
+def test_fused_page_table_empty_batch_and_no_pages():
+    """bs=0 (cu_kv_lens = [0]) and scores of 0 pages (every row dense, the table lists the rows' pages)."""
+    config = SparseConfig(page_budget=2, num_recent_pages=1)
+    rows, r2t = pool_layout([0, 0], 4, 12, seed=4)
+    empty = select_pages_to_table(torch.zeros(0, 3, device=DEVICE), torch.zeros(0, dtype=torch.long, device=DEVICE),
+                                  torch.zeros(0, dtype=torch.bool, device=DEVICE), 4, config, rows[:0], r2t)
+    assert [tuple(t.shape) for t in empty] == [(0, 3), (0,), (0, 3), (0,), (1,)] and empty[4].tolist() == [0]
+    check_fused_table(torch.zeros(2, 0, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE),
+                      torch.tensor([True, False], device=DEVICE), 4, config, rows, r2t)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_retrieve_attention_metadata_equals_retrieve_then_adaptor(backend):
     """adaptor.retrieve_attention_metadata (fused selection + table with the Triton selection) returns what

@@ -269,6 +269,20 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
     return rows
 
 
+def _rank_selection(fn):
+    """``fn`` run with the page selection's pairwise-rank variant (``page_select.RANK_SELECT``)."""
+    from sparse_ref.kernels import page_select
+
+    def call():
+        saved, page_select.RANK_SELECT = page_select.RANK_SELECT, True
+        try:
+            return fn()
+        finally:
+            page_select.RANK_SELECT = saved
+
+    return call
+
+
 def _quest_like_scores(bs, pages, device, seed):
     """Page scores packed like Quest's (sums over heads and dims: ~5700 +- 2%), bf16-coarse (many ties)."""
     g = torch.Generator().manual_seed(seed)
@@ -302,8 +316,13 @@ def bench_select(device, timer, copy_bw, quick, on_cpu):
         m_ours = timer.mode
         t_sel = timer.cold([partial(select_pages, x, seq_lens, mask, page_size, config) for x in copies])
         m_sel = timer.mode
+        t_rank = timer.cold([_rank_selection(partial(select_pages_triton, x, seq_lens, mask, page_size, config))
+                             for x in copies])
         t_topk = timer.cold([partial(torch.topk, x, k, dim=1, sorted=False) for x in copies])
         shape = f"{bs}x{pages} pages"
+        rows.append(_row(shape, k, dist, "cold", t_ours, t_rank, nbytes, copy_bw, "select_rank",
+                         baseline="the same kernel with radix rounds (default)", ours_timing=timer.mode,
+                         note="page_select.RANK_SELECT=True: pairwise ranks instead of radix rounds"))
         rows.append(_row(shape, k, dist, "cold", t_sel, t_ours, nbytes, copy_bw, "select",
                          baseline="torch select_pages (batched torch: ranks + finalize)", torch_timing=m_sel,
                          ours_timing=m_ours))
@@ -642,6 +661,7 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
             parts = {"retrieve + page table (the step's; fused on CUDA)": timer.cold([s.retrieve_table]),
+                     "retrieve + page table, rank selection": timer.cold([_rank_selection(s.retrieve_table)]),
                      "retrieve (scores + selection)": timer.cold([s.retrieve]),
                      "retrieve: scores (one launch)": timer.cold([s.scores]),
                      "retrieve: scores unfused (torch q split + page map + kernel, not used)":

@@ -7,20 +7,17 @@ pages listed in ``page_table[r]`` (token ``t`` of the row lives at slot
 kernel serves the dense step (the table lists every page of the request) and the sparse step
 (the selected pages), so the speed of the two is compared on equal terms.
 
-One launch, two phases:
+Two launches:
 
-1. **split**, grid ``(bs * H_kv, num_splits)``. A program takes one request, one KV head
+1. **split kernel**, grid ``(bs * H_kv, num_splits)``. A program takes one request, one KV head
    and one slice of the row's KV length (the length is split evenly among ``num_splits``
    programs, in blocks of ``BLOCK_N`` tokens, from ``kv_lens`` read on the device: no host
    sync). It handles the whole GQA group of that KV head (query heads ``kvh * G .. kvh * G +
    G - 1``), so each K/V byte is read once. Online softmax in fp32 (running max, running sum,
    rescaled accumulator). It writes the slice's normalized output and its log-sum-exp.
-2. **merge**: ``out = sum_s w_s o_s / sum_s w_s`` with ``w_s = exp(lse_s - max lse)``, done by
-   the last split program of each (request, KV head) to finish (an atomic counter per pair,
-   reset by that program, so CUDA-graph replays start from zero), for the group's query heads.
-   At bs=1 a launch costs microseconds of latency, as much as the merge itself; ``fused_merge=False``
-   runs it as a second launch instead, grid ``(bs * H_q,)``. With one split the split program
-   writes ``out`` directly and there is no merge.
+2. **merge kernel**, grid ``(bs * H_q,)``: ``out = sum_s w_s o_s / sum_s w_s`` with
+   ``w_s = exp(lse_s - max lse)``. With one split the split kernel writes ``out`` directly and
+   the merge is skipped.
 
 Two ways to form ``q . k`` and ``p . v`` (``USE_DOT``):
 
@@ -50,16 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.checks import (
-    FLOAT_DTYPES,
-    capturing,
-    check_float,
-    check_int,
-    check_range,
-    check_same_device,
-    check_tensor,
-    fail,
-)
+from sparse_ref.checks import FLOAT_DTYPES, check_float, check_int, check_range, check_same_device, check_tensor, fail
 from sparse_ref.device import check_kernel_device, triton_interpreted
 from sparse_ref.errors import ConfigError, ShapeError
 
@@ -67,62 +55,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _slots(table_row, t, valid, page_size, num_pages):
-    """Pool slots of the row's tokens ``t``: ``page_table[row, t // P] * P + t % P`` (pages clamped into the pool)."""
-    page = tl.load(table_row + t // page_size, mask=valid, other=0)
-    page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never outside the pool
-    return page * page_size + t % page_size
-
-
-@triton.jit
-def _load_kv(k_ptr, v_ptr, slots, valid, kv_col, in_d, row_stride):
-    """The K and V rows of one KV head at ``slots`` (``[BLOCK_N, BLOCK_D]``, zeros where not ``valid``)."""
-    kv_offs = slots[:, None] * row_stride + kv_col[None, :]
-    kv_mask = valid[:, None] & in_d[None, :]
-    return tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0), tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-
-
-@triton.jit
-def _attend(q, k, v, valid, m_i, l_i, acc, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PRECISE: tl.constexpr):
-    """One block of online softmax: the group's logits against ``k``, then ``acc``, ``m_i``, ``l_i`` updated."""
-    if USE_DOT:
-        if FP32_DOT:
-            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            q_hi = q.to(k.dtype)
-            qk = tl.dot(q_hi, tl.trans(k))
-            if PRECISE:
-                qk += tl.dot((q - q_hi.to(tl.float32)).to(k.dtype), tl.trans(k))
-    else:
-        qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if USE_DOT:
-        if FP32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            p_hi = p.to(v.dtype)
-            pv = tl.dot(p_hi, v)
-            if PRECISE:
-                pv += tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
-    else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
-                         out_ptr, counter_ptr, sm_scale, num_kv_heads, width, page_size, num_pages, num_splits,
+                         sm_scale, num_kv_heads, width, page_size, num_pages, num_splits,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PREFETCH: tl.constexpr,
-                         MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr):
     """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
-    writes the group's partial outputs and log-sum-exps. ``MERGE``: the last split program of the
-    (request, KV head) to finish (an atomic counter, reset by that program) merges them into ``out``."""
+    writes the group's partial outputs and log-sum-exps for the merge."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = pid // num_kv_heads
@@ -147,26 +86,44 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    table_row = page_table_ptr + row.to(tl.int64) * width
-    kv_col = kvh * HEAD_DIM + d
     row_stride = num_kv_heads * HEAD_DIM
-    if PREFETCH:  # block i+1's K/V and block i+2's page ids are in flight while block i is computed
-        t = start + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_ptr, v_ptr, _slots(table_row, t, t < end, page_size, num_pages), t < end, kv_col, in_d,
-                        row_stride)
-        slots_next = _slots(table_row, t + BLOCK_N, t + BLOCK_N < end, page_size, num_pages)
-        for n0 in range(start, end, BLOCK_N):
-            t = n0 + tl.arange(0, BLOCK_N)
-            k_next, v_next = _load_kv(k_ptr, v_ptr, slots_next, t + BLOCK_N < end, kv_col, in_d, row_stride)
-            slots_next = _slots(table_row, t + 2 * BLOCK_N, t + 2 * BLOCK_N < end, page_size, num_pages)
-            m_i, l_i, acc = _attend(q, k, v, t < end, m_i, l_i, acc, USE_DOT, FP32_DOT, PRECISE)
-            k, v = k_next, v_next
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            t = n0 + tl.arange(0, BLOCK_N)
-            k, v = _load_kv(k_ptr, v_ptr, _slots(table_row, t, t < end, page_size, num_pages), t < end, kv_col,
-                            in_d, row_stride)
-            m_i, l_i, acc = _attend(q, k, v, t < end, m_i, l_i, acc, USE_DOT, FP32_DOT, PRECISE)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        page = tl.load(page_table_ptr + row.to(tl.int64) * width + t // page_size, mask=valid, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never outside the pool
+        slot = page * page_size + t % page_size
+        kv_offs = slot[:, None] * row_stride + kvh * HEAD_DIM + d[None, :]
+        kv_mask = valid[:, None] & in_d[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if USE_DOT:
+            if FP32_DOT:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                q_hi = q.to(k.dtype)
+                qk = tl.dot(q_hi, tl.trans(k))
+                if PRECISE:
+                    qk += tl.dot((q - q_hi.to(tl.float32)).to(k.dtype), tl.trans(k))
+        else:
+            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            if FP32_DOT:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                p_hi = p.to(v.dtype)
+                pv = tl.dot(p_hi, v)
+                if PRECISE:
+                    pv += tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     empty = start >= end  # nothing to read in this slice (or the whole row is empty)
     l_safe = tl.where(empty, 1.0, l_i)  # l_i > 0 once a token was read (or NaN, from a NaN query: kept)
@@ -175,46 +132,26 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, part_
     base = (row * num_q_heads + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=in_g[:, None] & in_d[None, :])
     tl.store(part_lse_ptr + base, lse, mask=in_g)
-    if MERGE:
-        tl.debug_barrier()  # every thread's stores happen before the counter says "done"
-        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(counter_ptr + pid, 0)  # reset for the next call (CUDA-graph replays)
-            for gi in range(GROUP):
-                _merge_head(part_out_ptr, part_lse_ptr, out_ptr, row * num_q_heads + kvh * GROUP + gi, num_splits,
-                            HEAD_DIM, BLOCK_S, BLOCK_D, True)
-
-
-@triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, bh, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                BLOCK_D: tl.constexpr, FROM_L2: tl.constexpr):
-    """Merge one (request, query head)'s split outputs by their log-sum-exps into ``out``.
-    ``FROM_L2``: the partials were written by other programs of this launch (read past L1)."""
-    bh = bh.to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    in_s = s < num_splits
-    in_d = d < HEAD_DIM
-    o_offs = (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :]
-    if FROM_L2:
-        lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_out_ptr + o_offs, mask=in_s[:, None] & in_d[None, :], other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"))
-        o = tl.load(part_out_ptr + o_offs, mask=in_s[:, None] & in_d[None, :], other=0.0)
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
-    tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
 
 
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program = one (request, query head): merges its splits' partial outputs by their log-sum-exps
-    (the separate merge launch, ``fused_merge=False``)."""
-    _merge_head(part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), num_splits, HEAD_DIM, BLOCK_S, BLOCK_D, False)
+    """One program = one (request, query head): merges its splits' partial outputs by their log-sum-exps."""
+    bh = tl.program_id(0).to(tl.int64)  # one (request, query head)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    in_s = s < num_splits
+    in_d = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
+    o = tl.load(part_out_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=in_s[:, None] & in_d[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
+    tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,7 +160,6 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 MAX_SPLITS = 64
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
 PROGRAMS_PER_SM = 8  # split-kernel programs per SM the default split count aims for
-PREFETCH_DEFAULT = False  # issue block i+1's K/V loads before block i's math (the loop is not pipelined otherwise)
 
 
 @functools.cache
@@ -246,16 +182,23 @@ def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int,
     """Splits per (request, KV head) from shapes only (never from ``kv_lens`` values: no host sync).
 
     Enough programs for ``PROGRAMS_PER_SM`` per SM (many splits at bs=1, a few at bs=64), at most one per
-    ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``.
+    ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``. When the
+    (request, KV head) pairs alone fill fewer programs than the device has SMs (bs=1), half as many:
+    measured on an H200 at bs=1, 32 heads, 16 splits beat 33 (22.5 against 24.8 us over 2048 tokens,
+    172.5 against 178 us over 32K), since a split program holds ~200 registers (two per SM at a time)
+    and each extra split adds a partial result to merge.
     """
     base = max(1, bs * num_kv_heads)
-    want = triton.cdiv(programs_target(device), base)
+    target = programs_target(device)
+    if device.type == "cuda" and base < target // PROGRAMS_PER_SM:  # fewer pairs than SMs: small batch
+        target //= 2
+    want = triton.cdiv(target, base)
     return max(1, min(want, triton.cdiv(max(max_kv_len, 1), block_n), MAX_SPLITS))
 
 
 def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted: bool,
                   use_dot: bool | None = None, block_n: int | None = None, num_warps: int | None = None,
-                  precise: bool = True, num_stages: int | None = None, prefetch: bool | None = None) -> dict:
+                  precise: bool = True, num_stages: int | None = None) -> dict:
     """The constexprs and launch options of the split kernel for a GQA group size, head dim and K/V dtype."""
     use_dot = group >= DOT_MIN_GROUP if use_dot is None else use_dot
     fp32_dot = bool(use_dot and (interpreted or kv_dtype == torch.float32))
@@ -263,29 +206,17 @@ def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted:
     block_d = triton.next_power_of_2(max(head_dim, 16 if use_dot else 1))
     if block_n is None:
         # broadcast path: keep the [BLOCK_G, BLOCK_N, BLOCK_D] product near 8K fp32 values per program
-        block_n = 32 if use_dot else max(16, min(64, 8192 // (block_g * block_d)))
+        # tensor cores: 64 tokens a step for GQA groups over 16-bit K/V (H200, bs=64 32q/8kv 32K bf16: 2225
+        # against 2530 us with 32); 32 for MHA (at bs=1 the sparse step's short splits lose with 64: 29 against
+        # 25 us) and for fp32 K/V (64 spills registers)
+        big = group >= 2 and not fp32_dot
+        block_n = (64 if big else 32) if use_dot else max(16, min(64, 8192 // (block_g * block_d)))
     if num_warps is None:
         num_warps = 4
     options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages is not None else {})}
     return dict(constexprs=dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-                                USE_DOT=bool(use_dot), FP32_DOT=fp32_dot, PRECISE=bool(precise and not fp32_dot),
-                                PREFETCH=PREFETCH_DEFAULT if prefetch is None else bool(prefetch)),
+                                USE_DOT=bool(use_dot), FP32_DOT=fp32_dot, PRECISE=bool(precise and not fp32_dot)),
                 options=options)
-
-
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 "last split program" counters, one buffer per device; the kernel
-    leaves them at zero again. Two calls running at the same time on different streams would share
-    them (not supported). A buffer made while a CUDA graph captures is that graph's own (not kept)."""
-    buf = _COUNTERS.get(str(device))
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        if not capturing():
-            _COUNTERS[str(device)] = buf
-    return buf
 
 
 def _check_knob(name: str, value, low: int) -> None:
@@ -304,8 +235,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
                            scale: float | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None, use_dot: bool | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, precise: bool = True,
-                           fused_merge: bool = True, prefetch: bool | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, precise: bool = True) -> torch.Tensor:
     """fp32 ``[bs, H_q, D]``: attention over the first ``kv_lens[r]`` tokens of the pages in ``page_table[r]``.
 
     Equals ``sparse_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale)``
@@ -315,8 +245,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     ``[0, W * P]``. ``scale`` defaults to ``1 / sqrt(D)``. ``num_splits``: slices of the KV length
     per (request, KV head); None chooses from the shapes. ``out``: fp32 ``[bs, H_q, D]`` buffer.
     Launch knobs (for tuning; None = default): ``use_dot``, ``block_n``, ``num_warps``, ``num_stages``, ``precise``
-    (two-term 16-bit dots, see the module docstring), ``fused_merge`` (False: the merge as its own launch),
-    ``prefetch`` (the next block's K/V loads issued before this block's math: a hand-written two-stage pipeline).
+    (two-term 16-bit dots, see the module docstring).
     """
     fn = "paged_decode_attention"
     check_tensor("q", q, dtype=FLOAT_DTYPES, dims=3, fix="pass one query token per request, [bs, H_q, D].")
@@ -360,10 +289,6 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     _check_knob("num_warps", num_warps, 1)
     if num_stages is not None:
         check_int("num_stages", num_stages, low=1, high=8, fix="leave num_stages=None for the default.")
-    if not isinstance(fused_merge, bool):
-        fail("fused_merge", "a bool", repr(fused_merge), "leave fused_merge=True (the default).", ConfigError)
-    if prefetch is not None and not isinstance(prefetch, bool):
-        fail("prefetch", "a bool or None", repr(prefetch), "leave prefetch=None for the default.", ConfigError)
     if width * page_size >= 2**31:
         fail("page_table", "W * page_size < 2**31", f"W={width}, page_size={page_size}")
     # value checks (host syncs; skipped while a CUDA graph captures: the kernel clamps instead)
@@ -378,7 +303,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         return out
     group = num_q_heads // num_kv_heads
     cfg = launch_config(group, head_dim, k_buffer.dtype, interpreted, use_dot, block_n, num_warps, precise,
-                        num_stages, prefetch)
+                        num_stages)
     ce = cfg["constexprs"]
     if num_splits is None:
         num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, ce["BLOCK_N"], q.device)
@@ -386,13 +311,10 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                                    device=q.device)
-    merge = bool(fused_merge) and num_splits > 1
-    counter = _counters(q.device, bs * num_kv_heads) if merge else lse  # (unused without the merge)
     _decode_split_kernel[(bs * num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, out, counter, scale, num_kv_heads, width, page_size,
-        num_pages, num_splits, **ce, MERGE=merge, BLOCK_S=triton.next_power_of_2(num_splits) if merge else 1,
-        **cfg["options"])
-    if num_splits > 1 and not merge:
+        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, scale, num_kv_heads, width, page_size, num_pages,
+        num_splits, **ce, **cfg["options"])
+    if num_splits > 1:
         _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   BLOCK_S=triton.next_power_of_2(num_splits),
                                                   BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
@@ -408,8 +330,8 @@ _TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 def _split_signature(q_dtype, kv_dtype, constexprs):
     sig = {"q_ptr": _TRITON_TYPES[q_dtype], "k_ptr": _TRITON_TYPES[kv_dtype], "v_ptr": _TRITON_TYPES[kv_dtype],
            "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-           "out_ptr": "*fp32", "counter_ptr": "*i32", "sm_scale": "fp32", "num_kv_heads": "i32", "width": "i32",
-           "page_size": "i32", "num_pages": "i32", "num_splits": "i32"}
+           "sm_scale": "fp32", "num_kv_heads": "i32", "width": "i32", "page_size": "i32", "num_pages": "i32",
+           "num_splits": "i32"}
     sig.update({name: "constexpr" for name in constexprs})
     return sig
 
@@ -425,19 +347,12 @@ def _aot_variants():
     ]:
         for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
             cfg = launch_config(group, head_dim, kv_dtype, False, precise=precise)
-            ce = {**cfg["constexprs"], "MERGE": True, "BLOCK_S": 64 if group == 1 else 4}  # bs=1 MHA / bs=64 GQA
+            ce = cfg["constexprs"]
             variants.append((_decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce, cfg["options"]))
-    for group, merge, block_s, prefetch in ((4, False, 1, False), (1, True, 16, False), (8, True, 32, False),
-                                            (1, True, 64, True), (4, True, 4, True), (4, False, 1, True)):
-        cfg = launch_config(group, 128, torch.bfloat16, False, prefetch=prefetch)
-        ce = {**cfg["constexprs"], "MERGE": merge, "BLOCK_S": block_s}
-        variants.append((_decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce), ce,
-                         cfg["options"]))
     for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
         cfg = launch_config(group, 128, torch.bfloat16, False, use_dot=False)
-        ce = {**cfg["constexprs"], "MERGE": True, "BLOCK_S": 4}
-        variants.append((_decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce), ce,
-                         {"num_warps": 4}))
+        variants.append((_decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, cfg["constexprs"]),
+                         cfg["constexprs"], {"num_warps": 4}))
     for head_dim, block_s in ((128, 2), (128, 4), (128, 8), (128, 16), (128, 32), (128, 64), (64, 32)):
         ce = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=head_dim)
         sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp32", "num_splits": "i32",

@@ -577,11 +577,8 @@ def _eager_cold(timer, fn, reps):
     return statistics.median(times)
 
 
-ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=64),
-                        dict(num_warps=8), dict(fused_merge=False), dict(num_splits=32, block_n=64),
-                        dict(num_splits=4), dict(num_splits=8), dict(num_splits=8, block_n=16),
-                        dict(prefetch=True), dict(prefetch=True, num_splits=8), dict(prefetch=True, block_n=16),
-                        dict(use_dot=False, block_n=16)]
+ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=32),
+                        dict(block_n=64), dict(num_warps=8), dict(num_splits=32, block_n=64), dict(num_splits=8)]
 
 
 def bench_decode(device, timer, copy_bw, quick, on_cpu):

@@ -84,31 +84,18 @@ def test_more_splits_than_blocks_and_page_size_one():
 
 
 @pytest.mark.parametrize("knobs", [dict(use_dot=False), dict(use_dot=True), dict(block_n=16), dict(block_n=64),
-                                   dict(num_warps=2, precise=False), dict(fused_merge=False), dict(prefetch=True),
-                                   dict(prefetch=True, use_dot=False, block_n=16), dict(prefetch=False)])
+                                   dict(num_warps=2, precise=False)])
 def test_launch_knobs_do_not_change_the_result(knobs):
     check_against_reference(make_case([11, 30], 4, 1, 8, 4, seed=5, width=9), 4, num_splits=2, **knobs)
-
-
-def test_fused_merge_counters_reset_between_calls():
-    """The merge runs in the last split program of each (request, KV head), found with counters that the
-    kernel resets: repeated calls, with other shapes in between, give the same result as the separate merge."""
-    case = make_case([29, 0, 17, 40], 6, 2, 8, 4, seed=12, width=10, num_pages=30)
-    separate = check_against_reference(case, 4, num_splits=5, fused_merge=False)
-    first = check_against_reference(case, 4, num_splits=5)
-    torch.testing.assert_close(first, separate, rtol=1e-6, atol=1e-6)  # same merge, maybe another sum order
-    for _ in range(2):
-        check_against_reference(make_case([7, 9], 2, 2, 8, 4, seed=13), 4, num_splits=3)
-        assert torch.equal(paged_decode_attention(*case, 4, num_splits=5), first)
 
 
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=3), st.sampled_from([1, 3, 8]),
        st.sampled_from([(1, 1), (3, 3), (4, 1), (8, 1), (6, 2)]), st.sampled_from([4, 9, 16]),
-       st.sampled_from([None, 1, 2, 5]), st.integers(0, 1000), st.booleans())
-def test_random_shapes(lens, page_size, heads, head_dim, num_splits, seed, prefetch):
+       st.sampled_from([None, 1, 2, 5]), st.integers(0, 1000))
+def test_random_shapes(lens, page_size, heads, head_dim, num_splits, seed):
     case = make_case(lens, *heads, head_dim, page_size, seed=seed, num_pages=20)
-    check_against_reference(case, page_size, num_splits=num_splits, prefetch=prefetch)
+    check_against_reference(case, page_size, num_splits=num_splits)
 
 
 def test_empty_rows_give_zeros_and_nan_queries_give_nan():
@@ -198,8 +185,6 @@ def _args():
     (lambda a: a.update(page_size=4.0), "page_size: expected an int"),
     (lambda a: a.update(num_splits=0), "num_splits: expected an int in"),
     (lambda a: a.update(block_n=24), "block_n: expected a power of two"),
-    (lambda a: a.update(fused_merge=1), "fused_merge: expected a bool"),
-    (lambda a: a.update(prefetch="yes"), "prefetch: expected a bool or None"),
     (lambda a: a.update(scale=float("nan")), "scale: expected a finite number"),
     (lambda a: a.update(out=torch.empty(2, 4, 7, device=DEVICE)), "out: expected shape"),
     (lambda a: a.update(out=torch.empty(2, 4, 8, device=DEVICE, dtype=torch.bfloat16)), "out: expected dtype"),

@@ -42,8 +42,6 @@ from sparse_ref.kernels.topk import (
 )
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
-RANK_SELECT = False  # True: the history top-k by pairwise ranks (_select_history_by_rank) instead of radix rounds
-RANK_CHUNK = 32  # rows of the [CHUNK, G] / [CHUNK, SLOTS] rank tiles
 
 
 @triton.jit
@@ -93,86 +91,6 @@ def _select_history(row, lo, hi, k, out_row, base, W, scratch_row,
 
 
 @triton.jit
-def _rank_chunk(vals, idx, scratch, c, CHUNK: tl.constexpr):
-    """Entries c .. c + CHUNK - 1 of ``vals`` (also stored at ``scratch``) and their ranks in the strict
-    order "larger key first, lower index first on ties" (rank 0 = the largest)."""
-    i = c + tl.arange(0, CHUNK)
-    vi = tl.load(scratch + i, cache_modifier=".cg")
-    before = (vals[None, :] > vi[:, None]) | ((vals[None, :] == vi[:, None]) & (idx[None, :] < i[:, None]))
-    return vi, i, tl.sum(before.to(tl.int32), axis=1)
-
-
-@triton.jit
-def _kth_by_rank(vals, k, scratch, M: tl.constexpr, CHUNK: tl.constexpr):
-    """The k-th largest of the M keys ``vals`` (NONE entries rank last), by a pairwise rank in
-    [CHUNK, M] tiles: no radix rounds. NONE when fewer than k keys are valid."""
-    idx = tl.arange(0, M)
-    tl.store(scratch + idx, vals)
-    tl.debug_barrier()
-    t = tl.full([], -2147483648, tl.int32)
-    for c in range(0, M, CHUNK):
-        vi, i, rank = _rank_chunk(vals, idx, scratch, c, CHUNK)
-        t = tl.maximum(t, tl.max(tl.where(rank == k - 1, vi, -2147483648), axis=0))
-    tl.debug_barrier()  # scratch is free again
-    return t
-
-
-@triton.jit
-def _select_history_by_rank(row, lo, hi, k, out_row, base, W, scratch_row,
-                            N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
-    """``_select_history`` with pairwise ranks instead of radix rounds: T = the exact k-th delegate
-    (ranked in [CHUNK, G] tiles), the candidates >= T compacted into SLOTS slots (ids ascending),
-    each candidate ranked against the others, the k best written in slot (= id) order.
-    ``scratch_row``: G + 2 * SLOTS ints. Overflow (more than SLOTS candidates): ``_select_history``'s fallbacks."""
-    j = tl.arange(0, N_PAD)
-    valid = (j >= lo) & (j < hi)
-    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
-    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
-    n_valid = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    usable = (n_valid >= k) & (k > 0)
-    T = tl.where(usable, _kth_by_rank(dkey, k, scratch_row, G, CHUNK), -2147483648)
-    T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
-    cand = (key >= T) & (key != -2147483648)
-    count = tl.sum(cand.to(tl.int32), axis=0)
-    if count <= SLOTS:
-        id_row = scratch_row + G
-        key_row = scratch_row + G + SLOTS
-        tl.store(id_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
-        tl.store(key_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, key, mask=cand)
-        tl.debug_barrier()
-        s = tl.arange(0, SLOTS)
-        skey = tl.load(key_row + s, mask=s < count, other=-2147483648, cache_modifier=".cg")
-        k_eff = tl.minimum(k, count)
-        carry = tl.zeros([], tl.int32)
-        for c in range(0, SLOTS, CHUNK):
-            vi, i, rank = _rank_chunk(skey, s, key_row, c, CHUNK)
-            win = (rank < k_eff) & (i < count)
-            ids = tl.load(id_row + i, cache_modifier=".cg")
-            pos = base + carry + tl.cumsum(win.to(tl.int32), axis=0) - 1
-            tl.store(out_row + pos, ids, mask=win & (pos < W))
-            carry += tl.sum(win.to(tl.int32), axis=0)
-    else:  # overflow even at the exact delegate: as _select_history
-        te, usable = _exact_delegate(dkey, k)
-        above = tl.sum((key > te).to(tl.int32), axis=0)
-        if usable & (above < k):
-            k_eff = _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
-        else:
-            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
-    return k_eff
-
-
-@triton.jit
-def _select_row(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, G: tl.constexpr,
-                SLOTS: tl.constexpr, PAIR: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr):
-    """Step 2 by radix rounds (``_select_history``) or by pairwise ranks (``RANK``)."""
-    if RANK:
-        k_eff = _select_history_by_rank(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD, G, SLOTS, CHUNK)
-    else:
-        k_eff = _select_history(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD, G, SLOTS, PAIR)
-    return k_eff
-
-
-@triton.jit
 def _plan_row(r, seq_lens, sparse_mask, budget, N, page_size, n_recent, n_sink, min_seq):
     """Row r's windows: ``(n, recent_start, sink_end, k, sparse)`` (see the module docstring, step 1)."""
     seq = tl.load(seq_lens + r).to(tl.int64)
@@ -204,14 +122,14 @@ def _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_
 def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
                         N, W, page_size, n_recent, n_sink, min_seq,
                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                        RANK: tl.constexpr, CHUNK: tl.constexpr, SCRATCH: tl.constexpr, BLOCK_OUT: tl.constexpr):
+                        BLOCK_OUT: tl.constexpr):
     """One program = one request row: plan its windows, select its history top-k, write the full row."""
     r = tl.program_id(0)
     n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, page_size, n_recent,
                                                      n_sink, min_seq)
     out_row = selected + r.to(tl.int64) * W
-    k_eff = _select_row(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row, sink_end, W,
-                        scratch + r.to(tl.int64) * SCRATCH, N_PAD, G, SLOTS, PAIR, RANK, CHUNK)
+    k_eff = _select_history(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
+                            sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
     tl.store(lengths + r, filled)
 
@@ -221,7 +139,6 @@ def _select_to_table_kernel(scores, stride_r, selected, lengths, seq_lens, spars
                             rows, req_to_token, page_table, kv_lens, cu_kv_lens, counter,
                             N, W, out_width, r2t_rows, r2t_width, page_size, n_recent, n_sink, min_seq,
                             N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                            RANK: tl.constexpr, CHUNK: tl.constexpr, SCRATCH: tl.constexpr,
                             BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):
     """One program = one request row: ``_page_select_kernel``, then the row's page table and KV length
     (``kernels/page_table.py``'s rule) from the row it just wrote; the last program to finish writes
@@ -230,8 +147,8 @@ def _select_to_table_kernel(scores, stride_r, selected, lengths, seq_lens, spars
     n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, page_size, n_recent,
                                                      n_sink, min_seq)
     out_row = selected + r.to(tl.int64) * W
-    k_eff = _select_row(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row, sink_end, W,
-                        scratch + r.to(tl.int64) * SCRATCH, N_PAD, G, SLOTS, PAIR, RANK, CHUNK)
+    k_eff = _select_history(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
+                            sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
     tl.store(lengths + r, filled)
     tl.debug_barrier()  # the row's ids are stored before the table reads them back
@@ -301,15 +218,11 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
     slots = min(n_pad, TUNING["slots"] or TUNING["slots_per_delegate"] * G)
     pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # see kernels/topk.py plan()
-    chunk = min(RANK_CHUNK, G, slots)
-    rank = bool(RANK_SELECT) and G % chunk == 0 and slots % chunk == 0
-    scratch_row = G + 2 * slots if rank else slots
-    scratch = torch.empty((bs, scratch_row), dtype=torch.int32, device=device)
+    scratch = torch.empty((bs, slots), dtype=torch.int32, device=device)
     args = (scores, scores.stride(0), seq_lens.contiguous(), sparse_mask.contiguous(),
             budget_table(max_pages, config, device), scratch)
     scalars = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)
-    constexprs = dict(N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, RANK=rank, CHUNK=chunk, SCRATCH=scratch_row,
-                      BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
+    constexprs = dict(N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
                       num_warps=TUNING["num_warps"] if device.type == "cuda" else 1)
     return args, scalars, constexprs
 
@@ -424,14 +337,13 @@ _SCALARS = {"N": "i32", "W": "i32", "page_size": "i32", "n_recent": "i32", "n_si
 _TABLE_SIG = {**_SELECT_SIG, "rows": "*i64", "req_to_token": "*i32", "page_table": "*i32", "kv_lens": "*i32",
               "cu_kv_lens": "*i32", "counter": "*i32", "N": "i32", "W": "i32", "out_width": "i32", "r2t_rows": "i32",
               "r2t_width": "i32", "page_size": "i32", "n_recent": "i32", "n_sink": "i32", "min_seq": "i32"}
-_RANK = {False: {"RANK": False, "CHUNK": 32, "SCRATCH": 256}, True: {"RANK": True, "CHUNK": 32, "SCRATCH": 768}}
 AOT_VARIANTS = [
     (_page_select_kernel, {**_SELECT_SIG, **_SCALARS},
-     {"N_PAD": n_pad, "G": 256, "SLOTS": 256, "PAIR": 128, **_RANK[rank], "BLOCK_OUT": 256}, {"num_warps": 8})
-    for n_pad in (2048, 8192) for rank in (False, True)
+     {"N_PAD": n_pad, "G": 256, "SLOTS": 256, "PAIR": 128, "BLOCK_OUT": 256}, {"num_warps": 8})
+    for n_pad in (2048, 8192)
 ] + [
     (_select_to_table_kernel, _TABLE_SIG,
-     {"N_PAD": n_pad, "G": 256, "SLOTS": 256, "PAIR": 128, **_RANK[rank], "BLOCK_OUT": 256, "BLOCK_T": 1024,
-      "BLOCK_B": 1024}, {"num_warps": 8})
-    for n_pad in (2048, 8192) for rank in (False, True)
+     {"N_PAD": n_pad, "G": 256, "SLOTS": 256, "PAIR": 128, "BLOCK_OUT": 256, "BLOCK_T": 1024, "BLOCK_B": 1024},
+     {"num_warps": 8})
+    for n_pad in (2048, 8192)
 ]

@@ -27,15 +27,6 @@ from sparse_ref.selection import select_pages, select_pages_row, selection_width
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
 
 
-@pytest.fixture(autouse=True, scope="module", params=[False, True], ids=["radix", "rank"])
-def history_select(request):
-    """Every test runs with both history selections: radix rounds (default) and pairwise ranks."""
-    saved = page_select_module.RANK_SELECT
-    page_select_module.RANK_SELECT = request.param
-    yield request.param
-    page_select_module.RANK_SELECT = saved
-
-
 def check_against_references(scores, seq_lens, mask, page_size, config, width=None):
     got_sel, got_len = select_pages_triton(scores, seq_lens, mask, page_size, config, width)
     ref_sel, ref_len = select_pages(scores.cpu(), seq_lens.cpu(), mask.cpu(), page_size, config, width)

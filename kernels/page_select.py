@@ -13,11 +13,15 @@ one program per request row, the row's page scores held in registers:
    the whole register row only when even that overflows), winners written in ascending page order.
 3. **Merge.** Sink ids < history ids < recent ids, so "ascending" is a concatenation: the sink
    pages go before the winners, the recent pages after them, then -1 padding and the length.
+4. **Page table** (``select_pages_to_table`` only): the program reads its row back and writes the
+   adaptor's page table row and KV length (``kernels/page_table.py``'s rule); the last program to
+   finish writes the cumulative lengths. At bs=1 each launch costs microseconds of latency.
 
 No value is read back to the host, so the call can be captured in a CUDA graph. Rows longer
 than ``MAX_REGISTER_PAGES`` are refused here; ``retrieve_topk`` sends them to the torch
 ``select_pages``. The selection rules (history budget, static width) have one home,
-``SparseConfig``; this module imports only the leaf modules of the package and ``config``.
+``SparseConfig``; this module imports only the leaf modules of the package, ``config`` and the
+kernel helpers of ``kernels/topk.py`` and ``kernels/page_table.py``.
 """
 
 from __future__ import annotations

@@ -44,6 +44,61 @@ def _floor_div(a, b):
 
 
 @triton.jit
+def _table_entries(sel_row, lens, width, seq_raw, mask_on, r2t_row, r2t_width, page_size, table_row, out_width,
+                   col, FROM_L2: tl.constexpr):
+    """Entries ``col`` of one row's page table (see the module docstring for the rule); returns ``kv_len``.
+
+    ``sel_row``: the row's selection, ``lens`` its length, ``seq_raw`` its seq_len (clamped here),
+    ``mask_on`` its sparse_mask, ``r2t_row`` its req_to_token row. ``FROM_L2``: read the selection
+    past L1 (the caller wrote it in this same program).
+    """
+    seq = tl.minimum(tl.maximum(seq_raw, 0), r2t_width)
+    n = (seq + page_size - 1) // page_size  # the row's pages
+    lens = tl.minimum(tl.maximum(lens.to(tl.int64), 0), width)
+    sparse = mask_on & (lens > 0)
+    count = tl.where(sparse, lens, n)
+    live = col < count
+    sel_mask = live & sparse & (col < width)
+    if FROM_L2:
+        chosen = tl.load(sel_row + col, mask=sel_mask, other=0, cache_modifier=".cg")
+    else:
+        chosen = tl.load(sel_row + col, mask=sel_mask, other=0)
+    logical = tl.where(sparse, chosen.to(tl.int64), col.to(tl.int64))
+    logical = tl.minimum(tl.maximum(logical, 0), tl.maximum(n - 1, 0))  # only the row's own pages
+    first_token = tl.maximum(tl.minimum(logical * page_size, r2t_width - 1), 0)
+    slot = tl.load(r2t_row + first_token, mask=live & (r2t_width > 0), other=0).to(tl.int64)
+    physical = _floor_div(slot, page_size)
+    tl.store(table_row + col, tl.where(live, physical, 0).to(tl.int32), mask=col < out_width)
+    last_page_len = seq - (n - 1) * page_size
+    return tl.where(sparse, (lens - 1) * page_size + last_page_len, seq)
+
+
+@triton.jit
+def _table_row(sel_row, lens, width, seq_raw, mask_on, r2t_row, r2t_width, page_size, table_row, out_width,
+               BLOCK_W: tl.constexpr):
+    """A whole row's page table, BLOCK_W entries a step, its selection written by the calling program;
+    returns the row's ``kv_len``."""
+    kv_len = tl.zeros([], tl.int64)
+    for start in range(0, out_width, BLOCK_W):
+        kv_len = _table_entries(sel_row, lens, width, seq_raw, mask_on, r2t_row, r2t_width, page_size, table_row,
+                                out_width, start + tl.arange(0, BLOCK_W), True)
+    return kv_len
+
+
+@triton.jit
+def _running_sum(kv_lens_ptr, cu_kv_lens_ptr, bs, BLOCK_B: tl.constexpr):
+    """``cu_kv_lens = [0, cumsum(kv_lens)]`` in BLOCK_B chunks with a running carry (kv_lens read from L2)."""
+    tl.store(cu_kv_lens_ptr, 0)
+    carry = tl.zeros([], dtype=tl.int64)
+    for start in range(0, bs, BLOCK_B):
+        b = start + tl.arange(0, BLOCK_B)
+        kv_len = tl.load(kv_lens_ptr + b, mask=b < bs, other=0, cache_modifier=".cg").to(tl.int64)
+        running = tl.cumsum(kv_len, axis=0) + carry
+        tl.store(cu_kv_lens_ptr + 1 + b, running.to(tl.int32), mask=b < bs)
+        carry += tl.sum(kv_len, axis=0)
+
+
+@triton.jit
 def _page_table_kernel(selected_ptr, lengths_ptr, mask_ptr, seq_lens_ptr, rows_ptr, req_to_token_ptr,
                        page_table_ptr, kv_lens_ptr, cu_kv_lens_ptr,
                        bs, width, out_width, r2t_rows, r2t_width, page_size,
@@ -53,28 +108,13 @@ def _page_table_kernel(selected_ptr, lengths_ptr, mask_ptr, seq_lens_ptr, rows_p
     c = tl.program_id(0)
     r = tl.program_id(1)
     if r < bs:  # one block of one row's page table
-        seq = tl.load(seq_lens_ptr + r).to(tl.int64)
-        seq = tl.minimum(tl.maximum(seq, 0), r2t_width)
-        n = (seq + page_size - 1) // page_size  # the row's pages
-        lens = tl.load(lengths_ptr + r).to(tl.int64)
-        lens = tl.minimum(tl.maximum(lens, 0), width)
-        sparse = (tl.load(mask_ptr + r) != 0) & (lens > 0)
-        count = tl.where(sparse, lens, n)
         row = tl.load(rows_ptr + r).to(tl.int64)
         row = tl.minimum(tl.maximum(row, 0), r2t_rows - 1)
-
-        col = c * BLOCK_W + tl.arange(0, BLOCK_W)
-        in_row = col < out_width
-        live = col < count
-        chosen = tl.load(selected_ptr + r.to(tl.int64) * width + col, mask=live & sparse & (col < width), other=0)
-        logical = tl.where(sparse, chosen.to(tl.int64), col.to(tl.int64))
-        logical = tl.minimum(tl.maximum(logical, 0), tl.maximum(n - 1, 0))  # only the row's own pages
-        first_token = tl.maximum(tl.minimum(logical * page_size, r2t_width - 1), 0)
-        slot = tl.load(req_to_token_ptr + row * r2t_width + first_token, mask=live & (r2t_width > 0),
-                       other=0).to(tl.int64)
-        physical = _floor_div(slot, page_size)
-        tl.store(page_table_ptr + r.to(tl.int64) * out_width + col, tl.where(live, physical, 0).to(tl.int32),
-                 mask=in_row)
+        _table_entries(selected_ptr + r.to(tl.int64) * width, tl.load(lengths_ptr + r), width,
+                       tl.load(seq_lens_ptr + r).to(tl.int64), tl.load(mask_ptr + r) != 0,
+                       req_to_token_ptr + row * r2t_width, r2t_width, page_size,
+                       page_table_ptr + r.to(tl.int64) * out_width, out_width, c * BLOCK_W + tl.arange(0, BLOCK_W),
+                       False)
     elif c == 0:  # the extra program: kv_lens and their running sum
         tl.store(cu_kv_lens_ptr, 0)
         carry = tl.zeros([], dtype=tl.int64)

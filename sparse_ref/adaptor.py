@@ -101,7 +101,7 @@ def _check_inputs(selected, lengths, sparse_mask, forward_batch, req_to_token, p
     ids = torch.sort(ids, dim=1).values
     if bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()):
         raise ShapeError("selected: a row names the same page twice; each kept page must appear once.")
-    if page_size > 1:
+    if page_size > 1 and width > 0:  # (width 0: every length is 0, every row dense)
         last = selected.long().gather(1, (lengths.long() - 1).clamp(min=0)[:, None]).squeeze(1)
         wrong = sparse & (last != n - 1)
         if bool(wrong.any()):
@@ -161,3 +161,43 @@ def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_
     out[1].copy_(kv_lens)
     out[2].copy_(cu_kv_lens)
     return out[0], out[1], out[2]
+
+
+def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                                sparse_mask: torch.Tensor, forward_batch, req_to_token: torch.Tensor, out=None):
+    """``algo.retrieve_topk`` then ``to_attention_metadata``, as one step of the decode:
+    ``(selected, lengths, page_table, kv_lens, cu_kv_lens)``.
+
+    The results are those of the two calls. Where the selection runs in Triton (a CUDA device, a
+    page-scoring algorithm such as Quest, rows the register kernel holds) the selection kernel also
+    writes the page table (``kernels/page_select.py`` ``select_pages_to_table``): at bs=1 every
+    launch costs a few microseconds of latency, about what the whole table costs to write.
+    ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers, written in place.
+    """
+    from sparse_ref.algorithms.base import SparseAlgorithm, forward_batch_with_seq_lens
+
+    if not isinstance(algo, SparseAlgorithm):
+        fail("algo", "a sparse algorithm (sparse_ref.create_sparse_algorithm)", describe(algo),
+             "pass the layer's algorithm.")
+    forward_batch = forward_batch_with_seq_lens({"forward_batch": forward_batch})
+    backend = algo.selection_backend
+    on_cuda = isinstance(queries, torch.Tensor) and queries.is_cuda
+    fused = type(algo).retrieve_topk is SparseAlgorithm.retrieve_topk and (
+        backend == "triton" or (backend == "auto" and on_cuda))  # as SparseAlgorithm._select chooses
+    if fused:
+        from sparse_ref.kernels import page_select  # kernels import only when used
+
+        fused = getattr(algo, "max_pages", page_select.MAX_REGISTER_PAGES + 1) <= page_select.MAX_REGISTER_PAGES
+    if not fused:
+        selected, lengths = algo.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask,
+                                               forward_batch=forward_batch)
+        return selected, lengths, *to_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token,
+                                                         algo.page_size, out=out)
+    algo._check_retrieve_inputs(queries, layer_id, req_pool_indices, sparse_mask, forward_batch)
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=queries.device,
+                 fix="pass the req_to_token table of the ReqToTokenPool.")
+    scores = algo.score_pages(queries, layer_id, req_pool_indices, forward_batch)
+    return page_select.select_pages_to_table(scores, forward_batch.seq_lens.to(scores.device),
+                                             sparse_mask.to(scores.device), algo.page_size, algo.config,
+                                             forward_batch.req_pool_indices.to(scores.device), req_to_token,
+                                             out=out, check_values=not capturing())

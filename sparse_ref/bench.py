@@ -269,20 +269,36 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
     return rows
 
 
+def _quest_like_scores(bs, pages, device, seed, coarse=False):
+    """Page scores packed like Quest's (fp32 sums over heads and dims: ~5700 +- 2%); ``coarse``: rounded to
+    bf16 (only ~30 distinct values: a tie-heavy stress row that takes the exact fallbacks)."""
+    g = torch.Generator().manual_seed(seed)
+    x = 5700.0 * (1 + 0.02 * torch.randn(bs, pages, generator=g))
+    return (x.to(torch.bfloat16).float() if coarse else x).to(device)
+
+
 def bench_select(device, timer, copy_bw, quick, on_cpu):
+    """The fused page selection: 32 x 8192 pages k=128 + 4 recent (issue target) on random and on
+    Quest-like packed scores, and the bs=1 decode-step rows (2048 / 8192 pages, k=123 + 1 sink + 4 recent)."""
     from sparse_ref.kernels.page_select import select_pages_triton
     from sparse_ref.selection import select_pages
 
-    bs, pages, page_size, k = (2, 64, 4, 8) if on_cpu else (32, 8192, 16, 128)
-    config = SparseConfig(page_budget=k, num_recent_pages=4)
-    dists = ["randn"] if quick else ["randn", "indexer", "clustered"]
+    page_size = 4 if on_cpu else 16
+    if on_cpu:
+        cases = [(2, 64, 8, 0, "randn"), (1, 64, 8, 1, "quest")]
+    else:
+        cases = [(32, 8192, 128, 0, d) for d in (["randn"] if quick else ["randn", "indexer", "clustered"])]
+        cases += [(32, 8192, 128, 0, "quest"), (1, 2048, 123, 1, "quest"), (1, 8192, 123, 1, "quest")]
+        cases += [] if quick else [(32, 8192, 128, 0, "quest_ties"), (1, 8192, 123, 1, "quest_ties")]
     rows = []
-    g = torch.Generator().manual_seed(0)
-    seq_lens = torch.randint(pages * page_size * 3 // 4, pages * page_size + 1, (bs,), generator=g).to(device)
-    seq_lens[0] = pages * page_size
-    mask = torch.ones(bs, dtype=torch.bool, device=device)
-    for dist in dists:
-        copies = [make_distribution(dist, bs, pages, device, seed=s) for s in range(1 if on_cpu else 4)]
+    for bs, pages, k, sink, dist in cases:
+        config = SparseConfig(page_budget=k, num_recent_pages=4, num_sink_pages=sink)
+        g = torch.Generator().manual_seed(0)
+        seq_lens = torch.randint(pages * page_size * 3 // 4, pages * page_size + 1, (bs,), generator=g).to(device)
+        seq_lens[0] = pages * page_size
+        mask = torch.ones(bs, dtype=torch.bool, device=device)
+        copies = [_quest_like_scores(bs, pages, device, s, dist == "quest_ties") if dist.startswith("quest") else
+                  make_distribution(dist, bs, pages, device, seed=s) for s in range(1 if on_cpu else 4)]
         W = select_pages_triton(copies[0], seq_lens, mask, page_size, config)[0].shape[1]
         nbytes = bs * pages * 4 + bs * 8 + bs * 1 + bs * W * 4 + bs * 4
         t_ours = timer.cold([partial(select_pages_triton, x, seq_lens, mask, page_size, config) for x in copies])
@@ -438,7 +454,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     """
     from types import SimpleNamespace
 
-    from sparse_ref.adaptor import page_table_width, to_attention_metadata
+    from sparse_ref.adaptor import page_table_width, retrieve_attention_metadata, to_attention_metadata
     from sparse_ref.algorithms.quest import QuestAlgorithm, split_query_sign
     from sparse_ref.kernels.decode_attention import paged_decode_attention
     from sparse_ref.selection import selection_width
@@ -481,6 +497,12 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return quest_page_scores(q_pos, q_neg, algo.page_min[0], algo.page_max[0], algo.page_valid[0],
                                  algo.physical_pages(rows))
 
+    def scores_with(**knobs):  # the fused scoring launch with explicit launch knobs (the decode bench sweeps them)
+        from sparse_ref.kernels.quest import quest_page_scores_from_queries
+
+        return quest_page_scores_from_queries(q, algo.page_min[0], algo.page_max[0], algo.page_valid[0], r2t, rows,
+                                              page_size, algo.max_pages, config.gqa_mode, check_values=False, **knobs)
+
     def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
         return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
 
@@ -489,22 +511,34 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def sparse_attention():
         return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse, **knobs["sparse"])
 
+    def retrieve_table():  # retrieve + adaptor; on CUDA the selection kernel writes the page table (one launch)
+        return retrieve_attention_metadata(algo, q, 0, rows, mask, fb, r2t, out=meta)
+
     def sparse_step():
-        sel, lens = retrieve()
-        adaptor(sel, lens)
+        retrieve_table()
         return sparse_attention()
 
     def dense_step():
         return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense, **knobs["dense"])
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
-    ns.scores, ns.scores_unfused, ns.knobs = scores, scores_unfused, knobs
+    ns.retrieve_table = retrieve_table
+    ns.scores, ns.scores_unfused, ns.knobs, ns.scores_with = scores, scores_unfused, knobs, scores_with
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
     bounds_bytes = 2 * torch.tensor([], dtype=bounds_dtype).element_size() * h_kv * d  # min + max of one page
     ns.sparse_bytes = bs * pages * bounds_bytes + bs * min(budget_tokens, ctx) * kv_bytes
     return ns
+
+
+def _scoring_default(s) -> str:
+    """The Quest scoring launch's default (block_p, block_hd) for a decode-step setup, as the sweep names it."""
+    from sparse_ref.kernels.quest import _default_blocks
+
+    hd = s.algo.num_kv_heads * s.algo.head_dim
+    bp, bhd = _default_blocks(hd, s.q.shape[0], s.algo.max_pages, s.q.device)
+    return f"p{bp}_hd{bhd}_w4"
 
 
 def _eager_cold(timer, fn, reps):
@@ -527,8 +561,8 @@ def _eager_cold(timer, fn, reps):
     return statistics.median(times)
 
 
-ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=64),
-                        dict(num_warps=8)]
+ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=32),
+                        dict(block_n=64), dict(num_warps=8), dict(num_splits=32, block_n=64), dict(num_splits=8)]
 
 
 def bench_decode(device, timer, copy_bw, quick, on_cpu):
@@ -583,8 +617,10 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             sel = s.retrieve()
             torch_meta = s.adaptor(*sel, backend="torch")
             torch_meta = tuple(t.clone() for t in torch_meta)
-            triton_meta = s.adaptor(*sel)
-            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip(torch_meta, triton_meta, strict=True))
+            triton_meta = tuple(t.clone() for t in s.adaptor(*sel))
+            fused = s.retrieve_table()  # the step's own path (selection + table in one launch on CUDA)
+            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip((*torch_meta, *sel, *torch_meta),
+                                                                           (*triton_meta, *fused), strict=True))
             # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
             # side, so neither side is held back by a default chosen blind; the all-defaults step is timed too
             cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
@@ -605,13 +641,24 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             m_dense = timer.mode
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
-            parts = {"retrieve (scores + selection)": timer.cold([s.retrieve]),
+            parts = {"retrieve + page table (the step's; fused on CUDA)": timer.cold([s.retrieve_table]),
+                     "retrieve (scores + selection)": timer.cold([s.retrieve]),
                      "retrieve: scores (one launch)": timer.cold([s.scores]),
                      "retrieve: scores unfused (torch q split + page map + kernel, not used)":
                          timer.cold([s.scores_unfused]),
                      "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
                      "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
                      "sparse attention": timer.cold([s.sparse_attention])}
+            scoring_sweep = {}
+            if bs == 1 and not on_cpu:  # bs=1 scoring is latency bound: a few launch shapes beside the default
+                for bp, bhd, nw in ((2, 2048, 4), (4, 1024, 4), (8, 512, 4), (1, 4096, 4), (2, 4096, 8), (4, 2048, 8),
+                                    (16, 256, 4)):
+                    try:
+                        t_ = timer.cold([partial(s.scores_with, block_p=bp, block_hd=bhd, num_warps=nw)])
+                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = round(t_, 2)
+                    except Exception as e:  # e.g. out of resources
+                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = f"failed: {type(e).__name__}"
+                print(f"    scoring launch sweep (us; default {_scoring_default(s)}): {scoring_sweep}", flush=True)
             tuned_sparse = s.knobs["sparse"]
             s.knobs["sparse"] = {}
             t_sparse_default = timer.cold([s.sparse_step])  # both steps with default knobs, for comparison
@@ -625,6 +672,7 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
                              byte_limit_speedup=round(ceiling, 2), target_speedup=target,
                              parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
+                             scoring_sweep_us=scoring_sweep,
                              max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
                              attention_knobs=chosen, dense_default_knobs_us=t_dense_default,
                              sparse_step_default_knobs_us=round(t_sparse_default, 2),
@@ -634,7 +682,8 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                              bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
                                         "dense: K/V of every token"))
             print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
-                  f"default knobs x{t_dense_default / t_sparse_default:.2f}", flush=True)
+                  f"default knobs x{t_dense_default / t_sparse_default:.2f}; sparse attention sweep (us) "
+                  f"{chosen['sparse']['sweep_us']}", flush=True)
             print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
                   "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
             del s, ref, sel

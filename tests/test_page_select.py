@@ -6,6 +6,8 @@ and non-finite scores; and the in-register fallback (candidates overflowing the 
 at small sizes by shrinking the slot count.
 """
 
+import types
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,12 +15,13 @@ from hypothesis import strategies as st
 
 import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref import checks
+from sparse_ref.adaptor import to_attention_metadata
 from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import page_select as page_select_module
 from sparse_ref.kernels import topk as topk_module
-from sparse_ref.kernels.page_select import select_pages_triton
+from sparse_ref.kernels.page_select import select_pages_to_table, select_pages_triton
 from sparse_ref.selection import select_pages, select_pages_row, selection_width
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -102,6 +105,123 @@ def test_adversarial_history(monkeypatch, slots):
     check_against_references(scores, seq_lens, torch.ones(4, dtype=torch.bool, device=DEVICE), 4, config)
 
 
+@pytest.mark.parametrize("spread", [1e-3, 1e-6])
+@pytest.mark.parametrize("slots", [0, 16])
+def test_packed_scores_take_the_exact_delegate(monkeypatch, spread, slots):
+    """Scores packed in a narrow range (like Quest bounds: ~5700 +- 2%) share their top 16 bits, so the
+    16-bit delegate threshold lets every page through; the exact k-th delegate must take over (and at
+    1e-6 many scores tie exactly in fp32). 16 slots: ~85 candidates at 16 bits, 7 at the exact delegate."""
+    monkeypatch.setitem(topk_module.TUNING, "slots", slots)
+    config = SparseConfig(page_budget=7, num_recent_pages=2, num_sink_pages=1)
+    g = torch.Generator().manual_seed(11)
+    scores = (5700.0 * (1 + spread * torch.randn(3, 90, generator=g))).to(DEVICE)
+    seq_lens = torch.tensor([360, 301, 90 * 4 - 5], device=DEVICE)
+    check_against_references(scores, seq_lens, torch.ones(3, dtype=torch.bool, device=DEVICE), 4, config)
+
+
+def pool_layout(seq_lens, page_size, r2t_width, seed):
+    """A req_to_token with random physical pages (never page 0, stale slots past each row) and random rows."""
+    g = torch.Generator().manual_seed(seed)
+    bs = len(seq_lens)
+    num_rows = bs + 2
+    rows = torch.randperm(num_rows, generator=g)[:bs]
+    r2t = torch.randint(0, 1000, (num_rows, r2t_width), generator=g, dtype=torch.int32)
+    total = sum(-(-n // page_size) for n in seq_lens) + 1
+    physical = (torch.randperm(total * 3, generator=g)[:total] + 1).tolist()
+    for r, n_tok in enumerate(seq_lens):
+        for j in range(-(-n_tok // page_size)):
+            page = physical.pop()
+            t = torch.arange(j * page_size, min(n_tok, (j + 1) * page_size))
+            r2t[rows[r], t] = (page * page_size + t % page_size).to(torch.int32)
+    return rows.to(DEVICE), r2t.to(DEVICE)
+
+
+def check_fused_table(scores, seq_lens, mask, page_size, config, rows, r2t, out=None):
+    """select_pages_to_table == select_pages followed by the torch adaptor, all five outputs."""
+    got = select_pages_to_table(scores, seq_lens, mask, page_size, config, rows, r2t, out=out)
+    sel, lens = select_pages(scores.cpu(), seq_lens.cpu(), mask.cpu(), page_size, config)
+    fb = types.SimpleNamespace(seq_lens=seq_lens.cpu(), req_pool_indices=rows.cpu())
+    want = (sel, lens, *to_attention_metadata(sel, lens, mask.cpu(), fb, r2t.cpu(), page_size, backend="torch"))
+    for name, g_, w in zip(("selected", "lengths", "page_table", "kv_lens", "cu_kv_lens"), got, want, strict=True):
+        assert g_.dtype == torch.int32 and torch.equal(g_.cpu(), w), f"{name}:\n{g_}\n!=\n{w}"
+    return got
+
+
+@settings(max_examples=15, deadline=None)
+@given(bs=st.integers(1, 5), page_size=st.sampled_from([1, 3, 16]), max_pages=st.integers(1, 20),
+       extra=st.integers(0, 9), config=configs(), ties=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_fused_page_table_matches_select_then_adaptor(bs, page_size, max_pages, extra, config, ties, seed, data):
+    r2t_width = max_pages * page_size + extra  # the table may be wider than the scored pages
+    cap = max_pages * page_size
+    lens = st.one_of(st.sampled_from([0, 1, cap, (cap // page_size) * page_size]), st.integers(0, cap))
+    seq_list = data.draw(st.lists(lens, min_size=bs, max_size=bs))
+    seq_lens = torch.tensor(seq_list, dtype=torch.int64, device=DEVICE)
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), device=DEVICE)
+    rows, r2t = pool_layout(seq_list, page_size, r2t_width, seed)
+    check_fused_table(page_scores(bs, max_pages, seed, ties, nonfinite=ties), seq_lens, mask, page_size, config,
+                      rows, r2t)
+
+
+def test_fused_page_table_into_buffers_twice():
+    """Written into preallocated buffers; a second call (the counter was reset) is right again."""
+    config = SparseConfig(page_budget=3, num_recent_pages=2, num_sink_pages=1)
+    seq_list = [70, 0, 13, 64, 5]
+    rows, r2t = pool_layout(seq_list, 4, 72, seed=2)
+    seq_lens = torch.tensor(seq_list, device=DEVICE)
+    mask = torch.tensor([True, True, True, False, True], device=DEVICE)
+    out = (torch.zeros(5, 18, dtype=torch.int32, device=DEVICE), torch.zeros(5, dtype=torch.int32, device=DEVICE),
+           torch.zeros(6, dtype=torch.int32, device=DEVICE))
+    for seed in (1, 2):
+        got = check_fused_table(page_scores(5, 18, seed, ties=True, nonfinite=False), seq_lens, mask, 4, config,
+                                rows, r2t, out=out)
+        assert got[2] is out[0] and got[4] is out[2]
+    one = check_fused_table(page_scores(1, 18, 5, ties=False, nonfinite=False), seq_lens[:1], mask[:1], 4, config,
+                            rows[:1], r2t)  # bs=1: cu_kv_lens without the counter
+    assert one[4].tolist() == [0, int(one[3][0])] and int(one[1][0]) == 1 + 3 + 2
+    with pytest.raises(SparseRefError, match="out page_table: expected shape"):
+        select_pages_to_table(page_scores(5, 18, 1, False, False), seq_lens, mask, 4, config, rows, r2t,
+                              out=(out[0][:, :3], out[1], out[2]))
+    with pytest.raises(SparseRefError, match="req_pool_indices: expected values in"):
+        select_pages_to_table(page_scores(5, 18, 1, False, False), seq_lens, mask, 4, config, rows + 100, r2t)
+    with pytest.raises(SparseRefError, match="req_to_token: expected dtype"):
+        select_pages_to_table(page_scores(5, 18, 1, False, False), seq_lens, mask, 4, config, rows, r2t.long())
+
+
+def test_fused_page_table_empty_batch_and_no_pages():
+    """bs=0 (cu_kv_lens = [0]) and scores of 0 pages (every row dense, the table lists the rows' pages)."""
+    config = SparseConfig(page_budget=2, num_recent_pages=1)
+    rows, r2t = pool_layout([0, 0], 4, 12, seed=4)
+    empty = select_pages_to_table(torch.zeros(0, 3, device=DEVICE), torch.zeros(0, dtype=torch.long, device=DEVICE),
+                                  torch.zeros(0, dtype=torch.bool, device=DEVICE), 4, config, rows[:0], r2t)
+    assert [tuple(t.shape) for t in empty] == [(0, 3), (0,), (0, 3), (0,), (1,)] and empty[4].tolist() == [0]
+    check_fused_table(torch.zeros(2, 0, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE),
+                      torch.tensor([True, False], device=DEVICE), 4, config, rows, r2t)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_retrieve_attention_metadata_equals_retrieve_then_adaptor(backend):
+    """adaptor.retrieve_attention_metadata (fused selection + table with the Triton selection) returns what
+    retrieve_topk followed by the torch adaptor returns."""
+    from sparse_ref.adaptor import retrieve_attention_metadata
+    from sparse_ref.workloads import make_quest_decode_setup
+
+    config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
+    s = make_quest_decode_setup(bs=3, ctx=203, page_size=4, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                config=config, device=DEVICE, selection_backend=backend)
+    s.sparse_mask[1] = False
+    r2t = s.workload.req_to_token
+    got = retrieve_attention_metadata(s.algorithm, s.queries, 0, s.req_pool_indices, s.sparse_mask,
+                                      s.forward_batch, r2t)
+    sel, lens = s.algorithm.retrieve_topk(s.queries, 0, s.req_pool_indices, s.sparse_mask,
+                                          forward_batch=s.forward_batch)
+    want = (sel, lens, *to_attention_metadata(sel, lens, s.sparse_mask, s.forward_batch, r2t, 4, backend="torch"))
+    for name, g_, w in zip(("selected", "lengths", "page_table", "kv_lens", "cu_kv_lens"), got, want, strict=True):
+        assert torch.equal(g_.cpu(), w.cpu()), name
+    assert int(got[1][0]) == 1 + 5 + 2 and int(got[1][1]) == 0
+    with pytest.raises(SparseRefError, match="algo: expected a sparse algorithm"):
+        retrieve_attention_metadata(object(), s.queries, 0, s.req_pool_indices, s.sparse_mask, s.forward_batch, r2t)
+
+
 def test_rows_too_long_for_registers(monkeypatch):
     """Beyond MAX_REGISTER_PAGES the kernel refuses; retrieve_topk's triton backend then runs the torch selection."""
     monkeypatch.setattr(page_select_module, "MAX_REGISTER_PAGES", 16)
@@ -171,6 +291,21 @@ def test_gpu_benchmark_shape(monkeypatch, slots):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pages", [2048, 8192])
+def test_gpu_packed_quest_like_rows(pages):
+    """bs=1 and bs=4 rows of Quest-like packed scores (5700 +- 2%, bf16-coarse: many exact ties) at the
+    decode-step shapes (32K and 128K tokens of page 16, budget 123 + 1 sink + 4 recent)."""
+    config = SparseConfig(page_budget=123, num_recent_pages=4, num_sink_pages=1)
+    g = torch.Generator().manual_seed(pages)
+    for bs in (1, 4):
+        scores = 5700.0 * (1 + 0.02 * torch.randn(bs, pages, generator=g))
+        scores = scores.to(torch.bfloat16).float().to("cuda")  # coarse: ties
+        seq_lens = torch.full((bs,), pages * 16, device="cuda")
+        seq_lens[-1] -= 7
+        check_against_references(scores, seq_lens, torch.ones(bs, dtype=torch.bool, device="cuda"), 16, config)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_capture_and_replay():
     config = SparseConfig(keep_ratio=0.1, num_recent_pages=4, num_sink_pages=1)
     bs, pages = 16, 2048
@@ -201,3 +336,34 @@ def test_gpu_quest_retrieve_topk_triton_equals_loop():
     sel, lengths = setup.retrieve()
     ref_sel, ref_len = setup.retrieve(loop=True)
     assert torch.equal(sel, ref_sel) and torch.equal(lengths, ref_len)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_page_table_graph_replays():
+    """select_pages_to_table captured once in a CUDA graph, replayed on new scores and lengths: every output
+    equals select_pages + the torch adaptor (the in-kernel counter resets itself between replays)."""
+    config = SparseConfig(page_budget=123, num_recent_pages=4, num_sink_pages=1)
+    bs, pages, P = 6, 2048, 16
+    seq_list = [pages * P, 1, 0, 5000, pages * P - 9, 777]
+    rows, r2t = pool_layout(seq_list, P, pages * P + 5, seed=3)
+    seq_lens = torch.tensor(seq_list, device="cuda")
+    mask = torch.tensor([True, True, True, True, True, False], device="cuda")
+    scores = page_scores(bs, pages, seed=1, ties=False, nonfinite=True, device="cuda")
+    out = (torch.zeros(bs, pages + 1, dtype=torch.int32, device="cuda"), torch.zeros(bs, dtype=torch.int32,
+           device="cuda"), torch.zeros(bs + 1, dtype=torch.int32, device="cuda"))
+    check_fused_table(scores, seq_lens, mask, P, config, rows, r2t, out=out)  # compile, eager check
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = select_pages_to_table(scores, seq_lens, mask, P, config, rows, r2t, out=out)
+    for seed in (2, 3, 4):
+        scores.copy_(5700.0 * (1 + 0.02 * page_scores(bs, pages, seed=seed, ties=False, nonfinite=False)))
+        seq_lens[3] = 100 * seed
+        graph.replay()
+        torch.cuda.synchronize()
+        sel, lens = select_pages(scores.cpu(), seq_lens.cpu(), mask.cpu(), P, config)
+        fb = types.SimpleNamespace(seq_lens=seq_lens.cpu(), req_pool_indices=rows.cpu())
+        want = (sel, lens, *to_attention_metadata(sel, lens, mask.cpu(), fb, r2t.cpu(), P, backend="torch"))
+        for name, g_, w in zip(("selected", "lengths", "page_table", "kv_lens", "cu_kv_lens"), got, want,
+                               strict=True):
+            assert torch.equal(g_.cpu(), w), name

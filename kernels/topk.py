@@ -15,19 +15,20 @@ The design, in five steps:
    256-bin histogram rounds over the G delegates). The k delegates at or above ``T`` are row
    elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
    that set holds ``~0.7 G`` candidates (a few percent of a long row).
-4. **Candidates.** Every element ``>= T`` is copied (its id, in ascending id order) into a slot
-   tensor of ``SLOTS`` entries. Only these slots are searched for the exact k-th key ``t``: radix
-   rounds of 8 bits (``tl.histogram``, 256 bins), the last two optionally replaced by a pairwise rank
-   of the few keys that share ``t``'s top 16 bits (``TUNING["pair_rank"]``). Then
-   ``keep = key > t`` or ``key == t`` among the first ``ties`` of them (ties to the lower id).
-   Positions come from a prefix sum over the slots: winners in ascending id order, no sort.
+4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
+   k-th key ``t``. Long rows: every chunk program copies its candidates (key and id, ascending id)
+   to its part of a buffer and adds their histogram to the row's 256-bin histogram over
+   ``[T, row max]``. The row's last program walks that histogram to the bin holding the k-th key,
+   ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``, and writes
+   ``key > t`` plus the first ``key == t`` (ties to the lower id) in ascending id order by a prefix
+   sum over the slots: no sort. Register rows run radix rounds on their slots instead.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
-   ascending rows, a period of G, more than half the row wanted) is flagged on the device. Most such
-   rows overflow because many keys EQUAL the threshold: with ``Te`` = the exact k-th delegate, at
-   least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is
-   "every key > Te, plus the lowest-id keys == Te". One pass counts both per chunk (the row's last
-   program), then every chunk writes its share at known offsets in parallel (the *tie path*). Only
-   rows with k or more keys above ``Te`` (e.g. a period of G) take the whole-row radix select.
+   a period of G, more than half the row wanted) is flagged on the device. Most such rows overflow
+   because many keys EQUAL the threshold: with ``Te`` = the exact k-th delegate, at least k keys are
+   >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is "every key > Te, plus
+   the lowest-id keys == Te". One pass counts both per chunk (the row's last program), then every
+   chunk writes its share at known offsets in parallel (the *tie path*). Only rows with k or more
+   keys above ``Te`` (e.g. a period of G) take the whole-row radix select.
 
 ``order="score"`` then sorts the <= k winners of each row (one ``tl.sort`` per row).
 
@@ -35,9 +36,9 @@ Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by
 keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
 launches: delegates (many programs per row, the last one to finish computes ``T``), candidates (many
 programs per row, the last one does the exact selection or plans the fallback) and the fallback
-(a program per chunk; a no-op for unflagged rows). "Last program of the row" is an
-atomic counter that the last program resets, so nothing is read back to the host and the call can
-be captured in a CUDA graph.
+(a program per chunk; a no-op for unflagged rows). "Last program of the row" is an atomic counter
+that the last program resets (as it resets the row's histogram), so nothing is read back to the
+host and the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -76,10 +77,22 @@ TUNING = {
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "fallback_warps": 4,  # the fallback launch: a program per chunk, a no-op on most rows (keep it light)
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
-    "pair_rank": 128,  # > 0: the exact select ranks up to this many keys pairwise after 2 radix rounds (0: 4 rounds)
+    "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
+
+# Long-row state. ``work`` (int32, fresh each call), one row per score row:
+#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 done / 2 tie path / 1 whole-row radix
+#   [TE] exact k-th delegate  [NEED] ties the tie path takes, then from HEAD, with C_PAD = 2**LOG_C:
+#   candidates per chunk | their inclusive prefix sum | keys > Te before each chunk | keys == Te before
+#   each chunk (C_PAD each) | the G delegates | PAIR_SCRATCH ints for the pairwise rank.
+# ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
+#   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram.
+T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
+HIST = tl.constexpr(2)
+SYNC = tl.constexpr(264)
+PAIR_SCRATCH = tl.constexpr(256)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,25 +146,27 @@ def _kth_largest(key, k, ROUNDS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_pairwise(key, k, scratch, PAIR: tl.constexpr):
-    """``_kth_largest(key, k, 4)`` with rounds 3-4 replaced by a pairwise rank when few keys share the
-    k-th key's top 16 bits (random rows: a few dozen): copy those <= PAIR keys to ``scratch`` and count,
-    for each, the members above it. Many equal keys (ties, clusters): the two radix rounds instead."""
-    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, 2)
-    top16 = (ut ^ -2147483648) >> 16
-    member = ((key >> 16) == top16) & (key != -2147483648)
+def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
+    ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
+    for each, the members above it. More (ties, clusters): radix rounds FIRST..3 on the members (whose
+    digits before round FIRST are ``ut``)."""
     m = tl.sum(member.to(tl.int32), axis=0)
-    if m <= PAIR:
-        tl.debug_barrier()  # the caller's reads of scratch are done
-        tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
-        tl.debug_barrier()
-        i = tl.arange(0, PAIR)
-        mk = tl.load(scratch + i, mask=i < m, other=-2147483648, cache_modifier=".cg")
-        above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
-        t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
-        ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+    if PAIR > 0:
+        if m <= PAIR:
+            tl.debug_barrier()  # the caller's reads of scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            i = tl.arange(0, PAIR)
+            mk = tl.load(scratch + i, mask=i < m, other=-2147483648)
+            above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
+            t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
+            ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+        else:
+            ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+            t = ut ^ -2147483648
     else:
-        ut, ties = _radix_rounds(key, ut, k_rem, 2, 4)
+        ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
         t = ut ^ -2147483648
     return t, ties
 
@@ -180,13 +195,12 @@ def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
 @triton.jit
 def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
     """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
-    (ascending). Returns how many were written: min(k, #valid keys). PAIR > 0: the exact k-th key by
-    ``_kth_largest_pairwise`` (``scratch``: PAIR free int32), else by four radix rounds."""
+    (ascending). Returns how many were written: min(k, #valid keys). The exact k-th key: two radix
+    rounds, then a pairwise rank of the keys sharing its top 16 bits (``scratch``: PAIR free int32)."""
     k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    if PAIR > 0:
-        t, ties = _kth_largest_pairwise(key, tl.maximum(k_eff, 1), scratch, PAIR)
-    else:
-        t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
+    member = ((key >> 16) == ((ut ^ -2147483648) >> 16)) & (key != -2147483648)
+    t, ties = _rank_members(key, member, k_rem, ut, scratch, PAIR, 2)
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
     _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
@@ -252,6 +266,67 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
     return tl.minimum(tl.maximum(k, 0), W), length
 
 
+@triton.jit
+def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
+    """Row r of the ``work`` buffer (layout above)."""
+    return work + r.to(tl.int64) * (HEAD + 4 * (1 << LOG_C) + G + PAIR_SCRATCH)
+
+
+@triton.jit
+def _bins(key, T, shift):
+    """A candidate's bin in the row's histogram: (key - T) >> shift, in [0, 256) for T <= key <= row max."""
+    return tl.minimum(tl.maximum((key.to(tl.int64) - T) >> shift, 0), 255).to(tl.int32)
+
+
+@triton.jit
+def _add_chunk_histogram(key, is_cand, n_c, chunk_cand, T, shift, hist, CHUNK: tl.constexpr):
+    """Add the histogram of one chunk's candidates to the row's (one [256] atomic add). Few candidates
+    (the usual case): histogram the compacted copy, CHUNK // 8 entries, not the whole chunk."""
+    CAP: tl.constexpr = CHUNK // 8
+    if n_c <= CAP:
+        tl.debug_barrier()  # this program's compacted candidates are stored
+        s = tl.arange(0, CAP)
+        ckey = (tl.load(chunk_cand + s, mask=s < n_c, other=0) >> 32).to(tl.int32)
+        h = tl.histogram(_bins(ckey, T, shift), 256, mask=s < n_c)
+    else:
+        h = tl.histogram(_bins(key, T, shift), 256, mask=is_cand)
+    tl.atomic_add(hist + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _select_slots(cand_row, work_row, hist, out_row, k, total, T, shift, C, W,
+                  CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr, G: tl.constexpr,
+                  PAIR: tl.constexpr):
+    """The exact top-k of a row whose ``total <= SLOTS`` candidates sit chunk by chunk in ``cand_row``
+    (key << 32 | id) with their histogram ``hist``: walk it to the bin of the k-th key, rank that bin's
+    keys, write the winners in ascending id order."""
+    C_PAD: tl.constexpr = 1 << LOG_C
+    ci = tl.arange(0, C_PAD)
+    n_c = tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
+    prefix = work_row + HEAD + C_PAD
+    tl.store(prefix + ci, tl.cumsum(n_c, axis=0))
+    tl.debug_barrier()
+    # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
+    s = tl.arange(0, SLOTS)
+    chunk = tl.zeros([SLOTS], tl.int32)
+    for b in tl.static_range(LOG_C):
+        probe = chunk + (C_PAD >> (b + 1))
+        incl = tl.load(prefix + probe - 1, mask=probe <= C, other=2147483647)
+        chunk = tl.where(incl <= s, probe, chunk)
+    before = tl.load(prefix + chunk - 1, mask=chunk > 0, other=0)
+    ok = s < total
+    packed = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
+    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
+    k_eff = tl.minimum(k, total)
+    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
+    member = ok & (_bins(key, T, shift) == d)
+    t, ties = _rank_members(key, member, k_rem, tl.zeros([], tl.int32),
+                            work_row + HEAD + 4 * C_PAD + G, PAIR, 0)
+    t = tl.where(k_eff > 0, t, 2147483647)
+    _write_above_and_ties(key, packed.to(tl.int32), t, tl.where(k_eff > 0, ties, 0), 0, out_row, 0, W)
+    _pad(out_row, k_eff, W, CHUNK)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
@@ -269,36 +344,88 @@ def _register_row_kernel(scores, stride_r, out, scratch, N, W, k_scalar, k_ptr, 
 
 
 @triton.jit
-def _delegates_kernel(scores, stride_r, delegates, threshold, counter, N, W, k_scalar, k_ptr, len_ptr,
+def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
-    The row's last program to finish computes the row's threshold T from its G delegates."""
+    The row's last program to finish computes the row's threshold T from its G delegates, and the
+    width 2**SHIFT of the bins of the candidate histogram (256 bins cover [T, row max])."""
+    C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
+    work_row = _work_row(work, r, LOG_C, G)
+    delegates = work_row + HEAD + 4 * C_PAD
     cols = c * COLS + tl.arange(0, COLS)
     acc = tl.full([COLS], -2147483648, tl.int32)
     for i in range(0, tl.cdiv(N, G), ROWS):
         offs = (i + tl.arange(0, ROWS))[:, None] * G + cols[None, :]
         x = tl.load(row + offs, mask=offs < length, other=0.0)
         acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
-    tl.store(delegates + r * G + cols, acc)
+    tl.store(delegates + cols, acc)
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
-    if tl.atomic_add(counter + r, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        tl.store(counter + r, 0)  # reset for the next call (CUDA-graph replays)
-        dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
-        tl.store(threshold + r, _threshold(dkey, k))
+    counter = sync + r.to(tl.int64) * SYNC
+    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        tl.store(counter, 0)  # reset for the next call (CUDA-graph replays)
+        dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
+        T = _threshold(dkey, k)
+        span = tl.max(dkey, axis=0).to(tl.int64) - T  # row max - T (the row max is the largest delegate)
+        tl.store(work_row + T_, T)
+        tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr):
+    """One program = one CHUNK of a row: copy its elements >= T (key << 32 | id, ascending id) to the
+    chunk's part of ``cand`` and add their histogram to the row's. The row's last program writes the
+    exact top-k from them (``_select_slots``); when they do not fit the SLOTS slots, it plans the
+    fallback and flags the row."""
+    C_PAD: tl.constexpr = 1 << LOG_C
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+    row = scores + r.to(tl.int64) * stride_r
+    work_row = _work_row(work, r, LOG_C, G)
+    sync_row = sync + r.to(tl.int64) * SYNC
+    T = tl.load(work_row + T_)
+    shift = tl.load(work_row + SHIFT).to(tl.int64)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+    is_cand = (key >= T) & (key != -2147483648)
+    n_c = tl.sum(is_cand.to(tl.int32), axis=0)
+    cand_row = cand + r.to(tl.int64) * C * CHUNK
+    packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)
+    tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, packed, mask=is_cand)
+    tl.store(work_row + HEAD + c, n_c)
+    _add_chunk_histogram(key, is_cand, n_c, cand_row + c * CHUNK, T, shift, sync_row + HIST, CHUNK)
+    tl.debug_barrier()
+    if tl.atomic_add(sync_row + 1, 1, sem="acq_rel") == C - 1:
+        tl.store(sync_row + 1, 0)  # reset the counter and the histogram for the next call
+        hist = tl.load(sync_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
+        tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
+        ci = tl.arange(0, C_PAD)
+        total = tl.sum(tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg"), axis=0)
+        if total <= SLOTS:
+            tl.store(work_row + FLAG, 0)
+            _select_slots(cand_row, work_row, hist, out + r.to(tl.int64) * W, k, total, T, shift, C, W,
+                          CHUNK, SLOTS, LOG_C, G, PAIR)
+        else:
+            dkey = tl.load(work_row + HEAD + 4 * C_PAD + tl.arange(0, G), cache_modifier=".cg")
+            te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
+            tl.store(work_row + TE, te)
+            tl.store(work_row + FLAG, flag)
 
 
 @triton.jit
 def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
     """Tail of an overflowing row (its last candidate program): the exact k-th delegate Te, and for
-    every chunk how many keys > Te and == Te come before it (work_row[2 C_PAD + c], [3 C_PAD + c]),
-    one pass over the row from L2. Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te:
-    the fallback's chunk programs write every key > Te plus the first k - above keys == Te),
-    1 = the whole-row radix select."""
+    every chunk how many keys > Te and == Te come before it, one pass over the row from L2.
+    Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te: the fallback's chunk programs
+    write every key > Te plus the first k - above keys == Te), 1 = the whole-row radix select."""
     PER: tl.constexpr = 8192 // CHUNK if CHUNK < 8192 else 1  # chunks counted per step (tiles of ~8K)
     te, usable = _exact_delegate(dkey, k)
     above = tl.zeros([], tl.int32)
@@ -309,69 +436,12 @@ def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD
         key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
         a = tl.sum((key > te).to(tl.int32), axis=1)
         e = tl.sum((key == te).to(tl.int32), axis=1)
-        tl.store(work_row + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
-        tl.store(work_row + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
+        tl.store(work_row + HEAD + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
+        tl.store(work_row + HEAD + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
         above += tl.sum(a, axis=0)
         ties += tl.sum(e, axis=0)
-    tl.store(work_row + 4 * C_PAD, k - above)
+    tl.store(work_row + NEED, k - above)
     return te, tl.where(usable & (above < k), 2, 1)
-
-
-@triton.jit
-def _candidates_kernel(scores, stride_r, out, threshold, delegates, cand, work, flags, counter,
-                       N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr,
-                       G: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr,
-                       PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
-    """One program = one CHUNK of a row: copy the ids of its elements >= T (ascending) into the chunk's
-    part of ``cand``. The row's last program gathers all candidates into SLOTS slots and writes the
-    exact top-k; when they do not fit, it plans the fallback and flags the row.
-
-    ``work`` row layout (C_PAD = 2**LOG_C): [0, C_PAD) candidates per chunk, [C_PAD, 2 C_PAD) their
-    prefix sums, [2 C_PAD, 4 C_PAD) and [4 C_PAD] the tie path's plan (``_plan_tie_path``)."""
-    C_PAD: tl.constexpr = 1 << LOG_C
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    C = tl.num_programs(1)
-    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-    row = scores + r.to(tl.int64) * stride_r
-    work_row = work + r * (4 * C_PAD + 1)
-    T = tl.load(threshold + r)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-    is_cand = (key >= T) & (key != -2147483648)
-    cand_row = cand + r.to(tl.int64) * C * CHUNK
-    tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, offs, mask=is_cand)
-    tl.store(work_row + c, tl.sum(is_cand.to(tl.int32), axis=0))
-    tl.debug_barrier()
-    if tl.atomic_add(counter + r, 1, sem="acq_rel") == C - 1:
-        tl.store(counter + r, 0)
-        ci = tl.arange(0, C_PAD)
-        n_c = tl.load(work_row + ci, mask=ci < C, other=0, cache_modifier=".cg")
-        total = tl.sum(n_c, axis=0)
-        if total <= SLOTS:
-            tl.store(flags + r, 0)
-            # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
-            prefix = work_row + C_PAD
-            tl.store(prefix + ci, tl.cumsum(n_c, axis=0))
-            tl.debug_barrier()
-            s = tl.arange(0, SLOTS)
-            chunk = tl.zeros([SLOTS], tl.int32)
-            for b in tl.static_range(LOG_C):
-                probe = chunk + (C_PAD >> (b + 1))
-                incl = tl.load(prefix + probe - 1, mask=probe <= C, other=2147483647, cache_modifier=".cg")
-                chunk = tl.where(incl <= s, probe, chunk)
-            before = tl.load(prefix + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
-            ok = s < total
-            ids = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
-            skey = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
-            out_row = out + r.to(tl.int64) * W
-            k_eff = _write_winners(skey, ids, k, out_row, 0, W, cand_row, PAIR)
-            _pad(out_row, k_eff, W, BLOCK_OUT)
-        else:
-            dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
-            te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
-            tl.store(threshold + r, te)
-            tl.store(flags + r, flag)
 
 
 @triton.jit
@@ -416,9 +486,9 @@ def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fallback_kernel(scores, stride_r, out, flags, threshold, work, N, W, k_scalar, k_ptr, len_ptr,
+def _fallback_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
                      HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, CHUNK: tl.constexpr,
-                     LOG_C: tl.constexpr, BLOCK: tl.constexpr):
+                     LOG_C: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
     """One program = one CHUNK of a flagged row; unflagged rows (flag 0) return at once.
 
     Flag 2 (the tie path): store the chunk's keys > Te and its share of the lowest-id keys == Te at
@@ -427,19 +497,19 @@ def _fallback_kernel(scores, stride_r, out, flags, threshold, work, N, W, k_scal
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
+    work_row = _work_row(work, r, LOG_C, G)
     flag = tl.full([], 1, tl.int32)
     if not FORCE:
-        flag = tl.load(flags + r)
+        flag = tl.load(work_row + FLAG)
     if flag != 0:
         k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
         row = scores + r.to(tl.int64) * stride_r
         out_row = out + r.to(tl.int64) * W
         if flag == 2:
-            work_row = work + r * (4 * C_PAD + 1)
-            te = tl.load(threshold + r)
-            need = tl.load(work_row + 4 * C_PAD)
-            above_before = tl.load(work_row + 2 * C_PAD + c)
-            ties_before = tl.load(work_row + 3 * C_PAD + c)
+            te = tl.load(work_row + TE)
+            need = tl.load(work_row + NEED)
+            above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+            ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
             offs = c * CHUNK + tl.arange(0, CHUNK)
             key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
             _write_above_and_ties(key, offs, te, need, ties_before, out_row,
@@ -469,20 +539,20 @@ def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-_COUNTERS: dict = {}
+_SYNC: dict = {}
 
 
-def _counters(device: torch.device, R: int) -> torch.Tensor:
-    """Zeroed "last program of the row" counters [2, R]; the kernels leave them at zero again.
+def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
+    """Zeroed per-row counters and histograms [R, SYNC]; the kernels leave them at zero again.
 
     One buffer per device: two top-k calls running at the same time on different streams would
     share it (not supported)."""
     key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.shape[1] < R:
-        buf = torch.zeros((2, max(R, 64)), dtype=torch.int32, device=device)
+    buf = _SYNC.get(key)
+    if buf is None or buf.shape[0] < R:
+        buf = torch.zeros((max(R, 64), SYNC.value), dtype=torch.int32, device=device)
         if not capturing():  # a buffer made during a capture belongs to that graph's memory pool
-            _COUNTERS[key] = buf
+            _SYNC[key] = buf
     return buf
 
 
@@ -500,7 +570,7 @@ def plan(R: int, N: int, width: int) -> dict:
     while R * (G // cols) < TUNING["min_programs"] and cols > 64:
         cols //= 2
     slots = min(slots, n_pad)
-    pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # pairwise rank needs PAIR <= slots
+    pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
     return dict(register=register, n_pad=n_pad, G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
                 force_fallback=not register and G > TUNING["max_delegates"])
 
@@ -527,43 +597,36 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,
                     len_ptr=lengths if lengths is not None else out, HAS_K=k_tensor is not None,
                     HAS_LEN=lengths is not None)
-    block_out = min(1024, max(16, triton.next_power_of_2(W)))
     stride = scores.stride(0)
     if p["register"]:
         scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
         return [("register_row", lambda: _register_row_kernel[(R,)](
             scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
-            PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw))]
+            PAIR=p["pair"], BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
     block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
-    if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
-        flags = torch.ones((R,), dtype=torch.int32, device=device)
-    else:  # written for every row by the candidates kernel
-        flags = torch.empty((R,), dtype=torch.int32, device=device)
-    stats["flags"] = flags
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
     C = triton.cdiv(N, chunk)
     log_c = max(1, (C - 1).bit_length())
-    if p["force_fallback"]:
+    fallback_args = dict(CHUNK=chunk, LOG_C=log_c, G=G, BLOCK=block)
+    if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
+        stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
         return [("fallback", lambda: _fallback_kernel[(R, 1)](
-            scores, stride, out, flags, flags, flags, N, W, **row_args, FORCE=True, CHUNK=chunk, LOG_C=log_c,
-            BLOCK=block, num_warps=nw))]
-    counter = _counters(device, R)
-    delegates = torch.empty((R, G), dtype=torch.int32, device=device)
-    threshold = torch.empty((R,), dtype=torch.int32, device=device)
-    cand = torch.empty((R, C * chunk), dtype=torch.int32, device=device)
-    work = torch.empty((R, 4 * (1 << log_c) + 1), dtype=torch.int32, device=device)
-    stats.update(counts=work[:, :C], threshold=threshold)
+            scores, stride, out, out, N, W, **row_args, FORCE=True, **fallback_args, num_warps=nw))]
+    sync = _sync_buffer(device, R)
+    work = torch.empty((R, HEAD.value + 4 * (1 << log_c) + G + PAIR_SCRATCH.value), dtype=torch.int32,
+                       device=device)
+    cand = torch.empty((R, C * chunk), dtype=torch.int64, device=device)
+    stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value])
     rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
-            scores, stride, delegates, threshold, counter[0], N, W, **row_args, G=G, COLS=cols, ROWS=rows,
-            num_warps=nw)),
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, out, threshold, delegates, cand, work, flags, counter[1], N, W, **row_args, G=G,
-            CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw)),
+            scores, stride, out, cand, work, sync, N, W, **row_args, G=G, CHUNK=chunk, SLOTS=p["slots"],
+            LOG_C=log_c, PAIR=p["pair"], num_warps=nw)),
         ("fallback", lambda: _fallback_kernel[(R, C)](
-            scores, stride, out, flags, threshold, work, N, W, **row_args, FORCE=False, CHUNK=chunk, LOG_C=log_c,
-            BLOCK=block, num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
+            scores, stride, out, work, N, W, **row_args, FORCE=False, **fallback_args,
+            num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
     ]
 
 
@@ -662,14 +725,13 @@ _FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
 AOT_VARIANTS = [
     *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
            **_PTRS) for f, g, b, pr in zip(_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8), {"num_warps": nw}, delegates="*i32",
-           threshold="*i32", counter="*i32", **_PTRS) for f, g, nw in zip(_FLAGS, (4096, 8192), (16, 8), strict=True)],
-    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK_OUT=1024),
-           {"num_warps": nw}, threshold="*i32", delegates="*i32", cand="*i32", work="*i32", flags="*i32",
-           counter="*i32", **_PTRS)
-      for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 8192), (4, 4), (16, 8), (0, 128), strict=True)],
-    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
-           flags="*i32", threshold="*i32", work="*i32", **_PTRS)
+    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
+           sync="*i32", **_PTRS) for f, g, c, nw in zip(_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
+    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr), {"num_warps": nw},
+           cand="*i64", work="*i32", sync="*i32", **_PTRS)
+      for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 1024), (4, 7), (16, 8), (0, 128), strict=True)],
+    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, G=4096, BLOCK=1024), {"num_warps": nw},
+           work="*i32", **_PTRS)
       for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)],
     _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
     _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),

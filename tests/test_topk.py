@@ -162,6 +162,40 @@ def test_pairwise_rank(monkeypatch, knobs, pair_rank):
         check(x, k, order="index")
     check(x, 60, torch.tensor([700, 300, 650], device=DEVICE), order="score")
 
+
+def long_path_rows(N, k, seed=0):
+    """Rows for the long path's candidate histogram and the rank of its crossing bin."""
+    g = torch.Generator().manual_seed(seed)
+    randn = torch.randn(7, N, generator=g)
+    rows = [randn[0],
+            torch.arange(N).float(),  # ascending: the candidates fill the last chunks (whole-chunk histogram)
+            randn[1] * 1e30,  # a huge key span: wide bins
+            randn[2], -torch.exp(randn[3]),  # (row 3 gets ties at the k-th key below); all negative
+            torch.where(torch.arange(N) % 500 == 7, randn[4], float("nan")),  # fewer valid keys than k
+            torch.where(torch.arange(N) % 97 == 0, float("inf"), randn[5])]  # +inf at the top
+    v = rows[3].sort(descending=True).values[k - 3]
+    rows[3][torch.randperm(N, generator=g)[:40]] = v  # 40 ties straddle the k-th key
+    return torch.stack(rows).to(DEVICE)
+
+
+@pytest.mark.parametrize("pair_rank", [16, 128])
+def test_long_path_histogram_select(monkeypatch, pair_rank):
+    """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
+    to the row's, the last program ranks the crossing bin's keys (pairwise when at most pair_rank share
+    it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call."""
+    for name, value in {**PATHS["long"], "pair_rank": pair_rank}.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = long_path_rows(1500, 20)
+    out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 20, None, None, out).tolist() == [0] * 7  # nothing took the fallback
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
+    for order in ("index", "score"):
+        check(x, 20, order=order)
+    check(x, torch.tensor([20, 1, 0, 19, 7, 3, 20], device=DEVICE), torch.tensor([1500, 1499, 700, 1500, 65, 900, 1],
+          device=DEVICE), width=20, order="index")
+    assert not topk_module._SYNC[str(x.device)].any()
+
+
 def test_forced_fallback_for_wide_k(monkeypatch):
     """k too large for the delegates (2k > max_delegates) sends every row to the exact fallback."""
     for name, value in PATHS["long"].items():

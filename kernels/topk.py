@@ -88,10 +88,10 @@ ORDERS = ("score", "index", "none")
 #   candidates per chunk | their inclusive prefix sum | keys > Te before each chunk | keys == Te before
 #   each chunk (C_PAD each) | the G delegates | PAIR_SCRATCH ints for the pairwise rank.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
-#   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram.
+#   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram,
+#   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates.
 T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
-HIST = tl.constexpr(2)
-SYNC = tl.constexpr(264)
+HIST, DHIST, SYNC = tl.constexpr(2), tl.constexpr(258), tl.constexpr(520)
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -348,8 +348,10 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
                       ROWS: tl.constexpr, LOG_C: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
-    The row's last program to finish computes the row's threshold T from its G delegates, and the
-    width 2**SHIFT of the bins of the candidate histogram (256 bins cover [T, row max])."""
+    Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
+    row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
+    as ``_threshold``) and sets the width 2**SHIFT of the candidate histogram's bins (256 bins cover
+    [T, row max])."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -364,12 +366,19 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         x = tl.load(row + offs, mask=offs < length, other=0.0)
         acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
     tl.store(delegates + cols, acc)
+    sync_row = sync + r.to(tl.int64) * SYNC
+    h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
+    tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
-    counter = sync + r.to(tl.int64) * SYNC
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        tl.store(counter, 0)  # reset for the next call (CUDA-graph replays)
+    if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        tl.store(sync_row, 0)  # reset the counter and the histogram for the next call (CUDA-graph replays)
+        h = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
+        tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
-        T = _threshold(dkey, k)
+        n = tl.sum(h, axis=0)  # valid delegates
+        d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
+        ut, _ = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
+        T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # as _threshold
         span = tl.max(dkey, axis=0).to(tl.int64) - T  # row max - T (the row max is the largest delegate)
         tl.store(work_row + T_, T)
         tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))

@@ -11,11 +11,13 @@
    ``order="index"`` vs ``torch.topk(sorted=False)``, ``order="score"`` vs ``torch.topk(sorted=True)``;
    the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch
    ``select_pages``.
-4. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
+4. **order="score" variants** at 64 x 65536 and 1 x 131072 (always run): exactness and time of each
+   ``TUNING`` variant of the winners' sort (one ``tl.sort`` per row, or sorted runs then a merge).
+5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
    alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
    candidates pass reads the row from HBM; in the chained call it re-reads it from L2, so the sum of
    the parts exceeds the call by about one L2-vs-HBM read (~4-6 µs).
-5. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
+6. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
 
 Budget: the whole run (compilation included) is meant to finish in about 4 minutes on an H200.
 
@@ -44,6 +46,11 @@ SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps":
          "fallback_warps": [8]}
 SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
+# order="score" variants, always run (exactness + time over index order): one tl.sort per row with its warps,
+# or runs of sort_run winners sorted by parallel programs then merged (sort_run_warps)
+SORT_VARIANTS = [dict(sort_run=0, sort_warps=w) for w in (16, 8, 4, 32)] + [
+    dict(sort_run=r, sort_run_warps=w) for r, w in ((256, 4), (512, 4), (512, 8), (1024, 8), (256, 2))]
+SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
 
@@ -102,6 +109,34 @@ def breakdown(R, N, k, dist, timer, device) -> list:
               + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "fallback" and flags is not None else ""),
               flush=True)
     return rows
+
+
+def sort_variants(shapes, timer, device) -> list:
+    """order="score" under each SORT_VARIANTS knob set: exactness, and the time against index order."""
+    sort_rows = []
+    for R, N, k in shapes:
+        copies = [make_distribution("randn", R, N, device, seed=s) for s in range(4)]
+        out = torch.empty(R, k, dtype=torch.int32, device=device)
+        t_index = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
+        for variant in SORT_VARIANTS:
+            saved = dict(TUNING)
+            TUNING.update(variant)
+            name = ",".join(f"{a}={b}" for a, b in variant.items())
+            try:
+                for c in copies[:2]:
+                    check(f"sort variant {R}x{N} {name}", topk(c, k, order="score"),
+                          topk_reference(c, k, order="score"))
+                t = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
+            except Exception as e:  # noqa: BLE001
+                print(f"  sort variant {R}x{N} {name}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                t = float("nan")
+            finally:
+                TUNING.clear()
+                TUNING.update(saved)
+            sort_rows.append((f"{R}x{N}", name, t_index, t))
+            print(f"  order=score {R}x{N} {name:<32} {t:7.1f} us (index order {t_index:.1f}: +{t - t_index:.1f})",
+                  flush=True)
+    return sort_rows
 
 
 def run_shape(R, N, k, dist, timer, device) -> dict:
@@ -181,6 +216,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             failures.append(f"select {dist}: {type(e).__name__}: {str(e)[-300:]}")
             print(f"  FAIL {failures[-1]}", flush=True)
+
+    sort_rows = sort_variants(SORT_VARIANT_SHAPES, timer, device)
 
     parts = []
     for dist in ("randn", "clustered"):
@@ -274,6 +311,11 @@ def main(argv=None) -> int:
             # on every chunk, without the serial tail: the difference estimates the randn select tail
             print(f"  select tail of the candidates launch (randn) ~ candidates(randn) - fallback(clustered) = "
                   f"{t['randn', 'candidates'] - t['clustered', 'fallback']:.1f}")
+    if sort_rows:
+        print("\n== order=\"score\" variants (randn), us: score order (its cost over index order) ==")
+        for shape in dict.fromkeys(r[0] for r in sort_rows):
+            print(f"{shape:>10} index {[r for r in sort_rows if r[0] == shape][0][2]:.1f}: "
+                  + ", ".join(f"{n} {t:.1f} (+{t - ti:.1f})" for s_, n, ti, t in sort_rows if s_ == shape))
     if sweep_rows:
         print("\n== knob sweep (index order, randn), us ==")
         for shape in dict.fromkeys(s for s, _, _ in sweep_rows):

@@ -77,6 +77,8 @@ TUNING = {
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "fallback_warps": 4,  # the fallback launch: a program per chunk, a no-op on most rows (keep it light)
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
+    "sort_run": 0,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
+    "sort_run_warps": 4,
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
@@ -530,19 +532,60 @@ def _fallback_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr
 
 
 @triton.jit
+def _packed_winners(scores, stride_r, out, r, j, W):
+    """The winners out[r, j] (ids, -1 padded) as int64 ``key << 32 | (2**32 - 1 - id)``: descending order
+    of these is descending score, ties by ascending id; INT64_MIN for padding."""
+    ids = tl.load(out + r.to(tl.int64) * W + j, mask=j < W, other=-1)
+    valid = ids >= 0
+    x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
+    skey = _keys(x, valid).to(tl.int64)
+    return tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
+
+
+@triton.jit
 def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
     """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
     r = tl.program_id(0)
     j = tl.arange(0, W_PAD)
+    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
+    n_valid = tl.sum((packed != -9223372036854775807 - 1).to(tl.int32), axis=0)
+    tl.store(out + r.to(tl.int64) * W + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32),
+                                                    -1), mask=j < W)
+
+
+@triton.jit
+def _sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
+    """One program = RUN consecutive winners of a row, sorted (as ``_packed_winners``, descending) into
+    ``runs`` [R, W_PAD]: the first half of the two-step sort for wide rows."""
+    r = tl.program_id(0)
+    j = tl.program_id(1) * RUN + tl.arange(0, RUN)
+    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
+    tl.store(runs + r.to(tl.int64) * W_PAD + j, packed)
+
+
+@triton.jit
+def _merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
+    """One program = one sorted run of a row: an entry's place in the row's order is the number of larger
+    entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
+    Stores each valid entry's id there, and -1 on the run's share of the padding."""
+    NR: tl.constexpr = W_PAD // RUN
+    r = tl.program_id(0)
+    row = runs + r.to(tl.int64) * W_PAD
+    i = tl.program_id(1) * RUN + tl.arange(0, RUN)
+    v = tl.load(row + i)
+    q = tl.arange(0, NR)[:, None] * RUN
+    larger = tl.zeros([NR, RUN], tl.int32)  # per run: how many of its entries are > v
+    for b in tl.static_range(16):
+        if (RUN >> b) > 0:  # steps RUN, RUN / 2, ..., 1
+            probe = larger + (RUN >> b)
+            x = tl.load(row + q + probe - 1, mask=probe <= RUN, other=-9223372036854775807 - 1)
+            larger = tl.where(x > v[None, :], probe, larger)
+    n_valid = tl.sum(tl.sum((tl.load(row + q + tl.arange(0, RUN)[None, :]) != -9223372036854775807 - 1
+                             ).to(tl.int32), axis=1), axis=0)
+    valid = v != -9223372036854775807 - 1
     out_row = out + r.to(tl.int64) * W
-    ids = tl.load(out_row + j, mask=j < W, other=-1)
-    valid = ids >= 0
-    x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
-    skey = _keys(x, valid).to(tl.int64)
-    packed = tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
-    packed = tl.sort(packed, descending=True)
-    n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    tl.store(out_row + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32), -1), mask=j < W)
+    tl.store(out_row + tl.sum(larger, axis=0), (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=valid)
+    tl.store(out_row + i, tl.full([RUN], -1, tl.int32), mask=(i >= n_valid) & (i < W))
 
 
 # --------------------------------------------------------------------------------------------
@@ -649,9 +692,18 @@ def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = N
 
 
 def sort_winners(scores, out):
-    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id."""
+    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id. Rows wider
+    than ``TUNING["sort_run"]``: runs of that many sorted by parallel programs, then merged (two launches)."""
     R, W = out.shape
     w_pad = max(16, triton.next_power_of_2(W))
+    run = TUNING["sort_run"]
+    if 0 < run < w_pad:
+        runs = torch.empty((R, w_pad), dtype=torch.int64, device=out.device)
+        nw = TUNING["sort_run_warps"] if scores.is_cuda else 1
+        _sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
+                                             num_warps=nw)
+        _merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw)
+        return out
     num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
     _sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
     return out
@@ -743,6 +795,10 @@ AOT_VARIANTS = [
            work="*i32", **_PTRS)
       for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)],
     _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
+    *[_aot(_sort_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, scores="*fp32", out="*i32", runs="*i64")
+      for run in (256, 512)],
+    *[_aot(_merge_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, runs="*i64", out="*i32")
+      for run in (256, 512)],
     _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
          {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),
 ]

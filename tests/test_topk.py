@@ -196,6 +196,21 @@ def test_long_path_histogram_select(monkeypatch, pair_rank):
     assert not topk_module._SYNC[str(x.device)].any()
 
 
+@pytest.mark.parametrize("run", [16, 64])
+def test_score_order_by_sorted_runs(monkeypatch, run):
+    """order="score" on rows wider than TUNING["sort_run"]: runs sorted by parallel programs, then merged
+    (binary searches); ties by id across runs, fewer winners than k (padding), every path."""
+    monkeypatch.setitem(topk_module.TUNING, "sort_run", run)
+    x = make_scores(4, 400, seed=11, ties=True, specials=True)
+    x[1] = make_scores(1, 400, seed=12)[0]
+    lengths = torch.tensor([400, 399, 30, 0], device=DEVICE)
+    check(x, 70, lengths)
+    check(x, torch.tensor([70, 3, 64, 9], device=DEVICE), lengths, width=70)
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    check(x, 33, lengths)
+
+
 def test_forced_fallback_for_wide_k(monkeypatch):
     """k too large for the delegates (2k > max_delegates) sends every row to the exact fallback."""
     for name, value in PATHS["long"].items():

@@ -91,9 +91,10 @@ ORDERS = ("score", "index", "none")
 #   each chunk (C_PAD each) | the G delegates | PAIR_SCRATCH ints for the pairwise rank.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
 #   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram,
-#   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates.
+#   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates, [BIG] candidates of the
+#   chunks with more than CHUNK / 8 (a row whose count passes SLOTS overflows: later chunks skip their copy).
 T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
-HIST, DHIST, SYNC = tl.constexpr(2), tl.constexpr(258), tl.constexpr(520)
+HIST, DHIST, BIG, SYNC = tl.constexpr(2), tl.constexpr(258), tl.constexpr(514), tl.constexpr(520)
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -391,9 +392,9 @@ def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, 
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                        SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr):
     """One program = one CHUNK of a row: copy its elements >= T (key << 32 | id, ascending id) to the
-    chunk's part of ``cand`` and add their histogram to the row's. The row's last program writes the
-    exact top-k from them (``_select_slots``); when they do not fit the SLOTS slots, it plans the
-    fallback and flags the row."""
+    chunk's part of ``cand`` and add their histogram to the row's (unless the row surely overflows).
+    The row's last program writes the exact top-k from them (``_select_slots``); when they do not fit
+    the SLOTS slots, it plans the fallback and flags the row."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -409,13 +410,18 @@ def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, 
     is_cand = (key >= T) & (key != -2147483648)
     n_c = tl.sum(is_cand.to(tl.int32), axis=0)
     cand_row = cand + r.to(tl.int64) * C * CHUNK
-    packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)
-    tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, packed, mask=is_cand)
     tl.store(work_row + HEAD + c, n_c)
-    _add_chunk_histogram(key, is_cand, n_c, cand_row + c * CHUNK, T, shift, sync_row + HIST, CHUNK)
+    keep = n_c <= SLOTS
+    if n_c > CHUNK // 8:  # many candidates: skip the copy if the row's big chunks already overflow the slots
+        keep = tl.atomic_add(sync_row + BIG, n_c, sem="relaxed") + n_c <= SLOTS
+    if keep:
+        packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)
+        tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, packed, mask=is_cand)
+        _add_chunk_histogram(key, is_cand, n_c, cand_row + c * CHUNK, T, shift, sync_row + HIST, CHUNK)
     tl.debug_barrier()
     if tl.atomic_add(sync_row + 1, 1, sem="acq_rel") == C - 1:
-        tl.store(sync_row + 1, 0)  # reset the counter and the histogram for the next call
+        tl.store(sync_row + 1, 0)  # reset the counters and the histogram for the next call
+        tl.store(sync_row + BIG, 0)
         hist = tl.load(sync_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
         tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
         ci = tl.arange(0, C_PAD)

@@ -11,8 +11,9 @@
    ``order="index"`` vs ``torch.topk(sorted=False)``, ``order="score"`` vs ``torch.topk(sorted=True)``;
    the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch
    ``select_pages``.
-4. **order="score" variants** at 64 x 65536 and 1 x 131072 (always run): exactness and time of each
-   ``TUNING`` variant of the winners' sort (one ``tl.sort`` per row, or sorted runs then a merge).
+4. **Knob variants** (always run, randn): exactness and time of each ``TUNING`` variant of the winners'
+   sort for ``order="score"`` (one ``tl.sort`` per row, or sorted runs then a merge) at 64 x 65536 and
+   1 x 131072, and of a few launch knobs in index order at 64 x 65536 and 128 x 131072.
 5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
    alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
    candidates pass reads the row from HBM; in the chained call it re-reads it from L2, so the sum of
@@ -51,6 +52,10 @@ SORT_SHAPE = (64, 65536, 2048)
 SORT_VARIANTS = [dict(sort_run=0, sort_warps=w) for w in (16, 8, 4, 32)] + [
     dict(sort_run=r, sort_run_warps=w) for r, w in ((256, 4), (512, 4), (512, 8), (1024, 8), (256, 2))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
+# index-order knob variants, always run (exactness + time against the defaults), randn
+INDEX_VARIANTS = [dict(num_warps_small=8), dict(chunk=8192), dict(pair_rank=64), dict(num_warps=16),
+                  dict(delegate_cols=512)]
+INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
 
@@ -111,32 +116,33 @@ def breakdown(R, N, k, dist, timer, device) -> list:
     return rows
 
 
-def sort_variants(shapes, timer, device) -> list:
-    """order="score" under each SORT_VARIANTS knob set: exactness, and the time against index order."""
-    sort_rows = []
+def knob_variants(shapes, variants, order, timer, device) -> list:
+    """``order`` under each knob set of ``variants`` (randn): exactness, and the time against the defaults
+    in index order. Rows: (shape, knobs, index-order time with the defaults, time with the knobs)."""
+    rows = []
     for R, N, k in shapes:
         copies = [make_distribution("randn", R, N, device, seed=s) for s in range(4)]
         out = torch.empty(R, k, dtype=torch.int32, device=device)
         t_index = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
-        for variant in SORT_VARIANTS:
+        for variant in variants:
             saved = dict(TUNING)
             TUNING.update(variant)
             name = ",".join(f"{a}={b}" for a, b in variant.items())
             try:
                 for c in copies[:2]:
-                    check(f"sort variant {R}x{N} {name}", topk(c, k, order="score"),
-                          topk_reference(c, k, order="score"))
-                t = timer.cold([partial(topk, c, k, order="score", out=out) for c in copies])
+                    check(f"variant {R}x{N} {order} {name}", topk(c, k, order=order),
+                          topk_reference(c, k, order=order))
+                t = timer.cold([partial(topk, c, k, order=order, out=out) for c in copies])
             except Exception as e:  # noqa: BLE001
-                print(f"  sort variant {R}x{N} {name}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                print(f"  variant {R}x{N} {name}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
                 t = float("nan")
             finally:
                 TUNING.clear()
                 TUNING.update(saved)
-            sort_rows.append((f"{R}x{N}", name, t_index, t))
-            print(f"  order=score {R}x{N} {name:<32} {t:7.1f} us (index order {t_index:.1f}: +{t - t_index:.1f})",
-                  flush=True)
-    return sort_rows
+            rows.append((f"{R}x{N}", name, t_index, t))
+            print(f"  order={order} {R}x{N} {name:<32} {t:7.1f} us (index order, defaults {t_index:.1f}: "
+                  f"{t - t_index:+.1f})", flush=True)
+    return rows
 
 
 def run_shape(R, N, k, dist, timer, device) -> dict:
@@ -217,7 +223,8 @@ def main(argv=None) -> int:
             failures.append(f"select {dist}: {type(e).__name__}: {str(e)[-300:]}")
             print(f"  FAIL {failures[-1]}", flush=True)
 
-    sort_rows = sort_variants(SORT_VARIANT_SHAPES, timer, device)
+    sort_rows = knob_variants(SORT_VARIANT_SHAPES, SORT_VARIANTS, "score", timer, device)
+    index_rows = knob_variants(INDEX_VARIANT_SHAPES, INDEX_VARIANTS, "index", timer, device)
 
     parts = []
     for dist in ("randn", "clustered"):
@@ -311,11 +318,12 @@ def main(argv=None) -> int:
             # on every chunk, without the serial tail: the difference estimates the randn select tail
             print(f"  select tail of the candidates launch (randn) ~ candidates(randn) - fallback(clustered) = "
                   f"{t['randn', 'candidates'] - t['clustered', 'fallback']:.1f}")
-    if sort_rows:
-        print("\n== order=\"score\" variants (randn), us: score order (its cost over index order) ==")
-        for shape in dict.fromkeys(r[0] for r in sort_rows):
-            print(f"{shape:>10} index {[r for r in sort_rows if r[0] == shape][0][2]:.1f}: "
-                  + ", ".join(f"{n} {t:.1f} (+{t - ti:.1f})" for s_, n, ti, t in sort_rows if s_ == shape))
+    for title, rows in (("order=\"score\" variants (randn), us: score order (its cost over index order)", sort_rows),
+                        ("index-order knob variants (randn), us (difference to the defaults)", index_rows)):
+        print(f"\n== {title} ==")
+        for shape in dict.fromkeys(r[0] for r in rows):
+            print(f"{shape:>10} index {[r for r in rows if r[0] == shape][0][2]:.1f}: "
+                  + ", ".join(f"{n} {t:.1f} ({t - ti:+.1f})" for s_, n, ti, t in rows if s_ == shape))
     if sweep_rows:
         print("\n== knob sweep (index order, randn), us ==")
         for shape in dict.fromkeys(s for s, _, _ in sweep_rows):

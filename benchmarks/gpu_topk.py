@@ -13,7 +13,8 @@
    ``select_pages``.
 4. **Knob variants** (always run, randn): exactness and time of each ``TUNING`` variant of the winners'
    sort for ``order="score"`` (one ``tl.sort`` per row, or sorted runs then a merge) at 64 x 65536 and
-   1 x 131072, and of a few launch knobs in index order at 64 x 65536 and 128 x 131072.
+   1 x 131072, and of a few launch knobs in index order at 64 x 65536 and 128 x 131072 (``fold_fallback`` also on
+   clustered rows).
 5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
    alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
    candidates pass reads the row from HBM; in the chained call it re-reads it from L2, so the sum of
@@ -53,8 +54,9 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=w) for w in (16, 8, 4, 32)] + [
     dict(sort_run=r, sort_run_warps=w) for r, w in ((256, 4), (512, 4), (512, 8), (1024, 8), (256, 2))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(num_warps_small=8), dict(chunk=8192), dict(pair_rank=64), dict(num_warps=16),
-                  dict(delegate_cols=512)]
+INDEX_VARIANTS = [dict(fold_fallback=True), dict(num_warps_small=8), dict(chunk=8192), dict(pair_rank=64),
+                  dict(num_warps=16), dict(delegate_cols=512)]
+FOLD_VARIANTS = [dict(fold_fallback=True)]  # also on clustered rows (they take the tie path)
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
@@ -116,12 +118,12 @@ def breakdown(R, N, k, dist, timer, device) -> list:
     return rows
 
 
-def knob_variants(shapes, variants, order, timer, device) -> list:
-    """``order`` under each knob set of ``variants`` (randn): exactness, and the time against the defaults
-    in index order. Rows: (shape, knobs, index-order time with the defaults, time with the knobs)."""
+def knob_variants(shapes, variants, order, timer, device, dist="randn") -> list:
+    """``order`` under each knob set of ``variants``: exactness, and the time against the defaults in
+    index order. Rows: (shape, knobs, index-order time with the defaults, time with the knobs)."""
     rows = []
     for R, N, k in shapes:
-        copies = [make_distribution("randn", R, N, device, seed=s) for s in range(4)]
+        copies = [make_distribution(dist, R, N, device, seed=s) for s in range(4)]
         out = torch.empty(R, k, dtype=torch.int32, device=device)
         t_index = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
         for variant in variants:
@@ -139,8 +141,8 @@ def knob_variants(shapes, variants, order, timer, device) -> list:
             finally:
                 TUNING.clear()
                 TUNING.update(saved)
-            rows.append((f"{R}x{N}", name, t_index, t))
-            print(f"  order={order} {R}x{N} {name:<32} {t:7.1f} us (index order, defaults {t_index:.1f}: "
+            rows.append((f"{R}x{N}" + (f" {dist}" if dist != "randn" else ""), name, t_index, t))
+            print(f"  order={order} {R}x{N} {dist} {name:<32} {t:7.1f} us (index order, defaults {t_index:.1f}: "
                   f"{t - t_index:+.1f})", flush=True)
     return rows
 
@@ -225,6 +227,7 @@ def main(argv=None) -> int:
 
     sort_rows = knob_variants(SORT_VARIANT_SHAPES, SORT_VARIANTS, "score", timer, device)
     index_rows = knob_variants(INDEX_VARIANT_SHAPES, INDEX_VARIANTS, "index", timer, device)
+    index_rows += knob_variants(INDEX_VARIANT_SHAPES, FOLD_VARIANTS, "index", timer, device, dist="clustered")
 
     parts = []
     for dist in ("randn", "clustered"):
@@ -319,7 +322,7 @@ def main(argv=None) -> int:
             print(f"  select tail of the candidates launch (randn) ~ candidates(randn) - fallback(clustered) = "
                   f"{t['randn', 'candidates'] - t['clustered', 'fallback']:.1f}")
     for title, rows in (("order=\"score\" variants (randn), us: score order (its cost over index order)", sort_rows),
-                        ("index-order knob variants (randn), us (difference to the defaults)", index_rows)):
+                        ("index-order knob variants (randn unless named), us (vs the defaults)", index_rows)):
         print(f"\n== {title} ==")
         for shape in dict.fromkeys(r[0] for r in rows):
             print(f"{shape:>10} index {[r for r in rows if r[0] == shape][0][2]:.1f}: "

@@ -80,6 +80,7 @@ TUNING = {
     "sort_run": 0,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
+    "fold_fallback": False,  # long rows: the candidates tail runs the fallback itself (serially), one launch less
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -390,11 +391,12 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 @triton.jit
 def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, FOLD: tl.constexpr):
     """One program = one CHUNK of a row: copy its elements >= T (key << 32 | id, ascending id) to the
     chunk's part of ``cand`` and add their histogram to the row's (unless the row surely overflows).
     The row's last program writes the exact top-k from them (``_select_slots``); when they do not fit
-    the SLOTS slots, it plans the fallback and flags the row."""
+    the SLOTS slots, it plans the fallback and flags the row, and with FOLD runs it too (serially:
+    no fallback launch)."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -435,6 +437,13 @@ def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, 
             te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
             tl.store(work_row + TE, te)
             tl.store(work_row + FLAG, flag)
+            if FOLD:
+                out_row = out + r.to(tl.int64) * W
+                if flag == 2:
+                    _write_row(row, length, te, tl.load(work_row + NEED), out_row, W, CHUNK)
+                    _pad(out_row, k, W, CHUNK)  # the tie path writes exactly k ids
+                else:
+                    _radix_select_row(row, length, k, out_row, W, CHUNK)
 
 
 @triton.jit
@@ -491,15 +500,21 @@ def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
     k_rem = tl.maximum(k_eff, 1)
     for p in tl.static_range(4):
         ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
-    t_key = ut ^ -2147483648
+    _write_row(row, tl.where(k_eff > 0, length, 0), ut ^ -2147483648, k_rem, out_row, W, BLOCK)
+    _pad(out_row, k_eff, W, BLOCK)
+
+
+@triton.jit
+def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
+    """One program stores, in ascending id order, the ids of a row's keys > t and of its first ``need``
+    keys == t (tile loop over the row)."""
     done = tl.zeros([], tl.int32)
     ties_seen = tl.zeros([], tl.int32)
-    for t in range(0, tl.where(k_eff > 0, length, 0), BLOCK):
-        offs = t + tl.arange(0, BLOCK)
+    for t0 in range(0, length, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
         key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        done += _write_above_and_ties(key, offs, t_key, k_rem, ties_seen, out_row, done, W)
-        ties_seen += tl.sum((key == t_key).to(tl.int32), axis=0)
-    _pad(out_row, k_eff, W, BLOCK)
+        done += _write_above_and_ties(key, offs, t, need, ties_seen, out_row, done, W)
+        ties_seen += tl.sum((key == t).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -676,16 +691,17 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     cand = torch.empty((R, C * chunk), dtype=torch.int64, device=device)
     stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value])
     rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+    fold = bool(TUNING["fold_fallback"])
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, out, cand, work, sync, N, W, **row_args, G=G, CHUNK=chunk, SLOTS=p["slots"],
-            LOG_C=log_c, PAIR=p["pair"], num_warps=nw)),
+            LOG_C=log_c, PAIR=p["pair"], FOLD=fold, num_warps=nw)),
         ("fallback", lambda: _fallback_kernel[(R, C)](
             scores, stride, out, work, N, W, **row_args, FORCE=False, **fallback_args,
             num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
-    ]
+    ][:2 if fold else 3]
 
 
 def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
@@ -794,9 +810,9 @@ AOT_VARIANTS = [
            **_PTRS) for f, g, b, pr in zip(_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
     *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
            sync="*i32", **_PTRS) for f, g, c, nw in zip(_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
-    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr), {"num_warps": nw},
-           cand="*i64", work="*i32", sync="*i32", **_PTRS)
-      for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 1024), (4, 7), (16, 8), (0, 128), strict=True)],
+    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, FOLD=fold), {"num_warps": nw},
+           cand="*i64", work="*i32", sync="*i32", **_PTRS) for f, g, ch, c, nw, pr, fold in
+      zip(_FLAGS, (4096, 8192), (4096, 1024), (4, 7), (16, 8), (0, 128), (True, False), strict=True)],
     *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, G=4096, BLOCK=1024), {"num_warps": nw},
            work="*i32", **_PTRS)
       for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)],

@@ -1,10 +1,11 @@
 """The Triton top-k (kernels/topk.py) against ``topk_reference`` on awkward and adversarial inputs.
 
-Three paths are tested separately, forced at interpreter sizes through ``TUNING``:
+The paths are tested separately, forced at interpreter sizes through ``TUNING``:
 ``register`` (one program per row, row in registers), ``long`` (delegates -> candidates ->
-exact select in the row's last program; several programs per row) and ``fallback`` (the slot
-tensor shrunk so that every row overflows and the device-side fallback runs the exact radix
-select over the whole row). The ``gpu`` tests run realistic sizes and CUDA-graph replays.
+exact select in the row's last program; several programs per row), ``fallback`` (the slot
+tensor shrunk so that every row overflows and the device-side fallback runs: the tie path or the
+exact radix select over the whole row), ``fallback_folded`` (the same, run by the candidates tail)
+and ``register_fallback``. The ``gpu`` tests run realistic sizes and CUDA-graph replays.
 """
 
 import pytest
@@ -25,6 +26,8 @@ PATHS = {
     "register": {},
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
+    "fallback_folded": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
+                        "fold_fallback": True},
     "register_fallback": {"slots": 2},
 }
 
@@ -125,10 +128,12 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
-def test_tie_path_across_chunks(monkeypatch):
+@pytest.mark.parametrize("fold", [False, True])
+def test_tie_path_across_chunks(monkeypatch, fold):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
-    chunk programs by their counts: the lowest ids win, also with lengths and per-row k."""
-    for name, value in PATHS["long"].items():
+    chunk programs by their counts (or, folded, the candidates tail writes them in one pass): the
+    lowest ids win, also with lengths and per-row k."""
+    for name, value in {**PATHS["long"], "fold_fallback": fold}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     monkeypatch.setitem(topk_module.TUNING, "slots", 32)
     x = make_scores(4, 700, seed=4, ties=True)  # 7 distinct values: ~100 copies of each

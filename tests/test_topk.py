@@ -353,3 +353,20 @@ def test_gpu_cuda_graph_capture_and_replay(N):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), topk_reference(x.cpu(), 512, lengths.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [dict(sort_run=512), dict(sort_run=256, sort_run_warps=2), dict(fold_fallback=True)])
+def test_gpu_knob_variants(monkeypatch, knobs):
+    """The optional paths compiled at realistic sizes: the two-step sort of order="score", and the
+    fallback folded into the candidates tail (adversarial rows take the tie path and the radix select)."""
+    for name, value in knobs.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    for N, k in ((65536, 2048), (131072, 2048), (20_000, 1000)):
+        G = max(256, 1 << (2 * k - 1).bit_length())
+        x = torch.cat([adversarial_rows(N, min(G, N)).cuda(), make_scores(3, N, seed=13, device="cuda"),
+                       make_scores(2, N, seed=14, ties=True, device="cuda")])
+        lengths = torch.full((x.shape[0],), N, device="cuda")
+        lengths[-1], lengths[-3] = N // 3, k // 2
+        check(x, k, lengths, order="index")
+        check(x, k, lengths, order="score")

@@ -23,22 +23,21 @@ The design, in five steps:
    ``key > t`` plus the first ``key == t`` (ties to the lower id) in ascending id order by a prefix
    sum over the slots: no sort. Register rows run radix rounds on their slots instead.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
-   a period of G, more than half the row wanted) is flagged on the device. Most such rows overflow
-   because many keys EQUAL the threshold: with ``Te`` = the exact k-th delegate, at least k keys are
-   >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is "every key > Te, plus
-   the lowest-id keys == Te". One pass counts both per chunk (the row's last program), then every
-   chunk writes its share at known offsets in parallel (the *tie path*). Only rows with k or more
-   keys above ``Te`` (e.g. a period of G) take the whole-row radix select.
+   a period of G, more than half the row wanted) is flagged on the device and takes an exact
+   fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
 
-``order="score"`` then sorts the <= k winners of each row (one ``tl.sort`` per row).
+``order="score"`` then sorts the <= k winners of each row (``kernels/topk_sort.py``). The device
+helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-row state) are in
+``kernels/topk_common.py``.
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
 keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
 launches: delegates (many programs per row, the last one to finish computes ``T``), candidates (many
 programs per row, the last one does the exact selection or plans the fallback) and the fallback
-(a program per chunk; a no-op for unflagged rows). "Last program of the row" is an atomic counter
-that the last program resets (as it resets the row's histogram), so nothing is read back to the
-host and the call can be captured in a CUDA graph.
+(a program per chunk; a no-op for unflagged rows; ``TUNING["fold_fallback"]`` runs it in the
+candidates tail instead). "Last program of the row" is an atomic counter that the last program
+resets (as it resets the row's histogram), so nothing is read back to the host and the call can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -60,6 +59,35 @@ from sparse_ref.checks import (
 )
 from sparse_ref.device import check_kernel_device
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import topk_fallback, topk_sort
+from sparse_ref.kernels.topk_common import (
+    AOT_FLAGS,
+    AOT_PTRS,
+    BIG,
+    DHIST,
+    FLAG,
+    HEAD,
+    HIST,
+    NEED,
+    PAIR_SCRATCH,
+    SHIFT,
+    SYNC,
+    T_,
+    TE,
+    _exact_delegate,
+    _keys,
+    _pad,
+    _radix_rounds,
+    _rank_members,
+    _row_k_len,
+    _threshold,
+    _walk,
+    _work_row,
+    _write_above_and_ties,
+    _write_winners,
+    aot_variant,
+)
+from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _write_row
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -84,148 +112,6 @@ TUNING = {
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
-
-# Long-row state. ``work`` (int32, fresh each call), one row per score row:
-#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 done / 2 tie path / 1 whole-row radix
-#   [TE] exact k-th delegate  [NEED] ties the tie path takes, then from HEAD, with C_PAD = 2**LOG_C:
-#   candidates per chunk | their inclusive prefix sum | keys > Te before each chunk | keys == Te before
-#   each chunk (C_PAD each) | the G delegates | PAIR_SCRATCH ints for the pairwise rank.
-# ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
-#   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram,
-#   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates, [BIG] candidates of the
-#   chunks with more than CHUNK / 8 (a row whose count passes SLOTS overflows: later chunks skip their copy).
-T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
-HIST, DHIST, BIG, SYNC = tl.constexpr(2), tl.constexpr(258), tl.constexpr(514), tl.constexpr(520)
-PAIR_SCRATCH = tl.constexpr(256)
-
-
-# --------------------------------------------------------------------------------------------
-# Device helpers
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _keys(x, valid):
-    """int32 keys, signed order == float order; NONE where the entry may not be selected."""
-    x = x.to(tl.float32)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
-    i = x.to(tl.int32, bitcast=True)
-    key = i ^ ((i >> 31) & 0x7FFFFFFF)
-    ok = valid & (x == x) & (x != float("-inf"))
-    return tl.where(ok, key, -2147483648)
-
-
-@triton.jit
-def _walk(h, k_rem):
-    """Walk a 256-bin histogram from the top: the bin holding the k_rem-th largest, and the new k_rem."""
-    bins = tl.arange(0, 256)
-    at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-    d = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
-    return d, k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
-
-
-@triton.jit
-def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
-    """Radix rounds FIRST..LAST-1 (8 bits each, top first) of the k_rem-th largest key: ``ut`` holds the
-    digits found so far (unsigned order, as int32 bits); returns it with the new digits and the new k_rem."""
-    u = key ^ -2147483648  # unsigned order, as int32 bits
-    for p in tl.static_range(FIRST, LAST):
-        match = key != -2147483648
-        if p > 0:
-            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
-        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
-        d, k_rem = _walk(h, k_rem)
-        ut = ut | (d << (24 - 8 * p))
-    return ut, k_rem
-
-
-@triton.jit
-def _kth_largest(key, k, ROUNDS: tl.constexpr):
-    """Radix select over a register tensor (1 <= k <= #valid keys): 8 bits per round, top first.
-
-    Returns ``(t, ties)``. With 4 rounds ``t`` is the k-th largest key and ``ties`` how many keys
-    equal to ``t`` belong to the top k; with fewer rounds ``t`` is that key with its low bits
-    cleared, so that ``count(key >= t) >= k`` still holds.
-    """
-    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, ROUNDS)
-    return ut ^ -2147483648, k_rem
-
-
-@triton.jit
-def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
-    """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
-    ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
-    for each, the members above it. More (ties, clusters): radix rounds FIRST..3 on the members (whose
-    digits before round FIRST are ``ut``)."""
-    m = tl.sum(member.to(tl.int32), axis=0)
-    if PAIR > 0:
-        if m <= PAIR:
-            tl.debug_barrier()  # the caller's reads of scratch are done
-            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
-            tl.debug_barrier()
-            i = tl.arange(0, PAIR)
-            mk = tl.load(scratch + i, mask=i < m, other=-2147483648)
-            above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
-            t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
-            ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
-        else:
-            ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
-            t = ut ^ -2147483648
-    else:
-        ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
-        t = ut ^ -2147483648
-    return t, ties
-
-
-@triton.jit
-def _threshold(dkey, k):
-    """T with count(delegates >= T) >= k (so at least k row elements are >= T); NONE if impossible."""
-    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    t, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 2)
-    t = tl.where(n >= k, t, -2147483648)
-    return tl.where(k > 0, t, 2147483647)  # k = 0: no candidates at all
-
-
-@triton.jit
-def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
-    """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
-    row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
-    Returns how many were taken."""
-    eq = key == t
-    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out_row + pos, ids, mask=take & (pos < W))
-    return tl.sum(take.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
-    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
-    (ascending). Returns how many were written: min(k, #valid keys). The exact k-th key: two radix
-    rounds, then a pairwise rank of the keys sharing its top 16 bits (``scratch``: PAIR free int32)."""
-    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
-    member = ((key >> 16) == ((ut ^ -2147483648) >> 16)) & (key != -2147483648)
-    t, ties = _rank_members(key, member, k_rem, ut, scratch, PAIR, 2)
-    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
-    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
-    return k_eff
-
-
-@triton.jit
-def _exact_delegate(dkey, k):
-    """Te = the exact k-th largest delegate and ``usable``: k >= 1 and at least k valid delegates, so at
-    least k row elements are >= Te. Then, if fewer than k elements are > Te, the k-th largest element IS
-    Te and the top-k is "every key > Te, plus the lowest-id keys == Te" (the tie path of the fallbacks)."""
-    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    te, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 4)
-    return te, (n >= k) & (k > 0)
-
-
-@triton.jit
-def _pad(out_row, start, W, BLOCK: tl.constexpr):
-    """-1 in out_row[start:W]."""
-    for t in range(0, W, BLOCK):
-        j = t + tl.arange(0, BLOCK)
-        tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= start) & (j < W))
 
 
 @triton.jit
@@ -254,26 +140,6 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
         else:  # exact radix select over the whole register row
             k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
     return k_eff
-
-
-@triton.jit
-def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr):
-    """Row r's k (clamped to [0, W]) and valid length (clamped to [0, N])."""
-    if HAS_K:
-        k = tl.load(k_ptr + r)
-    else:
-        k = tl.full([], 0, tl.int32) + k_scalar
-    if HAS_LEN:
-        length = tl.minimum(tl.maximum(tl.load(len_ptr + r).to(tl.int64), 0), N).to(tl.int32)  # no int32 wrap
-    else:
-        length = tl.full([], 0, tl.int32) + N
-    return tl.minimum(tl.maximum(k, 0), W), length
-
-
-@triton.jit
-def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
-    """Row r of the ``work`` buffer (layout above)."""
-    return work + r.to(tl.int64) * (HEAD + 4 * (1 << LOG_C) + G + PAIR_SCRATCH)
 
 
 @triton.jit
@@ -446,169 +312,6 @@ def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, 
                     _radix_select_row(row, length, k, out_row, W, CHUNK)
 
 
-@triton.jit
-def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Tail of an overflowing row (its last candidate program): the exact k-th delegate Te, and for
-    every chunk how many keys > Te and == Te come before it, one pass over the row from L2.
-    Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te: the fallback's chunk programs
-    write every key > Te plus the first k - above keys == Te), 1 = the whole-row radix select."""
-    PER: tl.constexpr = 8192 // CHUNK if CHUNK < 8192 else 1  # chunks counted per step (tiles of ~8K)
-    te, usable = _exact_delegate(dkey, k)
-    above = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for c0 in range(0, C, PER):
-        ci = c0 + tl.arange(0, PER)
-        offs = ci[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        a = tl.sum((key > te).to(tl.int32), axis=1)
-        e = tl.sum((key == te).to(tl.int32), axis=1)
-        tl.store(work_row + HEAD + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
-        tl.store(work_row + HEAD + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
-        above += tl.sum(a, axis=0)
-        ties += tl.sum(e, axis=0)
-    tl.store(work_row + NEED, k - above)
-    return te, tl.where(usable & (above < k), 2, 1)
-
-
-@triton.jit
-def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr):
-    """Radix round P over a row in memory (tile loop): the next digit of the k-th key and the new k_rem."""
-    h = tl.zeros([256], tl.int32)
-    for t in range(0, length, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        u = key ^ -2147483648
-        match = key != -2147483648
-        if P > 0:
-            match = match & ((u >> (32 - 8 * P)) == (ut >> (32 - 8 * P)))
-        h += tl.histogram((u >> (24 - 8 * P)) & 0xFF, 256, mask=match)
-    d, k_rem = _walk(h, k_rem)
-    return ut | (d << (24 - 8 * P)), k_rem
-
-
-@triton.jit
-def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
-    """Exact top-k of a row in memory by one program: 4 radix histogram rounds over the whole row, then
-    an ordered compaction (the last resort: rows that defeat the delegates, or k too wide for them)."""
-    valid_count = tl.zeros([], tl.int32)
-    for t in range(0, length, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-                               != -2147483648).to(tl.int32), axis=0)
-    k_eff = tl.minimum(k, valid_count)
-    ut = tl.zeros([], tl.int32)
-    k_rem = tl.maximum(k_eff, 1)
-    for p in tl.static_range(4):
-        ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
-    _write_row(row, tl.where(k_eff > 0, length, 0), ut ^ -2147483648, k_rem, out_row, W, BLOCK)
-    _pad(out_row, k_eff, W, BLOCK)
-
-
-@triton.jit
-def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
-    """One program stores, in ascending id order, the ids of a row's keys > t and of its first ``need``
-    keys == t (tile loop over the row)."""
-    done = tl.zeros([], tl.int32)
-    ties_seen = tl.zeros([], tl.int32)
-    for t0 in range(0, length, BLOCK):
-        offs = t0 + tl.arange(0, BLOCK)
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        done += _write_above_and_ties(key, offs, t, need, ties_seen, out_row, done, W)
-        ties_seen += tl.sum((key == t).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _fallback_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
-                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, CHUNK: tl.constexpr,
-                     LOG_C: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one CHUNK of a flagged row; unflagged rows (flag 0) return at once.
-
-    Flag 2 (the tie path): store the chunk's keys > Te and its share of the lowest-id keys == Te at
-    the offsets planned by the candidates kernel (every chunk in parallel, ids ascending).
-    Flag 1 (or FORCE): program 0 of the row runs the whole-row radix select."""
-    C_PAD: tl.constexpr = 1 << LOG_C
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    work_row = _work_row(work, r, LOG_C, G)
-    flag = tl.full([], 1, tl.int32)
-    if not FORCE:
-        flag = tl.load(work_row + FLAG)
-    if flag != 0:
-        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-        row = scores + r.to(tl.int64) * stride_r
-        out_row = out + r.to(tl.int64) * W
-        if flag == 2:
-            te = tl.load(work_row + TE)
-            need = tl.load(work_row + NEED)
-            above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
-            ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
-                                  above_before + tl.minimum(ties_before, need), W)
-            if c == 0:
-                _pad(out_row, k, W, BLOCK)  # the tie path writes exactly k ids
-        elif c == 0:
-            _radix_select_row(row, length, k, out_row, W, BLOCK)
-
-
-@triton.jit
-def _packed_winners(scores, stride_r, out, r, j, W):
-    """The winners out[r, j] (ids, -1 padded) as int64 ``key << 32 | (2**32 - 1 - id)``: descending order
-    of these is descending score, ties by ascending id; INT64_MIN for padding."""
-    ids = tl.load(out + r.to(tl.int64) * W + j, mask=j < W, other=-1)
-    valid = ids >= 0
-    x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
-    skey = _keys(x, valid).to(tl.int64)
-    return tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
-
-
-@triton.jit
-def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
-    """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
-    r = tl.program_id(0)
-    j = tl.arange(0, W_PAD)
-    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
-    n_valid = tl.sum((packed != -9223372036854775807 - 1).to(tl.int32), axis=0)
-    tl.store(out + r.to(tl.int64) * W + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32),
-                                                    -1), mask=j < W)
-
-
-@triton.jit
-def _sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
-    """One program = RUN consecutive winners of a row, sorted (as ``_packed_winners``, descending) into
-    ``runs`` [R, W_PAD]: the first half of the two-step sort for wide rows."""
-    r = tl.program_id(0)
-    j = tl.program_id(1) * RUN + tl.arange(0, RUN)
-    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
-    tl.store(runs + r.to(tl.int64) * W_PAD + j, packed)
-
-
-@triton.jit
-def _merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
-    """One program = one sorted run of a row: an entry's place in the row's order is the number of larger
-    entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
-    Stores each valid entry's id there, and -1 on the run's share of the padding."""
-    NR: tl.constexpr = W_PAD // RUN
-    r = tl.program_id(0)
-    row = runs + r.to(tl.int64) * W_PAD
-    i = tl.program_id(1) * RUN + tl.arange(0, RUN)
-    v = tl.load(row + i)
-    q = tl.arange(0, NR)[:, None] * RUN
-    larger = tl.zeros([NR, RUN], tl.int32)  # per run: how many of its entries are > v
-    for b in tl.static_range(16):
-        if (RUN >> b) > 0:  # steps RUN, RUN / 2, ..., 1
-            probe = larger + (RUN >> b)
-            x = tl.load(row + q + probe - 1, mask=probe <= RUN, other=-9223372036854775807 - 1)
-            larger = tl.where(x > v[None, :], probe, larger)
-    n_valid = tl.sum(tl.sum((tl.load(row + q + tl.arange(0, RUN)[None, :]) != -9223372036854775807 - 1
-                             ).to(tl.int32), axis=1), axis=0)
-    valid = v != -9223372036854775807 - 1
-    out_row = out + r.to(tl.int64) * W
-    tl.store(out_row + tl.sum(larger, axis=0), (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=valid)
-    tl.store(out_row + i, tl.full([RUN], -1, tl.int32), mask=(i >= n_valid) & (i < W))
-
-
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
@@ -683,7 +386,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     fallback_args = dict(CHUNK=chunk, LOG_C=log_c, G=G, BLOCK=block)
     if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
         stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
-        return [("fallback", lambda: _fallback_kernel[(R, 1)](
+        return [("fallback", lambda: topk_fallback._fallback_kernel[(R, 1)](
             scores, stride, out, out, N, W, **row_args, FORCE=True, **fallback_args, num_warps=nw))]
     sync = _sync_buffer(device, R)
     work = torch.empty((R, HEAD.value + 4 * (1 << log_c) + G + PAIR_SCRATCH.value), dtype=torch.int32,
@@ -698,7 +401,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, out, cand, work, sync, N, W, **row_args, G=G, CHUNK=chunk, SLOTS=p["slots"],
             LOG_C=log_c, PAIR=p["pair"], FOLD=fold, num_warps=nw)),
-        ("fallback", lambda: _fallback_kernel[(R, C)](
+        ("fallback", lambda: topk_fallback._fallback_kernel[(R, C)](
             scores, stride, out, work, N, W, **row_args, FORCE=False, **fallback_args,
             num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
     ][:2 if fold else 3]
@@ -722,12 +425,12 @@ def sort_winners(scores, out):
     if 0 < run < w_pad:
         runs = torch.empty((R, w_pad), dtype=torch.int64, device=out.device)
         nw = TUNING["sort_run_warps"] if scores.is_cuda else 1
-        _sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
+        topk_sort._sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
                                              num_warps=nw)
-        _merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw)
+        topk_sort._merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw)
         return out
     num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
-    _sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
+    topk_sort._sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
     return out
 
 
@@ -796,31 +499,16 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
     return out
 
 
-def _aot(kernel, constexprs, options=None, **types):
-    """One ahead-of-time compile variant (tests/test_aot_compile.py): every argument not named in
-    ``types`` or ``constexprs`` is an i32 scalar."""
-    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
-    return (kernel, sig, constexprs, options or {"num_warps": 8})
-
-
-_PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
-_FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
 AOT_VARIANTS = [
-    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
-           **_PTRS) for f, g, b, pr in zip(_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
-           sync="*i32", **_PTRS) for f, g, c, nw in zip(_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
-    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, FOLD=fold), {"num_warps": nw},
-           cand="*i64", work="*i32", sync="*i32", **_PTRS) for f, g, ch, c, nw, pr, fold in
-      zip(_FLAGS, (4096, 8192), (4096, 1024), (4, 7), (16, 8), (0, 128), (True, False), strict=True)],
-    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, G=4096, BLOCK=1024), {"num_warps": nw},
-           work="*i32", **_PTRS)
-      for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)],
-    _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
-    *[_aot(_sort_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, scores="*fp32", out="*i32", runs="*i64")
-      for run in (256, 512)],
-    *[_aot(_merge_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, runs="*i64", out="*i32")
-      for run in (256, 512)],
-    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
-         {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),
+    *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
+                  **AOT_PTRS) for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
+    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
+                  sync="*i32", **AOT_PTRS)
+      for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, FOLD=fold),
+                  {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS) for f, g, ch, c, nw, pr, fold in
+      zip(AOT_FLAGS, (4096, 8192), (4096, 1024), (4, 7), (16, 8), (0, 128), (True, False), strict=True)],
+    aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
+                                           BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32",
+                **{**AOT_PTRS, "scores": "*bf16"}),
 ]

@@ -97,7 +97,7 @@ TUNING = {
     "max_delegates": 8192,
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
-    "chunk": 4096,  # columns per candidate program
+    "chunk": 8192,  # columns per candidate program
     "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,
     "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
@@ -105,7 +105,7 @@ TUNING = {
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "fallback_warps": 4,  # the fallback launch: a program per chunk, a no-op on most rows (keep it light)
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
-    "sort_run": 0,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
+    "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
     "fold_fallback": False,  # long rows: the candidates tail runs the fallback itself (serially), one launch less
@@ -149,27 +149,23 @@ def _bins(key, T, shift):
 
 
 @triton.jit
-def _add_chunk_histogram(key, is_cand, n_c, chunk_cand, T, shift, hist, CHUNK: tl.constexpr):
-    """Add the histogram of one chunk's candidates to the row's (one [256] atomic add). Few candidates
-    (the usual case): histogram the compacted copy, CHUNK // 8 entries, not the whole chunk."""
-    CAP: tl.constexpr = CHUNK // 8
-    if n_c <= CAP:
-        tl.debug_barrier()  # this program's compacted candidates are stored
-        s = tl.arange(0, CAP)
-        ckey = (tl.load(chunk_cand + s, mask=s < n_c, other=0) >> 32).to(tl.int32)
-        h = tl.histogram(_bins(ckey, T, shift), 256, mask=s < n_c)
-    else:
-        h = tl.histogram(_bins(key, T, shift), 256, mask=is_cand)
+def _add_chunk_histogram(n_c, chunk_cand, T, shift, hist, CAP: tl.constexpr):
+    """Add the histogram of one chunk's n_c <= CAP candidates (its compacted copy, re-read after a
+    barrier; not the whole chunk) to the row's, with one [256] atomic add."""
+    tl.debug_barrier()  # this program's compacted candidates are stored
+    s = tl.arange(0, CAP)
+    ckey = (tl.load(chunk_cand + s, mask=s < n_c, other=0) >> 32).to(tl.int32)
+    h = tl.histogram(_bins(ckey, T, shift), 256, mask=s < n_c)
     tl.atomic_add(hist + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
-def _select_slots(cand_row, work_row, hist, out_row, k, total, T, shift, C, W,
+def _select_slots(cand_row, work_row, hist, rebin, out_row, k, total, T, shift, C, W,
                   CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr, G: tl.constexpr,
                   PAIR: tl.constexpr):
     """The exact top-k of a row whose ``total <= SLOTS`` candidates sit chunk by chunk in ``cand_row``
-    (key << 32 | id) with their histogram ``hist``: walk it to the bin of the k-th key, rank that bin's
-    keys, write the winners in ascending id order."""
+    (key << 32 | id) with their histogram ``hist`` (rebuilt from the slots when ``rebin``): walk it to the
+    bin of the k-th key, rank that bin's keys, write the winners in ascending id order."""
     C_PAD: tl.constexpr = 1 << LOG_C
     ci = tl.arange(0, C_PAD)
     n_c = tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
@@ -187,6 +183,8 @@ def _select_slots(cand_row, work_row, hist, out_row, k, total, T, shift, C, W,
     ok = s < total
     packed = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
+    if rebin:  # some chunks had too many candidates to bin them (e.g. the top of a sorted row): bin the slots
+        hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
     k_eff = tl.minimum(k, total)
     d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
     member = ok & (_bins(key, T, shift) == d)
@@ -280,15 +278,17 @@ def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, 
     cand_row = cand + r.to(tl.int64) * C * CHUNK
     tl.store(work_row + HEAD + c, n_c)
     keep = n_c <= SLOTS
-    if n_c > CHUNK // 8:  # many candidates: skip the copy if the row's big chunks already overflow the slots
+    if n_c > CHUNK // 8:  # many candidates (counted in BIG, not binned): skip the copy if the row surely overflows
         keep = tl.atomic_add(sync_row + BIG, n_c, sem="relaxed") + n_c <= SLOTS
     if keep:
         packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)
         tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, packed, mask=is_cand)
-        _add_chunk_histogram(key, is_cand, n_c, cand_row + c * CHUNK, T, shift, sync_row + HIST, CHUNK)
+        if n_c <= CHUNK // 8:
+            _add_chunk_histogram(n_c, cand_row + c * CHUNK, T, shift, sync_row + HIST, CHUNK // 8)
     tl.debug_barrier()
     if tl.atomic_add(sync_row + 1, 1, sem="acq_rel") == C - 1:
         tl.store(sync_row + 1, 0)  # reset the counters and the histogram for the next call
+        unbinned = tl.load(sync_row + BIG, cache_modifier=".cg")
         tl.store(sync_row + BIG, 0)
         hist = tl.load(sync_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
         tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
@@ -296,8 +296,8 @@ def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, 
         total = tl.sum(tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg"), axis=0)
         if total <= SLOTS:
             tl.store(work_row + FLAG, 0)
-            _select_slots(cand_row, work_row, hist, out + r.to(tl.int64) * W, k, total, T, shift, C, W,
-                          CHUNK, SLOTS, LOG_C, G, PAIR)
+            _select_slots(cand_row, work_row, hist, unbinned > 0, out + r.to(tl.int64) * W, k, total, T, shift,
+                          C, W, CHUNK, SLOTS, LOG_C, G, PAIR)
         else:
             dkey = tl.load(work_row + HEAD + 4 * C_PAD + tl.arange(0, G), cache_modifier=".cg")
             te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
@@ -507,7 +507,8 @@ AOT_VARIANTS = [
       for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
     *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, FOLD=fold),
                   {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS) for f, g, ch, c, nw, pr, fold in
-      zip(AOT_FLAGS, (4096, 8192), (4096, 1024), (4, 7), (16, 8), (0, 128), (True, False), strict=True)],
+      zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4), (16, 8, 16, 8),
+          (0, 128, 128, 128), (True, False, False, False), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
                                            BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32",
                 **{**AOT_PTRS, "scores": "*bf16"}),

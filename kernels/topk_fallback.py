@@ -141,4 +141,5 @@ def _fallback_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr
 AOT_VARIANTS = [
     aot_variant(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, G=4096, BLOCK=1024), {"num_warps": nw},
                 work="*i32", **AOT_PTRS)
-    for f, force, ch, c, nw in zip(AOT_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)]
+    for f, force, ch, c, nw in zip(AOT_FLAGS * 2, (False, True, False, False), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
+                                   (4, 8, 4, 4), strict=True)]

@@ -44,19 +44,19 @@ from sparse_ref.selection import select_pages, topk_reference
 
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
-SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
+SWEEP = {"pair_rank": [0], "chunk": [4096], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
          "fallback_warps": [8]}
-SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at SORT_SHAPE
+SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
 # order="score" variants, always run (exactness + time over index order): one tl.sort per row with its warps,
 # or runs of sort_run winners sorted by parallel programs then merged (sort_run_warps)
-SORT_VARIANTS = [dict(sort_run=0, sort_warps=w) for w in (16, 8, 4, 32)] + [
-    dict(sort_run=r, sort_run_warps=w) for r, w in ((256, 4), (512, 4), (512, 8), (1024, 8), (256, 2))]
+SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32)] + [
+    dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(fold_fallback=True), dict(num_warps_small=8), dict(chunk=8192), dict(pair_rank=64),
-                  dict(num_warps=16), dict(delegate_cols=512)]
-FOLD_VARIANTS = [dict(fold_fallback=True)]  # also on clustered rows (they take the tie path)
+INDEX_VARIANTS = [dict(chunk=4096), dict(chunk=16384), dict(fold_fallback=True), dict(num_warps_small=8),
+                  dict(pair_rank=64)]
+FOLD_VARIANTS = [dict(fold_fallback=True), dict(chunk=4096)]  # also on clustered rows (they take the tie path)
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []

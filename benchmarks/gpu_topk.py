@@ -11,11 +11,15 @@
    ``order="index"`` vs ``torch.topk(sorted=False)``, ``order="score"`` vs ``torch.topk(sorted=True)``;
    the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch
    ``select_pages``.
-4. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
+4. **Knob variants** (always run, randn): exactness and time of each ``TUNING`` variant of the winners'
+   sort for ``order="score"`` (one ``tl.sort`` per row, or sorted runs then a merge) at 64 x 65536 and
+   1 x 131072, and of a few launch knobs in index order at 64 x 65536 and 128 x 131072 (``fold_fallback`` also on
+   clustered rows).
+5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
    alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
    candidates pass reads the row from HBM; in the chained call it re-reads it from L2, so the sum of
    the parts exceeds the call by about one L2-vs-HBM read (~4-6 µs).
-5. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
+6. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
 
 Budget: the whole run (compilation included) is meant to finish in about 4 minutes on an H200.
 
@@ -40,10 +44,20 @@ from sparse_ref.selection import select_pages, topk_reference
 
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
-SWEEP = {"pair_rank": [0], "chunk": [8192], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
+SWEEP = {"pair_rank": [0], "chunk": [4096], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
          "fallback_warps": [8]}
-SORT_SWEEP = {"sort_warps": [4, 8, 32]}  # order="score" at SORT_SHAPE
+SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
+# order="score" variants, always run (exactness + time over index order): one tl.sort per row with its warps,
+# or runs of sort_run winners sorted by parallel programs then merged (sort_run_warps)
+SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32)] + [
+    dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
+SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
+# index-order knob variants, always run (exactness + time against the defaults), randn
+INDEX_VARIANTS = [dict(chunk=4096), dict(chunk=16384), dict(fold_fallback=True), dict(num_warps_small=8),
+                  dict(pair_rank=64)]
+FOLD_VARIANTS = [dict(fold_fallback=True), dict(chunk=4096)]  # also on clustered rows (they take the tie path)
+INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
 
@@ -101,6 +115,35 @@ def breakdown(R, N, k, dist, timer, device) -> list:
         print(f"  breakdown {R}x{N} k={k} {dist:<9} {name:<12} {t:7.1f} us"
               + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "fallback" and flags is not None else ""),
               flush=True)
+    return rows
+
+
+def knob_variants(shapes, variants, order, timer, device, dist="randn") -> list:
+    """``order`` under each knob set of ``variants``: exactness, and the time against the defaults in
+    index order. Rows: (shape, knobs, index-order time with the defaults, time with the knobs)."""
+    rows = []
+    for R, N, k in shapes:
+        copies = [make_distribution(dist, R, N, device, seed=s) for s in range(4)]
+        out = torch.empty(R, k, dtype=torch.int32, device=device)
+        t_index = timer.cold([partial(topk, c, k, order="index", out=out) for c in copies])
+        for variant in variants:
+            saved = dict(TUNING)
+            TUNING.update(variant)
+            name = ",".join(f"{a}={b}" for a, b in variant.items())
+            try:
+                for c in copies[:2]:
+                    check(f"variant {R}x{N} {order} {name}", topk(c, k, order=order),
+                          topk_reference(c, k, order=order))
+                t = timer.cold([partial(topk, c, k, order=order, out=out) for c in copies])
+            except Exception as e:  # noqa: BLE001
+                print(f"  variant {R}x{N} {name}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                t = float("nan")
+            finally:
+                TUNING.clear()
+                TUNING.update(saved)
+            rows.append((f"{R}x{N}" + (f" {dist}" if dist != "randn" else ""), name, t_index, t))
+            print(f"  order={order} {R}x{N} {dist} {name:<32} {t:7.1f} us (index order, defaults {t_index:.1f}: "
+                  f"{t - t_index:+.1f})", flush=True)
     return rows
 
 
@@ -181,6 +224,10 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             failures.append(f"select {dist}: {type(e).__name__}: {str(e)[-300:]}")
             print(f"  FAIL {failures[-1]}", flush=True)
+
+    sort_rows = knob_variants(SORT_VARIANT_SHAPES, SORT_VARIANTS, "score", timer, device)
+    index_rows = knob_variants(INDEX_VARIANT_SHAPES, INDEX_VARIANTS, "index", timer, device)
+    index_rows += knob_variants(INDEX_VARIANT_SHAPES, FOLD_VARIANTS, "index", timer, device, dist="clustered")
 
     parts = []
     for dist in ("randn", "clustered"):
@@ -274,6 +321,12 @@ def main(argv=None) -> int:
             # on every chunk, without the serial tail: the difference estimates the randn select tail
             print(f"  select tail of the candidates launch (randn) ~ candidates(randn) - fallback(clustered) = "
                   f"{t['randn', 'candidates'] - t['clustered', 'fallback']:.1f}")
+    for title, rows in (("order=\"score\" variants (randn), us: score order (its cost over index order)", sort_rows),
+                        ("index-order knob variants (randn unless named), us (vs the defaults)", index_rows)):
+        print(f"\n== {title} ==")
+        for shape in dict.fromkeys(r[0] for r in rows):
+            print(f"{shape:>10} index {[r for r in rows if r[0] == shape][0][2]:.1f}: "
+                  + ", ".join(f"{n} {t:.1f} ({t - ti:+.1f})" for s_, n, ti, t in rows if s_ == shape))
     if sweep_rows:
         print("\n== knob sweep (index order, randn), us ==")
         for shape in dict.fromkeys(s for s, _, _ in sweep_rows):

@@ -15,29 +15,29 @@ The design, in five steps:
    256-bin histogram rounds over the G delegates). The k delegates at or above ``T`` are row
    elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
    that set holds ``~0.7 G`` candidates (a few percent of a long row).
-4. **Candidates.** Every element ``>= T`` is copied (its id, in ascending id order) into a slot
-   tensor of ``SLOTS`` entries. Only these slots are searched for the exact k-th key ``t``: radix
-   rounds of 8 bits (``tl.histogram``, 256 bins), the last two optionally replaced by a pairwise rank
-   of the few keys that share ``t``'s top 16 bits (``TUNING["pair_rank"]``). Then
-   ``keep = key > t`` or ``key == t`` among the first ``ties`` of them (ties to the lower id).
-   Positions come from a prefix sum over the slots: winners in ascending id order, no sort.
+4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
+   k-th key ``t``. Long rows: every chunk program copies its candidates (key and id, ascending id)
+   to its part of a buffer and adds their histogram to the row's 256-bin histogram over
+   ``[T, row max]``. The row's last program walks that histogram to the bin holding the k-th key,
+   ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``, and writes
+   ``key > t`` plus the first ``key == t`` (ties to the lower id) in ascending id order by a prefix
+   sum over the slots: no sort. Register rows run radix rounds on their slots instead.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
-   ascending rows, a period of G, more than half the row wanted) is flagged on the device. Most such
-   rows overflow because many keys EQUAL the threshold: with ``Te`` = the exact k-th delegate, at
-   least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is
-   "every key > Te, plus the lowest-id keys == Te". One pass counts both per chunk (the row's last
-   program), then every chunk writes its share at known offsets in parallel (the *tie path*). Only
-   rows with k or more keys above ``Te`` (e.g. a period of G) take the whole-row radix select.
+   a period of G, more than half the row wanted) is flagged on the device and takes an exact
+   fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
 
-``order="score"`` then sorts the <= k winners of each row (one ``tl.sort`` per row).
+``order="score"`` then sorts the <= k winners of each row (``kernels/topk_sort.py``). The device
+helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-row state) are in
+``kernels/topk_common.py``.
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
 keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
 launches: delegates (many programs per row, the last one to finish computes ``T``), candidates (many
 programs per row, the last one does the exact selection or plans the fallback) and the fallback
-(a program per chunk; a no-op for unflagged rows). "Last program of the row" is an
-atomic counter that the last program resets, so nothing is read back to the host and the call can
-be captured in a CUDA graph.
+(a program per chunk; a no-op for unflagged rows; ``TUNING["fold_fallback"]`` runs it in the
+candidates tail instead). "Last program of the row" is an atomic counter that the last program
+resets (as it resets the row's histogram), so nothing is read back to the host and the call can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -59,6 +59,35 @@ from sparse_ref.checks import (
 )
 from sparse_ref.device import check_kernel_device
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import topk_fallback, topk_sort
+from sparse_ref.kernels.topk_common import (
+    AOT_FLAGS,
+    AOT_PTRS,
+    BIG,
+    DHIST,
+    FLAG,
+    HEAD,
+    HIST,
+    NEED,
+    PAIR_SCRATCH,
+    SHIFT,
+    SYNC,
+    T_,
+    TE,
+    _exact_delegate,
+    _keys,
+    _pad,
+    _radix_rounds,
+    _rank_members,
+    _row_k_len,
+    _threshold,
+    _walk,
+    _work_row,
+    _write_above_and_ties,
+    _write_winners,
+    aot_variant,
+)
+from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _write_row
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -68,7 +97,7 @@ TUNING = {
     "max_delegates": 8192,
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
-    "chunk": 4096,  # columns per candidate program
+    "chunk": 8192,  # columns per candidate program
     "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,
     "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
@@ -76,138 +105,13 @@ TUNING = {
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "fallback_warps": 4,  # the fallback launch: a program per chunk, a no-op on most rows (keep it light)
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
-    "pair_rank": 128,  # > 0: the exact select ranks up to this many keys pairwise after 2 radix rounds (0: 4 rounds)
+    "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
+    "sort_run_warps": 4,
+    "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
+    "fold_fallback": False,  # long rows: the candidates tail runs the fallback itself (serially), one launch less
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
-
-
-# --------------------------------------------------------------------------------------------
-# Device helpers
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _keys(x, valid):
-    """int32 keys, signed order == float order; NONE where the entry may not be selected."""
-    x = x.to(tl.float32)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
-    i = x.to(tl.int32, bitcast=True)
-    key = i ^ ((i >> 31) & 0x7FFFFFFF)
-    ok = valid & (x == x) & (x != float("-inf"))
-    return tl.where(ok, key, -2147483648)
-
-
-@triton.jit
-def _walk(h, k_rem):
-    """Walk a 256-bin histogram from the top: the bin holding the k_rem-th largest, and the new k_rem."""
-    bins = tl.arange(0, 256)
-    at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-    d = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
-    return d, k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
-
-
-@triton.jit
-def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
-    """Radix rounds FIRST..LAST-1 (8 bits each, top first) of the k_rem-th largest key: ``ut`` holds the
-    digits found so far (unsigned order, as int32 bits); returns it with the new digits and the new k_rem."""
-    u = key ^ -2147483648  # unsigned order, as int32 bits
-    for p in tl.static_range(FIRST, LAST):
-        match = key != -2147483648
-        if p > 0:
-            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
-        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
-        d, k_rem = _walk(h, k_rem)
-        ut = ut | (d << (24 - 8 * p))
-    return ut, k_rem
-
-
-@triton.jit
-def _kth_largest(key, k, ROUNDS: tl.constexpr):
-    """Radix select over a register tensor (1 <= k <= #valid keys): 8 bits per round, top first.
-
-    Returns ``(t, ties)``. With 4 rounds ``t`` is the k-th largest key and ``ties`` how many keys
-    equal to ``t`` belong to the top k; with fewer rounds ``t`` is that key with its low bits
-    cleared, so that ``count(key >= t) >= k`` still holds.
-    """
-    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, ROUNDS)
-    return ut ^ -2147483648, k_rem
-
-
-@triton.jit
-def _kth_largest_pairwise(key, k, scratch, PAIR: tl.constexpr):
-    """``_kth_largest(key, k, 4)`` with rounds 3-4 replaced by a pairwise rank when few keys share the
-    k-th key's top 16 bits (random rows: a few dozen): copy those <= PAIR keys to ``scratch`` and count,
-    for each, the members above it. Many equal keys (ties, clusters): the two radix rounds instead."""
-    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, 2)
-    top16 = (ut ^ -2147483648) >> 16
-    member = ((key >> 16) == top16) & (key != -2147483648)
-    m = tl.sum(member.to(tl.int32), axis=0)
-    if m <= PAIR:
-        tl.debug_barrier()  # the caller's reads of scratch are done
-        tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
-        tl.debug_barrier()
-        i = tl.arange(0, PAIR)
-        mk = tl.load(scratch + i, mask=i < m, other=-2147483648, cache_modifier=".cg")
-        above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
-        t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
-        ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
-    else:
-        ut, ties = _radix_rounds(key, ut, k_rem, 2, 4)
-        t = ut ^ -2147483648
-    return t, ties
-
-
-@triton.jit
-def _threshold(dkey, k):
-    """T with count(delegates >= T) >= k (so at least k row elements are >= T); NONE if impossible."""
-    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    t, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 2)
-    t = tl.where(n >= k, t, -2147483648)
-    return tl.where(k > 0, t, 2147483647)  # k = 0: no candidates at all
-
-
-@triton.jit
-def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
-    """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
-    row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
-    Returns how many were taken."""
-    eq = key == t
-    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out_row + pos, ids, mask=take & (pos < W))
-    return tl.sum(take.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
-    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
-    (ascending). Returns how many were written: min(k, #valid keys). PAIR > 0: the exact k-th key by
-    ``_kth_largest_pairwise`` (``scratch``: PAIR free int32), else by four radix rounds."""
-    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    if PAIR > 0:
-        t, ties = _kth_largest_pairwise(key, tl.maximum(k_eff, 1), scratch, PAIR)
-    else:
-        t, ties = _kth_largest(key, tl.maximum(k_eff, 1), 4)
-    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
-    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
-    return k_eff
-
-
-@triton.jit
-def _exact_delegate(dkey, k):
-    """Te = the exact k-th largest delegate and ``usable``: k >= 1 and at least k valid delegates, so at
-    least k row elements are >= Te. Then, if fewer than k elements are > Te, the k-th largest element IS
-    Te and the top-k is "every key > Te, plus the lowest-id keys == Te" (the tie path of the fallbacks)."""
-    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    te, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 4)
-    return te, (n >= k) & (k > 0)
-
-
-@triton.jit
-def _pad(out_row, start, W, BLOCK: tl.constexpr):
-    """-1 in out_row[start:W]."""
-    for t in range(0, W, BLOCK):
-        j = t + tl.arange(0, BLOCK)
-        tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= start) & (j < W))
 
 
 @triton.jit
@@ -239,17 +143,56 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
 
 
 @triton.jit
-def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr):
-    """Row r's k (clamped to [0, W]) and valid length (clamped to [0, N])."""
-    if HAS_K:
-        k = tl.load(k_ptr + r)
-    else:
-        k = tl.full([], 0, tl.int32) + k_scalar
-    if HAS_LEN:
-        length = tl.minimum(tl.maximum(tl.load(len_ptr + r).to(tl.int64), 0), N).to(tl.int32)  # no int32 wrap
-    else:
-        length = tl.full([], 0, tl.int32) + N
-    return tl.minimum(tl.maximum(k, 0), W), length
+def _bins(key, T, shift):
+    """A candidate's bin in the row's histogram: (key - T) >> shift, in [0, 256) for T <= key <= row max."""
+    return tl.minimum(tl.maximum((key.to(tl.int64) - T) >> shift, 0), 255).to(tl.int32)
+
+
+@triton.jit
+def _add_chunk_histogram(n_c, chunk_cand, T, shift, hist, CAP: tl.constexpr):
+    """Add the histogram of one chunk's n_c <= CAP candidates (its compacted copy, re-read after a
+    barrier; not the whole chunk) to the row's, with one [256] atomic add."""
+    tl.debug_barrier()  # this program's compacted candidates are stored
+    s = tl.arange(0, CAP)
+    ckey = (tl.load(chunk_cand + s, mask=s < n_c, other=0) >> 32).to(tl.int32)
+    h = tl.histogram(_bins(ckey, T, shift), 256, mask=s < n_c)
+    tl.atomic_add(hist + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _select_slots(cand_row, work_row, hist, rebin, out_row, k, total, T, shift, C, W,
+                  CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr, G: tl.constexpr,
+                  PAIR: tl.constexpr):
+    """The exact top-k of a row whose ``total <= SLOTS`` candidates sit chunk by chunk in ``cand_row``
+    (key << 32 | id) with their histogram ``hist`` (rebuilt from the slots when ``rebin``): walk it to the
+    bin of the k-th key, rank that bin's keys, write the winners in ascending id order."""
+    C_PAD: tl.constexpr = 1 << LOG_C
+    ci = tl.arange(0, C_PAD)
+    n_c = tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
+    prefix = work_row + HEAD + C_PAD
+    tl.store(prefix + ci, tl.cumsum(n_c, axis=0))
+    tl.debug_barrier()
+    # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
+    s = tl.arange(0, SLOTS)
+    chunk = tl.zeros([SLOTS], tl.int32)
+    for b in tl.static_range(LOG_C):
+        probe = chunk + (C_PAD >> (b + 1))
+        incl = tl.load(prefix + probe - 1, mask=probe <= C, other=2147483647)
+        chunk = tl.where(incl <= s, probe, chunk)
+    before = tl.load(prefix + chunk - 1, mask=chunk > 0, other=0)
+    ok = s < total
+    packed = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
+    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
+    if rebin:  # some chunks had too many candidates to bin them (e.g. the top of a sorted row): bin the slots
+        hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
+    k_eff = tl.minimum(k, total)
+    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
+    member = ok & (_bins(key, T, shift) == d)
+    t, ties = _rank_members(key, member, k_rem, tl.zeros([], tl.int32),
+                            work_row + HEAD + 4 * C_PAD + G, PAIR, 0)
+    t = tl.where(k_eff > 0, t, 2147483647)
+    _write_above_and_ties(key, packed.to(tl.int32), t, tl.where(k_eff > 0, ties, 0), 0, out_row, 0, W)
+    _pad(out_row, k_eff, W, CHUNK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,220 +212,123 @@ def _register_row_kernel(scores, stride_r, out, scratch, N, W, k_scalar, k_ptr, 
 
 
 @triton.jit
-def _delegates_kernel(scores, stride_r, delegates, threshold, counter, N, W, k_scalar, k_ptr, len_ptr,
+def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
-    The row's last program to finish computes the row's threshold T from its G delegates."""
+    Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
+    row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
+    as ``_threshold``) and sets the width 2**SHIFT of the candidate histogram's bins (256 bins cover
+    [T, row max])."""
+    C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
+    work_row = _work_row(work, r, LOG_C, G)
+    delegates = work_row + HEAD + 4 * C_PAD
     cols = c * COLS + tl.arange(0, COLS)
     acc = tl.full([COLS], -2147483648, tl.int32)
     for i in range(0, tl.cdiv(N, G), ROWS):
         offs = (i + tl.arange(0, ROWS))[:, None] * G + cols[None, :]
         x = tl.load(row + offs, mask=offs < length, other=0.0)
         acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
-    tl.store(delegates + r * G + cols, acc)
+    tl.store(delegates + cols, acc)
+    sync_row = sync + r.to(tl.int64) * SYNC
+    h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
+    tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
-    if tl.atomic_add(counter + r, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        tl.store(counter + r, 0)  # reset for the next call (CUDA-graph replays)
-        dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
-        tl.store(threshold + r, _threshold(dkey, k))
+    if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        tl.store(sync_row, 0)  # reset the counter and the histogram for the next call (CUDA-graph replays)
+        h = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
+        tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
+        dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
+        n = tl.sum(h, axis=0)  # valid delegates
+        d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
+        ut, _ = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
+        T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # as _threshold
+        span = tl.max(dkey, axis=0).to(tl.int64) - T  # row max - T (the row max is the largest delegate)
+        tl.store(work_row + T_, T)
+        tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Tail of an overflowing row (its last candidate program): the exact k-th delegate Te, and for
-    every chunk how many keys > Te and == Te come before it (work_row[2 C_PAD + c], [3 C_PAD + c]),
-    one pass over the row from L2. Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te:
-    the fallback's chunk programs write every key > Te plus the first k - above keys == Te),
-    1 = the whole-row radix select."""
-    PER: tl.constexpr = 8192 // CHUNK if CHUNK < 8192 else 1  # chunks counted per step (tiles of ~8K)
-    te, usable = _exact_delegate(dkey, k)
-    above = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for c0 in range(0, C, PER):
-        ci = c0 + tl.arange(0, PER)
-        offs = ci[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        a = tl.sum((key > te).to(tl.int32), axis=1)
-        e = tl.sum((key == te).to(tl.int32), axis=1)
-        tl.store(work_row + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
-        tl.store(work_row + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
-        above += tl.sum(a, axis=0)
-        ties += tl.sum(e, axis=0)
-    tl.store(work_row + 4 * C_PAD, k - above)
-    return te, tl.where(usable & (above < k), 2, 1)
-
-
-@triton.jit
-def _candidates_kernel(scores, stride_r, out, threshold, delegates, cand, work, flags, counter,
-                       N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr,
-                       G: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr,
-                       PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
-    """One program = one CHUNK of a row: copy the ids of its elements >= T (ascending) into the chunk's
-    part of ``cand``. The row's last program gathers all candidates into SLOTS slots and writes the
-    exact top-k; when they do not fit, it plans the fallback and flags the row.
-
-    ``work`` row layout (C_PAD = 2**LOG_C): [0, C_PAD) candidates per chunk, [C_PAD, 2 C_PAD) their
-    prefix sums, [2 C_PAD, 4 C_PAD) and [4 C_PAD] the tie path's plan (``_plan_tie_path``)."""
+def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, FOLD: tl.constexpr):
+    """One program = one CHUNK of a row: copy its elements >= T (key << 32 | id, ascending id) to the
+    chunk's part of ``cand`` and add their histogram to the row's (unless the row surely overflows).
+    The row's last program writes the exact top-k from them (``_select_slots``); when they do not fit
+    the SLOTS slots, it plans the fallback and flags the row, and with FOLD runs it too (serially:
+    no fallback launch)."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
     C = tl.num_programs(1)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
-    work_row = work + r * (4 * C_PAD + 1)
-    T = tl.load(threshold + r)
+    work_row = _work_row(work, r, LOG_C, G)
+    sync_row = sync + r.to(tl.int64) * SYNC
+    T = tl.load(work_row + T_)
+    shift = tl.load(work_row + SHIFT).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
+    n_c = tl.sum(is_cand.to(tl.int32), axis=0)
     cand_row = cand + r.to(tl.int64) * C * CHUNK
-    tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, offs, mask=is_cand)
-    tl.store(work_row + c, tl.sum(is_cand.to(tl.int32), axis=0))
+    tl.store(work_row + HEAD + c, n_c)
+    keep = n_c <= SLOTS
+    if n_c > CHUNK // 8:  # many candidates (counted in BIG, not binned): skip the copy if the row surely overflows
+        keep = tl.atomic_add(sync_row + BIG, n_c, sem="relaxed") + n_c <= SLOTS
+    if keep:
+        packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)
+        tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, packed, mask=is_cand)
+        if n_c <= CHUNK // 8:
+            _add_chunk_histogram(n_c, cand_row + c * CHUNK, T, shift, sync_row + HIST, CHUNK // 8)
     tl.debug_barrier()
-    if tl.atomic_add(counter + r, 1, sem="acq_rel") == C - 1:
-        tl.store(counter + r, 0)
+    if tl.atomic_add(sync_row + 1, 1, sem="acq_rel") == C - 1:
+        tl.store(sync_row + 1, 0)  # reset the counters and the histogram for the next call
+        unbinned = tl.load(sync_row + BIG, cache_modifier=".cg")
+        tl.store(sync_row + BIG, 0)
+        hist = tl.load(sync_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
+        tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
         ci = tl.arange(0, C_PAD)
-        n_c = tl.load(work_row + ci, mask=ci < C, other=0, cache_modifier=".cg")
-        total = tl.sum(n_c, axis=0)
+        total = tl.sum(tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg"), axis=0)
         if total <= SLOTS:
-            tl.store(flags + r, 0)
-            # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
-            prefix = work_row + C_PAD
-            tl.store(prefix + ci, tl.cumsum(n_c, axis=0))
-            tl.debug_barrier()
-            s = tl.arange(0, SLOTS)
-            chunk = tl.zeros([SLOTS], tl.int32)
-            for b in tl.static_range(LOG_C):
-                probe = chunk + (C_PAD >> (b + 1))
-                incl = tl.load(prefix + probe - 1, mask=probe <= C, other=2147483647, cache_modifier=".cg")
-                chunk = tl.where(incl <= s, probe, chunk)
-            before = tl.load(prefix + chunk - 1, mask=chunk > 0, other=0, cache_modifier=".cg")
-            ok = s < total
-            ids = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
-            skey = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
-            out_row = out + r.to(tl.int64) * W
-            k_eff = _write_winners(skey, ids, k, out_row, 0, W, cand_row, PAIR)
-            _pad(out_row, k_eff, W, BLOCK_OUT)
+            tl.store(work_row + FLAG, 0)
+            _select_slots(cand_row, work_row, hist, unbinned > 0, out + r.to(tl.int64) * W, k, total, T, shift,
+                          C, W, CHUNK, SLOTS, LOG_C, G, PAIR)
         else:
-            dkey = tl.load(delegates + r * G + tl.arange(0, G), cache_modifier=".cg")
+            dkey = tl.load(work_row + HEAD + 4 * C_PAD + tl.arange(0, G), cache_modifier=".cg")
             te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
-            tl.store(threshold + r, te)
-            tl.store(flags + r, flag)
-
-
-@triton.jit
-def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr):
-    """Radix round P over a row in memory (tile loop): the next digit of the k-th key and the new k_rem."""
-    h = tl.zeros([256], tl.int32)
-    for t in range(0, length, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        u = key ^ -2147483648
-        match = key != -2147483648
-        if P > 0:
-            match = match & ((u >> (32 - 8 * P)) == (ut >> (32 - 8 * P)))
-        h += tl.histogram((u >> (24 - 8 * P)) & 0xFF, 256, mask=match)
-    d, k_rem = _walk(h, k_rem)
-    return ut | (d << (24 - 8 * P)), k_rem
-
-
-@triton.jit
-def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
-    """Exact top-k of a row in memory by one program: 4 radix histogram rounds over the whole row, then
-    an ordered compaction (the last resort: rows that defeat the delegates, or k too wide for them)."""
-    valid_count = tl.zeros([], tl.int32)
-    for t in range(0, length, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-                               != -2147483648).to(tl.int32), axis=0)
-    k_eff = tl.minimum(k, valid_count)
-    ut = tl.zeros([], tl.int32)
-    k_rem = tl.maximum(k_eff, 1)
-    for p in tl.static_range(4):
-        ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
-    t_key = ut ^ -2147483648
-    done = tl.zeros([], tl.int32)
-    ties_seen = tl.zeros([], tl.int32)
-    for t in range(0, tl.where(k_eff > 0, length, 0), BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        done += _write_above_and_ties(key, offs, t_key, k_rem, ties_seen, out_row, done, W)
-        ties_seen += tl.sum((key == t_key).to(tl.int32), axis=0)
-    _pad(out_row, k_eff, W, BLOCK)
-
-
-@triton.jit
-def _fallback_kernel(scores, stride_r, out, flags, threshold, work, N, W, k_scalar, k_ptr, len_ptr,
-                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, CHUNK: tl.constexpr,
-                     LOG_C: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one CHUNK of a flagged row; unflagged rows (flag 0) return at once.
-
-    Flag 2 (the tie path): store the chunk's keys > Te and its share of the lowest-id keys == Te at
-    the offsets planned by the candidates kernel (every chunk in parallel, ids ascending).
-    Flag 1 (or FORCE): program 0 of the row runs the whole-row radix select."""
-    C_PAD: tl.constexpr = 1 << LOG_C
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    flag = tl.full([], 1, tl.int32)
-    if not FORCE:
-        flag = tl.load(flags + r)
-    if flag != 0:
-        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-        row = scores + r.to(tl.int64) * stride_r
-        out_row = out + r.to(tl.int64) * W
-        if flag == 2:
-            work_row = work + r * (4 * C_PAD + 1)
-            te = tl.load(threshold + r)
-            need = tl.load(work_row + 4 * C_PAD)
-            above_before = tl.load(work_row + 2 * C_PAD + c)
-            ties_before = tl.load(work_row + 3 * C_PAD + c)
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
-                                  above_before + tl.minimum(ties_before, need), W)
-            if c == 0:
-                _pad(out_row, k, W, BLOCK)  # the tie path writes exactly k ids
-        elif c == 0:
-            _radix_select_row(row, length, k, out_row, W, BLOCK)
-
-
-@triton.jit
-def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
-    """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
-    r = tl.program_id(0)
-    j = tl.arange(0, W_PAD)
-    out_row = out + r.to(tl.int64) * W
-    ids = tl.load(out_row + j, mask=j < W, other=-1)
-    valid = ids >= 0
-    x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
-    skey = _keys(x, valid).to(tl.int64)
-    packed = tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
-    packed = tl.sort(packed, descending=True)
-    n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    tl.store(out_row + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32), -1), mask=j < W)
+            tl.store(work_row + TE, te)
+            tl.store(work_row + FLAG, flag)
+            if FOLD:
+                out_row = out + r.to(tl.int64) * W
+                if flag == 2:
+                    _write_row(row, length, te, tl.load(work_row + NEED), out_row, W, CHUNK)
+                    _pad(out_row, k, W, CHUNK)  # the tie path writes exactly k ids
+                else:
+                    _radix_select_row(row, length, k, out_row, W, CHUNK)
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-_COUNTERS: dict = {}
+_SYNC: dict = {}
 
 
-def _counters(device: torch.device, R: int) -> torch.Tensor:
-    """Zeroed "last program of the row" counters [2, R]; the kernels leave them at zero again.
+def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
+    """Zeroed per-row counters and histograms [R, SYNC]; the kernels leave them at zero again.
 
     One buffer per device: two top-k calls running at the same time on different streams would
     share it (not supported)."""
     key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.shape[1] < R:
-        buf = torch.zeros((2, max(R, 64)), dtype=torch.int32, device=device)
+    buf = _SYNC.get(key)
+    if buf is None or buf.shape[0] < R:
+        buf = torch.zeros((max(R, 64), SYNC.value), dtype=torch.int32, device=device)
         if not capturing():  # a buffer made during a capture belongs to that graph's memory pool
-            _COUNTERS[key] = buf
+            _SYNC[key] = buf
     return buf
 
 
@@ -500,7 +346,7 @@ def plan(R: int, N: int, width: int) -> dict:
     while R * (G // cols) < TUNING["min_programs"] and cols > 64:
         cols //= 2
     slots = min(slots, n_pad)
-    pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # pairwise rank needs PAIR <= slots
+    pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
     return dict(register=register, n_pad=n_pad, G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
                 force_fallback=not register and G > TUNING["max_delegates"])
 
@@ -527,44 +373,38 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,
                     len_ptr=lengths if lengths is not None else out, HAS_K=k_tensor is not None,
                     HAS_LEN=lengths is not None)
-    block_out = min(1024, max(16, triton.next_power_of_2(W)))
     stride = scores.stride(0)
     if p["register"]:
         scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
         return [("register_row", lambda: _register_row_kernel[(R,)](
             scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
-            PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw))]
+            PAIR=p["pair"], BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
     block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
-    if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
-        flags = torch.ones((R,), dtype=torch.int32, device=device)
-    else:  # written for every row by the candidates kernel
-        flags = torch.empty((R,), dtype=torch.int32, device=device)
-    stats["flags"] = flags
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
     C = triton.cdiv(N, chunk)
     log_c = max(1, (C - 1).bit_length())
-    if p["force_fallback"]:
-        return [("fallback", lambda: _fallback_kernel[(R, 1)](
-            scores, stride, out, flags, flags, flags, N, W, **row_args, FORCE=True, CHUNK=chunk, LOG_C=log_c,
-            BLOCK=block, num_warps=nw))]
-    counter = _counters(device, R)
-    delegates = torch.empty((R, G), dtype=torch.int32, device=device)
-    threshold = torch.empty((R,), dtype=torch.int32, device=device)
-    cand = torch.empty((R, C * chunk), dtype=torch.int32, device=device)
-    work = torch.empty((R, 4 * (1 << log_c) + 1), dtype=torch.int32, device=device)
-    stats.update(counts=work[:, :C], threshold=threshold)
+    fallback_args = dict(CHUNK=chunk, LOG_C=log_c, G=G, BLOCK=block)
+    if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
+        stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
+        return [("fallback", lambda: topk_fallback._fallback_kernel[(R, 1)](
+            scores, stride, out, out, N, W, **row_args, FORCE=True, **fallback_args, num_warps=nw))]
+    sync = _sync_buffer(device, R)
+    work = torch.empty((R, HEAD.value + 4 * (1 << log_c) + G + PAIR_SCRATCH.value), dtype=torch.int32,
+                       device=device)
+    cand = torch.empty((R, C * chunk), dtype=torch.int64, device=device)
+    stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value])
     rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+    fold = bool(TUNING["fold_fallback"])
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
-            scores, stride, delegates, threshold, counter[0], N, W, **row_args, G=G, COLS=cols, ROWS=rows,
-            num_warps=nw)),
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, out, threshold, delegates, cand, work, flags, counter[1], N, W, **row_args, G=G,
-            CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, PAIR=p["pair"], BLOCK_OUT=block_out, num_warps=nw)),
-        ("fallback", lambda: _fallback_kernel[(R, C)](
-            scores, stride, out, flags, threshold, work, N, W, **row_args, FORCE=False, CHUNK=chunk, LOG_C=log_c,
-            BLOCK=block, num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
-    ]
+            scores, stride, out, cand, work, sync, N, W, **row_args, G=G, CHUNK=chunk, SLOTS=p["slots"],
+            LOG_C=log_c, PAIR=p["pair"], FOLD=fold, num_warps=nw)),
+        ("fallback", lambda: topk_fallback._fallback_kernel[(R, C)](
+            scores, stride, out, work, N, W, **row_args, FORCE=False, **fallback_args,
+            num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
+    ][:2 if fold else 3]
 
 
 def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
@@ -577,11 +417,20 @@ def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = N
 
 
 def sort_winners(scores, out):
-    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id."""
+    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id. Rows wider
+    than ``TUNING["sort_run"]``: runs of that many sorted by parallel programs, then merged (two launches)."""
     R, W = out.shape
     w_pad = max(16, triton.next_power_of_2(W))
+    run = TUNING["sort_run"]
+    if 0 < run < w_pad:
+        runs = torch.empty((R, w_pad), dtype=torch.int64, device=out.device)
+        nw = TUNING["sort_run_warps"] if scores.is_cuda else 1
+        topk_sort._sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
+                                             num_warps=nw)
+        topk_sort._merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw)
+        return out
     num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
-    _sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
+    topk_sort._sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
     return out
 
 
@@ -650,28 +499,17 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
     return out
 
 
-def _aot(kernel, constexprs, options=None, **types):
-    """One ahead-of-time compile variant (tests/test_aot_compile.py): every argument not named in
-    ``types`` or ``constexprs`` is an i32 scalar."""
-    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
-    return (kernel, sig, constexprs, options or {"num_warps": 8})
-
-
-_PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
-_FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
 AOT_VARIANTS = [
-    *[_aot(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
-           **_PTRS) for f, g, b, pr in zip(_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[_aot(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8), {"num_warps": nw}, delegates="*i32",
-           threshold="*i32", counter="*i32", **_PTRS) for f, g, nw in zip(_FLAGS, (4096, 8192), (16, 8), strict=True)],
-    *[_aot(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK_OUT=1024),
-           {"num_warps": nw}, threshold="*i32", delegates="*i32", cand="*i32", work="*i32", flags="*i32",
-           counter="*i32", **_PTRS)
-      for f, g, ch, c, nw, pr in zip(_FLAGS, (4096, 8192), (4096, 8192), (4, 4), (16, 8), (0, 128), strict=True)],
-    *[_aot(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
-           flags="*i32", threshold="*i32", work="*i32", **_PTRS)
-      for f, force, ch, c, nw in zip(_FLAGS, (False, True), (4096, 1024), (4, 7), (4, 8), strict=True)],
-    _aot(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
-    _aot(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
-         {"num_warps": 4}, scratch="*i32", **{**_PTRS, "scores": "*bf16"}),
+    *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
+                  **AOT_PTRS) for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
+    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
+                  sync="*i32", **AOT_PTRS)
+      for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, FOLD=fold),
+                  {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS) for f, g, ch, c, nw, pr, fold in
+      zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4), (16, 8, 16, 8),
+          (0, 128, 128, 128), (True, False, False, False), strict=True)],
+    aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
+                                           BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32",
+                **{**AOT_PTRS, "scores": "*bf16"}),
 ]

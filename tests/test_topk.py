@@ -1,10 +1,11 @@
 """The Triton top-k (kernels/topk.py) against ``topk_reference`` on awkward and adversarial inputs.
 
-Three paths are tested separately, forced at interpreter sizes through ``TUNING``:
+The paths are tested separately, forced at interpreter sizes through ``TUNING``:
 ``register`` (one program per row, row in registers), ``long`` (delegates -> candidates ->
-exact select in the row's last program; several programs per row) and ``fallback`` (the slot
-tensor shrunk so that every row overflows and the device-side fallback runs the exact radix
-select over the whole row). The ``gpu`` tests run realistic sizes and CUDA-graph replays.
+exact select in the row's last program; several programs per row), ``fallback`` (the slot
+tensor shrunk so that every row overflows and the device-side fallback runs: the tie path or the
+exact radix select over the whole row), ``fallback_folded`` (the same, run by the candidates tail)
+and ``register_fallback``. The ``gpu`` tests run realistic sizes and CUDA-graph replays.
 """
 
 import pytest
@@ -25,6 +26,8 @@ PATHS = {
     "register": {},
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
+    "fallback_folded": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
+                        "fold_fallback": True},
     "register_fallback": {"slots": 2},
 }
 
@@ -125,10 +128,12 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
-def test_tie_path_across_chunks(monkeypatch):
+@pytest.mark.parametrize("fold", [False, True])
+def test_tie_path_across_chunks(monkeypatch, fold):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
-    chunk programs by their counts: the lowest ids win, also with lengths and per-row k."""
-    for name, value in PATHS["long"].items():
+    chunk programs by their counts (or, folded, the candidates tail writes them in one pass): the
+    lowest ids win, also with lengths and per-row k."""
+    for name, value in {**PATHS["long"], "fold_fallback": fold}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     monkeypatch.setitem(topk_module.TUNING, "slots", 32)
     x = make_scores(4, 700, seed=4, ties=True)  # 7 distinct values: ~100 copies of each
@@ -161,6 +166,55 @@ def test_pairwise_rank(monkeypatch, knobs, pair_rank):
     for k in (7, 60):
         check(x, k, order="index")
     check(x, 60, torch.tensor([700, 300, 650], device=DEVICE), order="score")
+
+
+def long_path_rows(N, k, seed=0):
+    """Rows for the long path's candidate histogram and the rank of its crossing bin."""
+    g = torch.Generator().manual_seed(seed)
+    randn = torch.randn(7, N, generator=g)
+    rows = [randn[0],
+            torch.arange(N).float(),  # ascending: the candidates fill the last chunks (whole-chunk histogram)
+            randn[1] * 1e30,  # a huge key span: wide bins
+            randn[2], -torch.exp(randn[3]),  # (row 3 gets ties at the k-th key below); all negative
+            torch.where(torch.arange(N) % 500 == 7, randn[4], float("nan")),  # fewer valid keys than k
+            torch.where(torch.arange(N) % 97 == 0, float("inf"), randn[5])]  # +inf at the top
+    v = rows[3].sort(descending=True).values[k - 3]
+    rows[3][torch.randperm(N, generator=g)[:40]] = v  # 40 ties straddle the k-th key
+    return torch.stack(rows).to(DEVICE)
+
+
+@pytest.mark.parametrize("pair_rank", [16, 128])
+def test_long_path_histogram_select(monkeypatch, pair_rank):
+    """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
+    to the row's, the last program ranks the crossing bin's keys (pairwise when at most pair_rank share
+    it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call."""
+    for name, value in {**PATHS["long"], "pair_rank": pair_rank}.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = long_path_rows(1500, 20)
+    out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 20, None, None, out).tolist() == [0] * 7  # nothing took the fallback
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
+    for order in ("index", "score"):
+        check(x, 20, order=order)
+    check(x, torch.tensor([20, 1, 0, 19, 7, 3, 20], device=DEVICE), torch.tensor([1500, 1499, 700, 1500, 65, 900, 1],
+          device=DEVICE), width=20, order="index")
+    assert not topk_module._SYNC[str(x.device)].any()
+
+
+@pytest.mark.parametrize("run", [16, 64])
+def test_score_order_by_sorted_runs(monkeypatch, run):
+    """order="score" on rows wider than TUNING["sort_run"]: runs sorted by parallel programs, then merged
+    (binary searches); ties by id across runs, fewer winners than k (padding), every path."""
+    monkeypatch.setitem(topk_module.TUNING, "sort_run", run)
+    x = make_scores(4, 400, seed=11, ties=True, specials=True)
+    x[1] = make_scores(1, 400, seed=12)[0]
+    lengths = torch.tensor([400, 399, 30, 0], device=DEVICE)
+    check(x, 70, lengths)
+    check(x, torch.tensor([70, 3, 64, 9], device=DEVICE), lengths, width=70)
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    check(x, 33, lengths)
+
 
 def test_forced_fallback_for_wide_k(monkeypatch):
     """k too large for the delegates (2k > max_delegates) sends every row to the exact fallback."""
@@ -299,3 +353,20 @@ def test_gpu_cuda_graph_capture_and_replay(N):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), topk_reference(x.cpu(), 512, lengths.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [dict(sort_run=512), dict(sort_run=256, sort_run_warps=2), dict(fold_fallback=True)])
+def test_gpu_knob_variants(monkeypatch, knobs):
+    """The optional paths compiled at realistic sizes: the two-step sort of order="score", and the
+    fallback folded into the candidates tail (adversarial rows take the tie path and the radix select)."""
+    for name, value in knobs.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    for N, k in ((65536, 2048), (131072, 2048), (20_000, 1000)):
+        G = max(256, 1 << (2 * k - 1).bit_length())
+        x = torch.cat([adversarial_rows(N, min(G, N)).cuda(), make_scores(3, N, seed=13, device="cuda"),
+                       make_scores(2, N, seed=14, ties=True, device="cuda")])
+        lengths = torch.full((x.shape[0],), N, device="cuda")
+        lengths[-1], lengths[-3] = N // 3, k // 2
+        check(x, k, lengths, order="index")
+        check(x, k, lengths, order="score")

@@ -1,0 +1,180 @@
+"""The device helpers shared by the top-k kernels (``kernels/topk.py`` and its fallback and sort
+modules): order-preserving int32 keys, 8-bit radix rounds and the walk of a 256-bin histogram, the
+exact rank of a few keys, ordered writes by prefix sums, and the layout of the per-row state of the
+long-row kernels. No kernel here: everything is a ``@triton.jit`` helper compiled into its callers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Long-row state. ``work`` (int32, fresh each call), one row per score row:
+#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 done / 2 tie path / 1 whole-row radix
+#   [TE] exact k-th delegate  [NEED] ties the tie path takes, then from HEAD, with C_PAD = 2**LOG_C:
+#   candidates per chunk | their inclusive prefix sum | keys > Te before each chunk | keys == Te before
+#   each chunk (C_PAD each) | the G delegates | PAIR_SCRATCH ints for the pairwise rank.
+# ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
+#   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram,
+#   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates, [BIG] candidates of the
+#   chunks with more than CHUNK / 8 (a row whose count passes SLOTS overflows: later chunks skip their copy).
+T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
+HIST, DHIST, BIG, SYNC = tl.constexpr(2), tl.constexpr(258), tl.constexpr(514), tl.constexpr(520)
+PAIR_SCRATCH = tl.constexpr(256)
+
+
+@triton.jit
+def _keys(x, valid):
+    """int32 keys, signed order == float order; NONE where the entry may not be selected."""
+    x = x.to(tl.float32)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
+    i = x.to(tl.int32, bitcast=True)
+    key = i ^ ((i >> 31) & 0x7FFFFFFF)
+    ok = valid & (x == x) & (x != float("-inf"))
+    return tl.where(ok, key, -2147483648)
+
+
+@triton.jit
+def _walk(h, k_rem):
+    """Walk a 256-bin histogram from the top: the bin holding the k_rem-th largest, and the new k_rem."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+    d = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
+    return d, k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
+
+
+@triton.jit
+def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """Radix rounds FIRST..LAST-1 (8 bits each, top first) of the k_rem-th largest key: ``ut`` holds the
+    digits found so far (unsigned order, as int32 bits); returns it with the new digits and the new k_rem."""
+    u = key ^ -2147483648  # unsigned order, as int32 bits
+    for p in tl.static_range(FIRST, LAST):
+        match = key != -2147483648
+        if p > 0:
+            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
+        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
+        d, k_rem = _walk(h, k_rem)
+        ut = ut | (d << (24 - 8 * p))
+    return ut, k_rem
+
+
+@triton.jit
+def _kth_largest(key, k, ROUNDS: tl.constexpr):
+    """Radix select over a register tensor (1 <= k <= #valid keys): 8 bits per round, top first.
+
+    Returns ``(t, ties)``. With 4 rounds ``t`` is the k-th largest key and ``ties`` how many keys
+    equal to ``t`` belong to the top k; with fewer rounds ``t`` is that key with its low bits
+    cleared, so that ``count(key >= t) >= k`` still holds.
+    """
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, ROUNDS)
+    return ut ^ -2147483648, k_rem
+
+
+@triton.jit
+def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
+    ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
+    for each, the members above it. More (ties, clusters): radix rounds FIRST..3 on the members (whose
+    digits before round FIRST are ``ut``)."""
+    m = tl.sum(member.to(tl.int32), axis=0)
+    if PAIR > 0:
+        if m <= PAIR:
+            tl.debug_barrier()  # the caller's reads of scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            i = tl.arange(0, PAIR)
+            mk = tl.load(scratch + i, mask=i < m, other=-2147483648)
+            above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
+            t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
+            ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+        else:
+            ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+            t = ut ^ -2147483648
+    else:
+        ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+        t = ut ^ -2147483648
+    return t, ties
+
+
+@triton.jit
+def _threshold(dkey, k):
+    """T with count(delegates >= T) >= k (so at least k row elements are >= T); NONE if impossible."""
+    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    t, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 2)
+    t = tl.where(n >= k, t, -2147483648)
+    return tl.where(k > 0, t, 2147483647)  # k = 0: no candidates at all
+
+
+@triton.jit
+def _exact_delegate(dkey, k):
+    """Te = the exact k-th largest delegate and ``usable``: k >= 1 and at least k valid delegates, so at
+    least k row elements are >= Te. Then, if fewer than k elements are > Te, the k-th largest element IS
+    Te and the top-k is "every key > Te, plus the lowest-id keys == Te" (the tie path of the fallbacks)."""
+    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    te, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 4)
+    return te, (n >= k) & (k > 0)
+
+
+@triton.jit
+def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
+    """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
+    row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
+    Returns how many were taken."""
+    eq = key == t
+    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + pos, ids, mask=take & (pos < W))
+    return tl.sum(take.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
+    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
+    (ascending). Returns how many were written: min(k, #valid keys). The exact k-th key: two radix
+    rounds, then a pairwise rank of the keys sharing its top 16 bits (``scratch``: PAIR free int32)."""
+    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
+    member = ((key >> 16) == ((ut ^ -2147483648) >> 16)) & (key != -2147483648)
+    t, ties = _rank_members(key, member, k_rem, ut, scratch, PAIR, 2)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    return k_eff
+
+
+@triton.jit
+def _pad(out_row, start, W, BLOCK: tl.constexpr):
+    """-1 in out_row[start:W]."""
+    for t in range(0, W, BLOCK):
+        j = t + tl.arange(0, BLOCK)
+        tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= start) & (j < W))
+
+
+@triton.jit
+def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Row r's k (clamped to [0, W]) and valid length (clamped to [0, N])."""
+    if HAS_K:
+        k = tl.load(k_ptr + r)
+    else:
+        k = tl.full([], 0, tl.int32) + k_scalar
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + r).to(tl.int64), 0), N).to(tl.int32)  # no int32 wrap
+    else:
+        length = tl.full([], 0, tl.int32) + N
+    return tl.minimum(tl.maximum(k, 0), W), length
+
+
+@triton.jit
+def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
+    """Row r of the ``work`` buffer (layout above)."""
+    return work + r.to(tl.int64) * (HEAD + 4 * (1 << LOG_C) + G + PAIR_SCRATCH)
+
+
+def aot_variant(kernel, constexprs, options=None, **types):
+    """One ahead-of-time compile variant (tests/test_aot_compile.py): every argument not named in
+    ``types`` or ``constexprs`` is an i32 scalar."""
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
+    return (kernel, sig, constexprs, options or {"num_warps": 8})
+
+
+AOT_PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
+AOT_FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]

@@ -1,0 +1,145 @@
+"""The exact fallback of the top-k for rows whose candidates do not fit the slots (plateaus and
+clusters of equal values, a period of G, more than half the row wanted), chosen on the device.
+
+Most such rows overflow because many keys EQUAL the threshold. With ``Te`` = the exact k-th delegate,
+at least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is "every
+key > Te, plus the lowest-id keys == Te": the row's last candidates program counts both per chunk
+(``_plan_tie_path``), then every chunk writes its share at known offsets in parallel (the *tie path*,
+``_fallback_kernel``). Rows with k or more keys above ``Te`` (e.g. a period of G) take the whole-row
+radix select (``_radix_select_row``). Launched by ``kernels/topk.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sparse_ref.kernels.topk_common import (
+    AOT_FLAGS,
+    AOT_PTRS,
+    FLAG,
+    HEAD,
+    NEED,
+    TE,
+    _exact_delegate,
+    _keys,
+    _pad,
+    _row_k_len,
+    _walk,
+    _work_row,
+    _write_above_and_ties,
+    aot_variant,
+)
+
+
+@triton.jit
+def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """Tail of an overflowing row (its last candidate program): the exact k-th delegate Te, and for
+    every chunk how many keys > Te and == Te come before it, one pass over the row from L2.
+    Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te: the fallback's chunk programs
+    write every key > Te plus the first k - above keys == Te), 1 = the whole-row radix select."""
+    PER: tl.constexpr = 8192 // CHUNK if CHUNK < 8192 else 1  # chunks counted per step (tiles of ~8K)
+    te, usable = _exact_delegate(dkey, k)
+    above = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c0 in range(0, C, PER):
+        ci = c0 + tl.arange(0, PER)
+        offs = ci[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        a = tl.sum((key > te).to(tl.int32), axis=1)
+        e = tl.sum((key == te).to(tl.int32), axis=1)
+        tl.store(work_row + HEAD + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
+        tl.store(work_row + HEAD + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
+        above += tl.sum(a, axis=0)
+        ties += tl.sum(e, axis=0)
+    tl.store(work_row + NEED, k - above)
+    return te, tl.where(usable & (above < k), 2, 1)
+
+
+@triton.jit
+def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix round P over a row in memory (tile loop): the next digit of the k-th key and the new k_rem."""
+    h = tl.zeros([256], tl.int32)
+    for t in range(0, length, BLOCK):
+        offs = t + tl.arange(0, BLOCK)
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        u = key ^ -2147483648
+        match = key != -2147483648
+        if P > 0:
+            match = match & ((u >> (32 - 8 * P)) == (ut >> (32 - 8 * P)))
+        h += tl.histogram((u >> (24 - 8 * P)) & 0xFF, 256, mask=match)
+    d, k_rem = _walk(h, k_rem)
+    return ut | (d << (24 - 8 * P)), k_rem
+
+
+@triton.jit
+def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
+    """Exact top-k of a row in memory by one program: 4 radix histogram rounds over the whole row, then
+    an ordered compaction (the last resort: rows that defeat the delegates, or k too wide for them)."""
+    valid_count = tl.zeros([], tl.int32)
+    for t in range(0, length, BLOCK):
+        offs = t + tl.arange(0, BLOCK)
+        valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+                               != -2147483648).to(tl.int32), axis=0)
+    k_eff = tl.minimum(k, valid_count)
+    ut = tl.zeros([], tl.int32)
+    k_rem = tl.maximum(k_eff, 1)
+    for p in tl.static_range(4):
+        ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
+    _write_row(row, tl.where(k_eff > 0, length, 0), ut ^ -2147483648, k_rem, out_row, W, BLOCK)
+    _pad(out_row, k_eff, W, BLOCK)
+
+
+@triton.jit
+def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
+    """One program stores, in ascending id order, the ids of a row's keys > t and of its first ``need``
+    keys == t (tile loop over the row)."""
+    done = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    for t0 in range(0, length, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        done += _write_above_and_ties(key, offs, t, need, ties_seen, out_row, done, W)
+        ties_seen += tl.sum((key == t).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _fallback_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
+                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, CHUNK: tl.constexpr,
+                     LOG_C: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one CHUNK of a flagged row; unflagged rows (flag 0) return at once.
+
+    Flag 2 (the tie path): store the chunk's keys > Te and its share of the lowest-id keys == Te at
+    the offsets planned by the candidates kernel (every chunk in parallel, ids ascending).
+    Flag 1 (or FORCE): program 0 of the row runs the whole-row radix select."""
+    C_PAD: tl.constexpr = 1 << LOG_C
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    work_row = _work_row(work, r, LOG_C, G)
+    flag = tl.full([], 1, tl.int32)
+    if not FORCE:
+        flag = tl.load(work_row + FLAG)
+    if flag != 0:
+        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+        row = scores + r.to(tl.int64) * stride_r
+        out_row = out + r.to(tl.int64) * W
+        if flag == 2:
+            te = tl.load(work_row + TE)
+            need = tl.load(work_row + NEED)
+            above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+            ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
+                                  above_before + tl.minimum(ties_before, need), W)
+            if c == 0:
+                _pad(out_row, k, W, BLOCK)  # the tie path writes exactly k ids
+        elif c == 0:
+            _radix_select_row(row, length, k, out_row, W, BLOCK)
+
+
+AOT_VARIANTS = [
+    aot_variant(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, G=4096, BLOCK=1024), {"num_warps": nw},
+                work="*i32", **AOT_PTRS)
+    for f, force, ch, c, nw in zip(AOT_FLAGS * 2, (False, True, False, False), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
+                                   (4, 8, 4, 4), strict=True)]

@@ -1,0 +1,78 @@
+"""``order="score"`` for the top-k: reorder each row's winners (ids in ascending order, -1 padded)
+by descending score, ties by ascending id. Keys are packed ``score key << 32 | (2**32 - 1 - id)`` so
+that one descending int64 order is the contract's order. One ``tl.sort`` per row, or for wide rows
+runs sorted by parallel programs, then merged by binary searches. Launched by ``kernels/topk.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sparse_ref.kernels.topk_common import _keys, aot_variant
+
+
+@triton.jit
+def _packed_winners(scores, stride_r, out, r, j, W):
+    """The winners out[r, j] (ids, -1 padded) as int64 ``key << 32 | (2**32 - 1 - id)``: descending order
+    of these is descending score, ties by ascending id; INT64_MIN for padding."""
+    ids = tl.load(out + r.to(tl.int64) * W + j, mask=j < W, other=-1)
+    valid = ids >= 0
+    x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
+    skey = _keys(x, valid).to(tl.int64)
+    return tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
+
+
+@triton.jit
+def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
+    """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
+    r = tl.program_id(0)
+    j = tl.arange(0, W_PAD)
+    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
+    n_valid = tl.sum((packed != -9223372036854775807 - 1).to(tl.int32), axis=0)
+    tl.store(out + r.to(tl.int64) * W + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32),
+                                                    -1), mask=j < W)
+
+
+@triton.jit
+def _sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
+    """One program = RUN consecutive winners of a row, sorted (as ``_packed_winners``, descending) into
+    ``runs`` [R, W_PAD]: the first half of the two-step sort for wide rows."""
+    r = tl.program_id(0)
+    j = tl.program_id(1) * RUN + tl.arange(0, RUN)
+    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
+    tl.store(runs + r.to(tl.int64) * W_PAD + j, packed)
+
+
+@triton.jit
+def _merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
+    """One program = one sorted run of a row: an entry's place in the row's order is the number of larger
+    entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
+    Stores each valid entry's id there, and -1 on the run's share of the padding."""
+    NR: tl.constexpr = W_PAD // RUN
+    r = tl.program_id(0)
+    row = runs + r.to(tl.int64) * W_PAD
+    i = tl.program_id(1) * RUN + tl.arange(0, RUN)
+    v = tl.load(row + i)
+    q = tl.arange(0, NR)[:, None] * RUN
+    larger = tl.zeros([NR, RUN], tl.int32)  # per run: how many of its entries are > v
+    for b in tl.static_range(16):
+        if (RUN >> b) > 0:  # steps RUN, RUN / 2, ..., 1
+            probe = larger + (RUN >> b)
+            x = tl.load(row + q + probe - 1, mask=probe <= RUN, other=-9223372036854775807 - 1)
+            larger = tl.where(x > v[None, :], probe, larger)
+    n_valid = tl.sum(tl.sum((tl.load(row + q + tl.arange(0, RUN)[None, :]) != -9223372036854775807 - 1
+                             ).to(tl.int32), axis=1), axis=0)
+    valid = v != -9223372036854775807 - 1
+    out_row = out + r.to(tl.int64) * W
+    tl.store(out_row + tl.sum(larger, axis=0), (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=valid)
+    tl.store(out_row + i, tl.full([RUN], -1, tl.int32), mask=(i >= n_valid) & (i < W))
+
+
+AOT_VARIANTS = [
+    aot_variant(_sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
+    *[aot_variant(_sort_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, scores="*fp32", out="*i32",
+                  runs="*i64") for run in (256, 512)],
+    *[aot_variant(_merge_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, runs="*i64", out="*i32")
+      for run in (256, 512)],
+]

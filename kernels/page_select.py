@@ -35,15 +35,8 @@ from sparse_ref.config import SparseConfig
 from sparse_ref.device import check_kernel_device, triton_interpreted
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels.page_table import _running_sum, _table_row, page_table_from_selection
-from sparse_ref.kernels.topk import (
-    TUNING,
-    _exact_delegate,
-    _keys,
-    _radix_rounds,
-    _write_above_and_ties,
-    _write_winners,
-    check_scores,
-)
+from sparse_ref.kernels.topk import TUNING, check_scores
+from sparse_ref.kernels.topk_common import _exact_delegate, _keys, _radix_rounds, _write_above_and_ties, _write_winners
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
 # Candidate slots per delegate. Quest scores are packed (~2% spread), so the 16-bit threshold lets ~350 of 2048

@@ -91,22 +91,23 @@ class StepResult:
     rids: list[int]
     seq_lens: torch.Tensor
     layers: list[LayerTrace] = field(default_factory=list)
-    sparse_time_s: float = 0.0  # retrieval + adaptor + attention, all layers
-    dense_time_s: float = 0.0  # dense attention with the same backend, all layers (compare_dense only)
+    sparse_time_s: float = 0.0  # the whole device step, all layers: K/V append, retrieval, page table, attention,
+    dense_time_s: float = 0.0  # representation update; dense: attention alone, same backend (compare_dense only)
 
 
 class SparseCoordinator:
     """SGLang's coordinator hooks over per-layer algorithms (see the module docstring)."""
 
     def __init__(self, manager: KVCacheManager, algorithms: Sequence[str | None], configs: Sequence[SparseConfig],
-                 workload: PlantedEngineWorkload, dsa_topk: int, device):
+                 workload: PlantedEngineWorkload, dsa_topk: int, device, bounds_dtype=torch.float32):
         self.manager, self.configs, self.device = manager, list(configs), torch.device(device)
         pool, req_pool = manager.token_to_kv_pool, manager.req_to_token_pool
         self.algorithms, self.indexers, self.prompt_lens = [], {}, {}
         self.dense: Metadata | None = None
         index_cache = None
         for layer, (name, cfg) in enumerate(zip(algorithms, self.configs, strict=True)):
-            algo = None if name is None else create_sparse_algorithm(name, cfg, self.device)
+            kw = {"bounds_dtype": bounds_dtype} if name == "quest" else {}
+            algo = None if name is None else create_sparse_algorithm(name, cfg, self.device, **kw)
             if name == "quest":  # freed pages drop their bounds (no stale bounds for the next owner)
                 algo.initialize_representation_pool(layer, layer + 1, pool, req_pool, page_allocator=manager.allocator)
             elif name == "deepseek_dsa":
@@ -178,7 +179,8 @@ class DecodeEngine:
     def __init__(self, workload: PlantedEngineWorkload, algorithms: Sequence[str | None] = ("quest",),
                  config: SparseConfig | Sequence[SparseConfig] | None = None, *, dsa_topk: int = 256,
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
-                 attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32, device="cpu"):
+                 attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
+                 bounds_dtype=torch.float32, device="cpu"):
         algorithms = list(algorithms)
         if len(algorithms) != workload.num_layers:
             raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), got "
@@ -200,7 +202,8 @@ class DecodeEngine:
                                              num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
                                              num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
                                              dtype=dtype, device=self.device)
-        self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device)
+        self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device,
+                                             bounds_dtype)
         self.attention_backend = self._resolve_backend(attention_backend)
         self.live: list[Request] = []
         self.plans = {}  # rid -> PlantedRequest
@@ -272,28 +275,38 @@ class DecodeEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def step(self) -> StepResult:
-        """Decode one token for every live request, layer by layer, through the coordinator's hooks."""
-        batch = decode_step(self.manager, self.live)
-        coord = self.coordinator
+    def forward(self, batch: ForwardBatch, inputs) -> tuple[list[LayerTrace], Metadata]:
+        """The device half of a decode step, every layer through the coordinator's hooks: ``(traces, dense)``.
+
+        Per layer: the new token's K/V into the pool (before attention reads it) -> ``attention_begin``
+        -> attention -> ``attention_end``. No host sync and no host bookkeeping here (for dense and
+        Quest layers), so ``sparse_ref.engine_graph`` can capture exactly this in one CUDA graph.
+        """
+        coord, pool, traces = self.coordinator, self.manager.token_to_kv_pool, []
         coord.forward_begin(batch)
-        result = StepResult([r.rid for r in self.live], batch.seq_lens.clone())
-        pool = self.manager.token_to_kv_pool
-        for layer in range(pool.num_layers):
-            q, k, v, x, q_lora = self.decode_inputs(layer)
-            pool.set_kv(layer, batch.out_cache_loc, k, v)  # the new token's K/V, before attention reads it
-            t0 = self._sync()
+        dense = coord.dense
+        for layer, (q, k, v, x, q_lora) in enumerate(inputs):
+            pool.set_kv(layer, batch.out_cache_loc, k, v)
             md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
-            trace = LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md))
-            t1 = self._sync()
-            result.sparse_time_s += t1 - t0
-            if self.compare_dense:
-                self.attend(q, layer, coord.dense)
-                result.dense_time_s += self._sync() - t1
-                self._compare(trace, q, batch)
+            traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
             coord.attention_end(layer, batch)
-            result.layers.append(trace)
         coord.forward_end(batch)
+        return traces, dense
+
+    def step(self) -> StepResult:
+        """Decode one token for every live request: host bookkeeping, then ``forward``, then the dense oracle."""
+        batch = decode_step(self.manager, self.live)  # each request grows by a token (a fresh page when one fills)
+        inputs = [self.decode_inputs(layer) for layer in range(self.manager.token_to_kv_pool.num_layers)]
+        t0 = self._sync()
+        traces, dense = self.forward(batch, inputs)
+        t1 = self._sync()
+        result = StepResult([r.rid for r in self.live], batch.seq_lens.clone(), traces, sparse_time_s=t1 - t0)
+        if self.compare_dense:
+            for trace, (q, *_) in zip(traces, inputs, strict=True):
+                self.attend(q, trace.layer, dense)
+            result.dense_time_s = self._sync() - t1
+            for trace, (q, *_) in zip(traces, inputs, strict=True):
+                self._compare(trace, q, batch)
         return result
 
     def _compare(self, trace: LayerTrace, q: torch.Tensor, batch: ForwardBatch) -> None:

@@ -937,7 +937,8 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     rows.append(_row(shape, None, "random", "cold", dense, sparse, sparse_bytes, copy_bw, "engine_step",
                      baseline="dense whole step: the same engine step, every layer dense (same kernel, one graph)",
                      torch_timing=steps["dense"]["mode"], ours_timing=steps["quest"]["mode"],
-                     sparse_eager_us=round(steps["quest"]["eager"], 1), dense_eager_us=round(steps["dense"]["eager"], 1),
+                     sparse_eager_us=round(steps["quest"]["eager"], 1),
+                     dense_eager_us=round(steps["dense"]["eager"], 1),
                      per_layer_us=round(per_layer, 2), sum_of_parts_per_layer_us=round(per_layer_sum, 2),
                      parts_us=parts_us, dense_bytes=layers_n * bs * ctx * kv_bytes,
                      parts_note="one Quest layer's parts, each captured and replayed alone, L2 cold; per_layer_us = "

@@ -84,9 +84,9 @@ class GraphedDecodeStep:
                     s.copy_(f)
 
     def run_device_half(self):
-        """``engine.forward`` on the static tensors: what the graph holds (and what runs eagerly on a CPU)."""
-        self.traces, _ = self.engine.forward(self.batch, self.inputs)
-        return self.traces
+        """``engine.forward`` on the static tensors, eagerly: what the graph holds. Returns fresh traces."""
+        traces, _ = self.engine.forward(self.batch, self.inputs)
+        return traces
 
     def _capture(self) -> None:
         stream = torch.cuda.Stream()
@@ -96,12 +96,12 @@ class GraphedDecodeStep:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.run_device_half()  # recorded, not run: its tensors become the graph's outputs
+            self.traces = self.run_device_half()  # recorded, not run: these tensors are the graph's outputs
 
     def replay(self) -> None:
         """Run the captured device half on whatever the static tensors hold now (the bench times this)."""
         if self.graph is None:
-            self.run_device_half()
+            self.traces = self.run_device_half()
         else:
             self.graph.replay()
 

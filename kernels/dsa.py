@@ -92,8 +92,18 @@ def _tile_rows(block_table_ptr, bt_row, tile_start, max_pages, num_pages, bound,
 
 
 @triton.jit
+def _request_row(token_req_ptr, bounds_ptr, t, n_rows, max_pages, width):
+    """Query token ``t``'s block-table row offset and key bound; a row outside ``[0, n_rows)`` gets bound 0
+    (it reads no key, and its logits are the -inf tail), so a bad ``token_req`` never reads out of bounds."""
+    req = tl.load(token_req_ptr + t)
+    ok = (req >= 0) & (req < n_rows)
+    bound = tl.where(ok, tl.minimum(tl.load(bounds_ptr + t), width), 0)
+    return tl.where(ok, req, 0).to(tl.int64) * max_pages, bound
+
+
+@triton.jit
 def _indexer_logits_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, token_req_ptr, bounds_ptr, out_ptr,
-                           H, width, max_pages, num_pages,
+                           H, width, max_pages, num_pages, n_rows,
                            PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_T: tl.constexpr, TILES: tl.constexpr, PAGE_STRIDE_K: tl.constexpr,
                            PAGE_STRIDE_S: tl.constexpr, FP8: tl.constexpr, FILL_TAIL: tl.constexpr,
@@ -102,8 +112,7 @@ def _indexer_logits_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, 
     per tile, tl.dot(K [BLOCK_T, D], Q^T [D, H]) -> relu * w -> sum over heads -> * k_scale -> logits."""
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    bt_row = tl.load(token_req_ptr + t).to(tl.int64) * max_pages
-    bound = tl.minimum(tl.load(bounds_ptr + t), width)
+    bt_row, bound = _request_row(token_req_ptr, bounds_ptr, t, n_rows, max_pages, width)
     first = split * (TILES * BLOCK_T)
     out_row = out_ptr + t * width
 
@@ -140,15 +149,14 @@ def _indexer_logits_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, 
 
 @triton.jit
 def _indexer_logits_tma_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, token_req_ptr, bounds_ptr,
-                               out_ptr, H, width, max_pages, num_pages,
+                               out_ptr, H, width, max_pages, num_pages, n_rows,
                                PAGE: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr,
                                PAGE_STRIDE_K: tl.constexpr, PAGE_STRIDE_S: tl.constexpr,
                                SCALE_OFFSET: tl.constexpr, FILL_TAIL: tl.constexpr):
     """GPU-only: one page per step loaded through TMA descriptors (page size == tile, FP8, D a power of two)."""
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    bt_row = tl.load(token_req_ptr + t).to(tl.int64) * max_pages
-    bound = tl.minimum(tl.load(bounds_ptr + t), width)
+    bt_row, bound = _request_row(token_req_ptr, bounds_ptr, t, n_rows, max_pages, width)
     first = split * (TILES * PAGE)
     out_row = out_ptr + t * width
     k_desc = tl.make_tensor_descriptor(keys_ptr, shape=[num_pages, PAGE, D], strides=[PAGE_STRIDE_K, D, 1],
@@ -183,7 +191,7 @@ def _indexer_logits_tma_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_p
 
 @triton.jit
 def _indexer_logits_multiq_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_table_ptr, token_req_ptr, bounds_ptr,
-                                  out_ptr, T, H, width, max_pages, num_pages,
+                                  out_ptr, T, H, width, max_pages, num_pages, n_rows,
                                   PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                                   BLOCK_T: tl.constexpr, TILES: tl.constexpr, QB: tl.constexpr,
                                   PAGE_STRIDE_K: tl.constexpr, PAGE_STRIDE_S: tl.constexpr, FP8: tl.constexpr,
@@ -199,7 +207,8 @@ def _indexer_logits_multiq_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_tabl
     rows = g * QB + tl.arange(0, QB)
     row_ok = rows < T
     reqs = tl.load(token_req_ptr + rows, mask=row_ok, other=-1)
-    bnds = tl.minimum(tl.load(bounds_ptr + rows, mask=row_ok, other=0), width)
+    reqs = tl.where((reqs >= 0) & (reqs < n_rows), reqs, -1)  # a row outside the block table reads nothing
+    bnds = tl.where(reqs >= 0, tl.minimum(tl.load(bounds_ptr + rows, mask=row_ok, other=0), width), 0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -212,7 +221,8 @@ def _indexer_logits_multiq_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, block_tabl
     prev = tl.full([], -2, tl.int32)
     for j in range(0, QB):
         req = tl.load(token_req_ptr + g * QB + j, mask=g * QB + j < T, other=-1)
-        if (req >= 0) & (req != prev):  # the first row of a segment: process every row of this request
+        # the first row of a segment: process every row of this request
+        if (req >= 0) & (req < n_rows) & (req != prev):
             in_seg = reqs == req
             seg_bound = tl.max(tl.where(in_seg, bnds, 0), axis=0)
             bt_row = req.to(tl.int64) * max_pages
@@ -303,7 +313,8 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
     the batch has on average 4 or more query tokens per block-table row, else 1).
     ``check_values=False`` skips the host-side range checks of index values when the caller has made
     them (``LightningIndexer`` does: its token rows come from its own batch). The kernel clamps page
-    ids and bounds, but not the ``token_req`` rows, so pass False only with rows you built yourself.
+    ids, bounds and ``token_req`` rows (a row outside the block table reads no key), so an unchecked bad
+    value gives wrong logits for that token, never an out-of-bounds read.
     """
     fn = "paged_indexer_logits"
     check_tensor("q", q, dtype=(FP8, torch.float32), dims=3, contiguous=True,
@@ -401,7 +412,7 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
         scales_base = torch.as_strided(scales, (num_pages, stride_s), (stride_s, 1),
                                        scales.storage_offset() - scale_offset)
         _indexer_logits_tma_kernel[grid](q, weights, keys, scales_base, block_table, token_req, bounds, out,
-                                         H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_H=block_h,
+                                         H, width, max_pages, num_pages, bs, PAGE=page, D=D, BLOCK_H=block_h,
                                          TILES=tiles, PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s,
                                          SCALE_OFFSET=scale_offset, FILL_TAIL=fill_tail, **opts)
         return out
@@ -410,13 +421,13 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
             fail(f"{fn}: queries_per_program", "a power of two in [1, 16]", repr(qb), error=SparseRefError)
         grid = (triton.cdiv(T, qb), grid[1])
         _indexer_logits_multiq_kernel[grid](q, weights, keys, scales, block_table, token_req, bounds, out, T,
-                                            H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_D=block_d,
+                                            H, width, max_pages, num_pages, bs, PAGE=page, D=D, BLOCK_D=block_d,
                                             BLOCK_H=block_h, BLOCK_T=block_t, TILES=tiles, QB=qb,
                                             PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s, FP8=fp8,
                                             FILL_TAIL=fill_tail, RUNTIME_LOOP=not triton_interpreted(), **opts)
         return out
     _indexer_logits_kernel[grid](q, weights, keys, scales, block_table, token_req, bounds, out,
-                                 H, width, max_pages, num_pages, PAGE=page, D=D, BLOCK_D=block_d, BLOCK_H=block_h,
+                                 H, width, max_pages, num_pages, bs, PAGE=page, D=D, BLOCK_D=block_d, BLOCK_H=block_h,
                                  BLOCK_T=block_t, TILES=tiles, PAGE_STRIDE_K=keys.stride(0), PAGE_STRIDE_S=stride_s,
                                  FP8=fp8, FILL_TAIL=fill_tail,
                                  RUNTIME_LOOP=not triton_interpreted(), **opts)
@@ -431,7 +442,7 @@ def _aot(page, d, h, tiles, fp8=True, fill_tail=True, block_t=BLOCK_T, runtime_l
     stride_s = stride_k // 4 if fp8 else page
     sig = {"q_ptr": dt, "w_ptr": "*fp32", "keys_ptr": dt, "scales_ptr": "*fp32", "block_table_ptr": "*i32",
            "token_req_ptr": "*i32", "bounds_ptr": "*i32", "out_ptr": "*fp32", "H": "i32", "width": "i32",
-           "max_pages": "i32", "num_pages": "i32"}
+           "max_pages": "i32", "num_pages": "i32", "n_rows": "i32"}
     const = dict(PAGE=page, D=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_T=block_t, TILES=tiles,
                  PAGE_STRIDE_K=stride_k, PAGE_STRIDE_S=stride_s, FP8=fp8, FILL_TAIL=fill_tail,
                  RUNTIME_LOOP=runtime_loop)
@@ -443,14 +454,15 @@ def _aot_multiq(page, d, h, tiles, qb, fill_tail=False, runtime_loop=True, num_w
                                     num_warps=num_warps, fp8=fp8)
     sig = {**{k: v for k, v in sig.items() if k != "H"}, "T": "i32", "H": "i32"}
     sig = {k: sig[k] for k in ("q_ptr", "w_ptr", "keys_ptr", "scales_ptr", "block_table_ptr", "token_req_ptr",
-                               "bounds_ptr", "out_ptr", "T", "H", "width", "max_pages", "num_pages")}
+                               "bounds_ptr", "out_ptr", "T", "H", "width", "max_pages", "num_pages",
+                               "n_rows")}
     return (_indexer_logits_multiq_kernel, sig, {**const, "QB": qb}, opts)
 
 
 def _aot_tma(page=64, d=128, h=64, tiles=64):
     sig = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "keys_ptr": "*fp8e4nv", "scales_ptr": "*fp32",
            "block_table_ptr": "*i32", "token_req_ptr": "*i32", "bounds_ptr": "*i32", "out_ptr": "*fp32",
-           "H": "i32", "width": "i32", "max_pages": "i32", "num_pages": "i32"}
+           "H": "i32", "width": "i32", "max_pages": "i32", "num_pages": "i32", "n_rows": "i32"}
     const = dict(PAGE=page, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), TILES=tiles,
                  PAGE_STRIDE_K=page * (d + 4), PAGE_STRIDE_S=page * (d + 4) // 4, SCALE_OFFSET=page * d // 4,
                  FILL_TAIL=False)

@@ -136,6 +136,21 @@ def test_kernel_without_tail_fill_writes_only_the_visible_keys():
         assert torch.all(out[t, n:] == 12345.0)  # untouched past the bound
 
 
+@pytest.mark.parametrize("qb", [1, 2])
+def test_unchecked_rows_outside_the_block_table_read_nothing(qb):
+    """check_values=False trusts the caller; a bad token_req row must still never read out of bounds:
+    that token's logits are the -inf tail, the other tokens are untouched by the mistake."""
+    q, w, keys, scales, block_table, token_req, bounds = make_case(16, 32, 4, [40, 23, 57], tokens_per_req=2, seed=5)
+    want = paged_indexer_logits_reference(q, w, keys, scales, block_table, token_req, bounds, 64)
+    bad = token_req.clone()
+    bad[1], bad[4] = 10**6, -7  # far past the 3 block-table rows, and negative
+    out = paged_indexer_logits(q, w, keys, scales, block_table, bad, bounds, 64, check_values=False,
+                               queries_per_program=qb)
+    good = [t for t in range(len(bad)) if t not in (1, 4)]
+    assert_logits_close(out[good], want[good], bounds[good])
+    assert torch.all(out[[1, 4]] == float("-inf"))
+
+
 @pytest.mark.parametrize("tiles", [1, 2, 8])
 def test_tiles_per_program_does_not_change_the_result(tiles):
     case = make_case(16, 32, 4, [40, 97], tokens_per_req=2, seed=5)

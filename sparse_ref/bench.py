@@ -1,6 +1,6 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
-SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa`` or ``all``; several may be given
+SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine`` or ``all``; several may be given
 (``python -m sparse_ref.bench quest retrieve``).
 
 Without ``--out`` the JSON goes to ``build/bench/<suites>-<gpu|cpu>.json`` (ignored by git); the

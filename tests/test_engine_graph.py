@@ -177,3 +177,16 @@ def test_cuda_graph_replays_equal_the_eager_engine(gqa):
             for name in ("page_min", "page_max", "page_valid"):
                 assert torch.equal(getattr(a, name)[layer], getattr(b, name)[layer]), (i, layer, name)
     torch.cuda.synchronize()
+
+
+def test_bench_engine_suite_runs_on_cpu(tmp_path):
+    """The ``engine`` suite at its tiny CPU sizes (interpreter, no graph): one row with the step and its parts."""
+    from sparse_ref import bench
+
+    result = bench.main(["engine", "--quick", "--allow-cpu", "--out", str(tmp_path / "engine.json")])
+    (row,) = result["rows"]
+    assert row["op"] == "engine_step" and result["cpu_only"]
+    assert set(row["parts_us"]) == {"K/V append", "scores", "selection", "page table", "attention",
+                                    "representation update", "dense metadata (once per step)"}
+    assert row["ours_us"] > 0 and row["torch_us"] > 0 and row["sum_of_parts_per_layer_us"] > 0
+    assert "eager" in row["ours_timing"]

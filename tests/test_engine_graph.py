@@ -6,6 +6,7 @@ anything changes. GPU: the captured graph, replayed for many steps, equals the e
 """
 
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparse_ref import checks
+from sparse_ref import engine as engine_module
+from sparse_ref.adaptor import to_attention_metadata
 from sparse_ref.algorithms.dsa import IndexerConfig
 from sparse_ref.config import SparseConfig
 from sparse_ref.engine import DecodeEngine
@@ -87,8 +90,10 @@ class HostOps(TorchDispatchMode):
 def test_device_half_makes_no_host_sync_while_capturing(backend, monkeypatch):
     """Pretend to capture (every check that reads device data is then skipped) and record the refused ops."""
     engine = make_engine(backend=backend, head_dim=16)
-    if backend == "triton":  # the Quest kernels too (on CPU "auto" picks torch), through the interpreter
+    if backend == "triton":  # the Quest and DSA kernels too (on CPU "auto" picks torch), through the interpreter
         engine.coordinator.algorithms[0].scoring_backend = engine.coordinator.algorithms[0].selection_backend = "triton"
+        engine.coordinator.indexers[1].scoring_backend = "triton"
+        monkeypatch.setattr(engine_module, "to_attention_metadata", partial(to_attention_metadata, backend="triton"))
     step = GraphedDecodeStep(engine)
     step.step()  # the host half, and an eager first run
     want = [(t.out.clone(), t.metadata.page_table.clone()) for t in step.traces]

@@ -856,7 +856,9 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
 
 # --------------------------------------------------------------------------- engine (whole decode step, one graph)
 def _engine_with_prompts(layers, bs, ctx, h_q, h_kv, d, page_size, budget, device):
-    """A ``DecodeEngine`` (bf16 K/V, 16-bit Quest bounds) holding ``bs`` prompts of ``ctx`` random-key tokens.
+    """A ``DecodeEngine`` (bf16 K/V, 16-bit Quest bounds) of ``max_context_len=ctx`` holding ``bs`` prompts of
+    ``ctx - page_size`` random-key tokens (room for a page of decode tokens; ``ctx / page_size`` pages per row,
+    as in the decode suite's rows).
 
     Prefilled on the device (random K/V, then ``attention_end`` builds the Quest bounds): the
     workload's CPU prefill of ``bs * ctx`` tokens per layer would take minutes. Decode tokens still
@@ -870,16 +872,16 @@ def _engine_with_prompts(layers, bs, ctx, h_q, h_kv, d, page_size, budget, devic
     config = SparseConfig(page_budget=max(budget // page_size - recent - sink, 1), num_recent_pages=recent,
                           num_sink_pages=sink)
     wl = PlantedEngineWorkload(num_layers=len(layers), num_q_heads=h_q, num_kv_heads=h_kv, head_dim=d, seed=0)
-    engine = DecodeEngine(wl, layers, config, page_size=page_size, max_requests=bs, max_context_len=ctx + page_size,
+    engine = DecodeEngine(wl, layers, config, page_size=page_size, max_requests=bs, max_context_len=ctx,
                           attention_backend="auto" if device.type == "cuda" else "triton", compare_dense=False,
                           dtype=torch.bfloat16, bounds_dtype=torch.bfloat16, device=device)
     pool, gen = engine.manager.token_to_kv_pool, torch.Generator(device=device).manual_seed(0)
     for buf in pool.k_buffer + pool.v_buffer:
         buf.normal_(generator=gen)
     for i in range(bs):
-        req = engine.manager.admit(ctx)
-        engine.plans[req.rid] = wl.request(i, ctx)
-        engine.coordinator.on_request_begin(req, ctx)
+        req = engine.manager.admit(ctx - page_size)
+        engine.plans[req.rid] = wl.request(i, ctx - page_size)
+        engine.coordinator.on_request_begin(req, ctx - page_size)
         engine.live.append(req)
     batch = build_extend_batch(engine.manager, engine.live)
     for layer in range(len(layers)):
@@ -933,14 +935,14 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     kv_bytes = 2 * 2 * h_kv * d  # bf16 K + V of one token
     bounds_bytes = 2 * 2 * h_kv * d  # bf16 min + max of one page
     sparse_bytes = layers_n * bs * (-(-ctx // P) * bounds_bytes + min(budget, ctx) * kv_bytes)
-    shape = f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} budget={budget} {layers_n} layers"
+    shape = f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} budget={budget} {layers_n} layers"  # ctx: the max
     rows.append(_row(shape, None, "random", "cold", dense, sparse, sparse_bytes, copy_bw, "engine_step",
                      baseline="dense whole step: the same engine step, every layer dense (same kernel, one graph)",
                      torch_timing=steps["dense"]["mode"], ours_timing=steps["quest"]["mode"],
                      sparse_eager_us=round(steps["quest"]["eager"], 1),
                      dense_eager_us=round(steps["dense"]["eager"], 1),
                      per_layer_us=round(per_layer, 2), sum_of_parts_per_layer_us=round(per_layer_sum, 2),
-                     parts_us=parts_us, dense_bytes=layers_n * bs * ctx * kv_bytes,
+                     parts_us=parts_us, dense_bytes=layers_n * bs * ctx * kv_bytes, seq_len=int(fb.seq_lens[0]),
                      parts_note="one Quest layer's parts, each captured and replayed alone, L2 cold; per_layer_us = "
                                 "(whole step - dense metadata) / layers",
                      bytes_note="sparse: bf16 min+max bounds of every page + K/V of the kept tokens, all layers"))

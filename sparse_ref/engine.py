@@ -1,44 +1,42 @@
 """A small decode engine: the whole sparse lifecycle in order, sparse beside dense.
 
-``DecodeEngine`` owns a ``KVCacheManager`` and ``L`` layers; each layer is dense, Quest or DSA.
-Requests join (``add_request``: admit, then prefill every layer) and leave (``finish``) between
-decode steps; ``step()`` decodes one token for every live request. Q/K/V (and DSA's hidden
-states) come from a ``PlantedEngineWorkload``, not from a language model.
+``DecodeEngine`` owns a ``KVCacheManager`` and ``L`` layers, each dense, Quest or DSA. Requests join
+(``add_request``: admit, prefill every layer) and leave (``finish``) between decode steps; ``step()``
+decodes one token per live request in two halves: the host half (``decode_step`` grows each request,
+taking a fresh page when its last one is full; the workload makes Q/K/V) and the device half
+``forward`` (every layer through the coordinator), which ``sparse_ref.engine_graph`` can capture in
+one CUDA graph. Q/K/V (and DSA's hidden states) come from a ``PlantedEngineWorkload``, not a model.
 
 ``SparseCoordinator`` is the glue, with the hook names and order of SGLang's ``SparseCoordinator``
 (``python/sglang/srt/mem_cache/sparsity/core/sparse_coordinator.py``), so the two read side by side:
 
-* ``on_request_begin(req)`` / ``on_request_end(req)``: per-request bookkeeping (SGLang keeps the
-  prompt length in its request trackers; so do we, to report it);
-* ``forward_begin(batch)``: once per step; builds the dense metadata (every page of every request),
-  which SGLang's adaptor saves at the first layer (``save_original_metadata``) to restore later;
+* ``on_request_begin(req)`` / ``on_request_end(req)``: per-request bookkeeping (the prompt length);
+* ``forward_begin(batch)``: once per step, the dense metadata (every page of every request), which
+  SGLang's adaptor saves at the first layer (``save_original_metadata``) to restore later;
 * per layer ``attention_begin(layer, queries, batch, **kw)``: sparse mask from the *current* lengths
   (rows below ``min_sparse_seq_len`` stay dense) -> ``algorithm.retrieve_topk`` -> the adaptor's page
-  table (SGLang: ``_compute_sparse_mask`` -> ``retrieve_topk`` -> ``adapt_for_attn_metadata``);
-  a dense layer gets the saved dense metadata;
+  table (SGLang: ``_compute_sparse_mask`` -> ``retrieve_topk`` -> ``adapt_for_attn_metadata``); a
+  dense layer gets the dense metadata;
 * per layer ``attention_end(layer, batch)``: ``construct_representations`` after a prefill,
-  ``update_representations`` after a decode step (SGLang calls both after prefill; ours are split
-  by mode, and Quest's ``update`` would reject an EXTEND batch);
-* ``forward_end(batch)``: drops the per-layer sparse metadata; the next forward starts from dense
-  again (SGLang restores the metadata it rewrote in place; ours never rewrites it, so restoring is
-  handing the dense tensors back).
+  ``update_representations`` after a decode step (SGLang calls both after prefill; ours are split by
+  mode, and Quest's ``update`` would reject an EXTEND batch);
+* ``forward_end(batch)``: drops the step's metadata (SGLang restores what it rewrote in place; ours
+  never rewrites it, so restoring is handing the dense tensors back).
 
-DSA selects tokens, not pages. Its positions become a page table at **page size 1**: logical
-position ``t`` of request ``r`` -> physical slot ``req_to_token[r, t]``, each slot a one-token "page"
-of the same K/V buffers (``page_table`` holds slots, ``kv_len`` is the number of tokens kept). The
-same attention function then reads it with ``page_size=1``. (SGLang's NSA backend maps its top-k
-positions through ``req_to_token`` the same way.) The indexer's keys live in one ``IndexerKeyCache``
-shared by the DSA layers, which forgets the keys of freed pages.
+DSA selects tokens, not pages. Its positions become a page table at **page size 1**: position ``t``
+of request ``r`` -> slot ``req_to_token[r, t]``, a one-token "page" of the same K/V buffers, as
+SGLang's NSA backend maps its top-k. The indexer keys live in one ``IndexerKeyCache`` shared by the
+DSA layers, which forgets the keys of freed pages.
 
-Attention: ``attention_backend="torch"`` runs ``sparse_ref.attention.sparse_decode_attention`` (the
-reference), ``"triton"`` the paged kernel ``sparse_ref.kernels.decode_attention``, ``"auto"`` Triton on
-CUDA when the kernel module is installed, torch otherwise. With ``compare_dense=True`` every layer
-also runs dense attention (the oracle) and reports recall, mass kept and output error
-(``sparse_ref.metrics``); recall is over pages for Quest and over tokens for DSA.
+Attention: ``attention_backend="torch"`` runs the reference ``sparse_decode_attention``, ``"triton"``
+the paged kernel ``sparse_ref.kernels.decode_attention``, ``"auto"`` Triton on CUDA when installed.
+With ``compare_dense=True`` every layer also runs dense attention (the oracle) and reports recall,
+mass kept and output error (``sparse_ref.metrics``); recall is over pages (Quest) or tokens (DSA).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,22 +89,23 @@ class StepResult:
     rids: list[int]
     seq_lens: torch.Tensor
     layers: list[LayerTrace] = field(default_factory=list)
-    sparse_time_s: float = 0.0  # retrieval + adaptor + attention, all layers
-    dense_time_s: float = 0.0  # dense attention with the same backend, all layers (compare_dense only)
+    sparse_time_s: float = 0.0  # ``forward``, all layers (K/V append, retrieval, page table, attention, update)
+    dense_time_s: float = 0.0  # dense attention alone, same backend, all layers (compare_dense only)
 
 
 class SparseCoordinator:
     """SGLang's coordinator hooks over per-layer algorithms (see the module docstring)."""
 
     def __init__(self, manager: KVCacheManager, algorithms: Sequence[str | None], configs: Sequence[SparseConfig],
-                 workload: PlantedEngineWorkload, dsa_topk: int, device):
+                 workload: PlantedEngineWorkload, dsa_topk: int, device, bounds_dtype=torch.float32):
         self.manager, self.configs, self.device = manager, list(configs), torch.device(device)
         pool, req_pool = manager.token_to_kv_pool, manager.req_to_token_pool
         self.algorithms, self.indexers, self.prompt_lens = [], {}, {}
         self.dense: Metadata | None = None
         index_cache = None
         for layer, (name, cfg) in enumerate(zip(algorithms, self.configs, strict=True)):
-            algo = None if name is None else create_sparse_algorithm(name, cfg, self.device)
+            kw = {"bounds_dtype": bounds_dtype} if name == "quest" else {}
+            algo = None if name is None else create_sparse_algorithm(name, cfg, self.device, **kw)
             if name == "quest":  # freed pages drop their bounds (no stale bounds for the next owner)
                 algo.initialize_representation_pool(layer, layer + 1, pool, req_pool, page_allocator=manager.allocator)
             elif name == "deepseek_dsa":
@@ -178,14 +177,12 @@ class DecodeEngine:
     def __init__(self, workload: PlantedEngineWorkload, algorithms: Sequence[str | None] = ("quest",),
                  config: SparseConfig | Sequence[SparseConfig] | None = None, *, dsa_topk: int = 256,
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
-                 attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32, device="cpu"):
+                 attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
+                 bounds_dtype=torch.float32, device="cpu"):
         algorithms = list(algorithms)
-        if len(algorithms) != workload.num_layers:
-            raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), got "
-                              f"{len(algorithms)}. Fix: e.g. algorithms=['quest'] * {workload.num_layers}.")
-        for name in algorithms:
-            if name not in ALGORITHMS:
-                raise ConfigError(f"algorithms: each entry must be one of {ALGORITHMS}, got {name!r}.")
+        if len(algorithms) != workload.num_layers or any(name not in ALGORITHMS for name in algorithms):
+            raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), each entry "
+                              f"must be one of {ALGORITHMS}; got {algorithms}. Fix: e.g. ['quest', None, ...].")
         check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
         configs = list(config) if isinstance(config, (list, tuple)) else [config or SparseConfig()] * len(algorithms)
         if len(configs) != len(algorithms):
@@ -200,21 +197,14 @@ class DecodeEngine:
                                              num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
                                              num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
                                              dtype=dtype, device=self.device)
-        self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device)
-        self.attention_backend = self._resolve_backend(attention_backend)
+        self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device,
+                                             bounds_dtype)
+        find = importlib.util.find_spec  # "auto": the Triton kernel on CUDA, when the kernels are installed
+        kernel = find("sparse_ref.kernels") and find("sparse_ref.kernels.decode_attention")
+        auto = "triton" if self.device.type == "cuda" and kernel else "torch"
+        self.attention_backend = auto if attention_backend == "auto" else attention_backend
         self.live: list[Request] = []
         self.plans = {}  # rid -> PlantedRequest
-
-    def _resolve_backend(self, backend: str) -> str:
-        if backend == "auto":
-            if self.device.type != "cuda":
-                return "torch"
-            try:
-                import sparse_ref.kernels.decode_attention  # noqa: F401
-            except ImportError:
-                return "torch"
-            return "triton"
-        return backend
 
     def attend(self, q: torch.Tensor, layer: int, md: Metadata) -> torch.Tensor:
         """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]``."""
@@ -268,32 +258,41 @@ class DecodeEngine:
         return (torch.stack(q).to(self.device), torch.cat(k).to(self.device), torch.cat(v).to(self.device), *joined)
 
     def _sync(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
         return time.perf_counter()
 
-    def step(self) -> StepResult:
-        """Decode one token for every live request, layer by layer, through the coordinator's hooks."""
-        batch = decode_step(self.manager, self.live)
-        coord = self.coordinator
+    def forward(self, batch: ForwardBatch, inputs) -> tuple[list[LayerTrace], Metadata]:
+        """The device half of a decode step, every layer through the coordinator's hooks: ``(traces, dense)``.
+
+        Per layer: the new token's K/V into the pool (before attention reads it) -> ``attention_begin``
+        -> attention -> ``attention_end``. No host sync and no host bookkeeping here (for dense and
+        Quest layers), so ``sparse_ref.engine_graph`` can capture exactly this in one CUDA graph.
+        """
+        coord, pool, traces = self.coordinator, self.manager.token_to_kv_pool, []
         coord.forward_begin(batch)
-        result = StepResult([r.rid for r in self.live], batch.seq_lens.clone())
-        pool = self.manager.token_to_kv_pool
-        for layer in range(pool.num_layers):
-            q, k, v, x, q_lora = self.decode_inputs(layer)
-            pool.set_kv(layer, batch.out_cache_loc, k, v)  # the new token's K/V, before attention reads it
-            t0 = self._sync()
+        dense = coord.dense
+        for layer, (q, k, v, x, q_lora) in enumerate(inputs):
+            pool.set_kv(layer, batch.out_cache_loc, k, v)
             md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
-            trace = LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md))
-            t1 = self._sync()
-            result.sparse_time_s += t1 - t0
-            if self.compare_dense:
-                self.attend(q, layer, coord.dense)
-                result.dense_time_s += self._sync() - t1
-                self._compare(trace, q, batch)
+            traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
             coord.attention_end(layer, batch)
-            result.layers.append(trace)
         coord.forward_end(batch)
+        return traces, dense
+
+    def step(self) -> StepResult:
+        """Decode one token for every live request: host bookkeeping, then ``forward``, then the dense oracle."""
+        batch = decode_step(self.manager, self.live)  # each request grows by a token (a fresh page when one fills)
+        inputs = [self.decode_inputs(layer) for layer in range(self.manager.token_to_kv_pool.num_layers)]
+        t0 = self._sync()
+        traces, dense = self.forward(batch, inputs)
+        t1 = self._sync()
+        result = StepResult([r.rid for r in self.live], batch.seq_lens.clone(), traces, sparse_time_s=t1 - t0)
+        if self.compare_dense:
+            for trace, (q, *_) in zip(traces, inputs, strict=True):
+                self.attend(q, trace.layer, dense)
+            result.dense_time_s = self._sync() - t1
+            for trace, (q, *_) in zip(traces, inputs, strict=True):
+                self._compare(trace, q, batch)
         return result
 
     def _compare(self, trace: LayerTrace, q: torch.Tensor, batch: ForwardBatch) -> None:

@@ -6,7 +6,7 @@
    distribution (randn, indexer-like, clustered, ascending-sorted, plateau), both orders, and of
    ``select_pages_triton`` against ``select_pages``.
 2. **Candidates**: per-row candidate counts of the delegate filter (min / median / max) and how many
-   rows took the fallback (long rows: read from the kernels; register rows: the same rule in torch).
+   rows took the fallback (read from the kernels' per-row path flags; register rows' counts: the 16-bit rule in torch).
 3. **Timings** (CUDA-graph replay, L2 flushed by zeroing 1 GiB before each call, median): ours
    ``order="index"`` vs ``torch.topk(sorted=False)``, ``order="score"`` vs ``torch.topk(sorted=True)``;
    the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch

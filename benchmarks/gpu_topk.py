@@ -6,7 +6,7 @@
    distribution (randn, indexer-like, clustered, ascending-sorted, plateau), both orders, and of
    ``select_pages_triton`` against ``select_pages``.
 2. **Candidates**: per-row candidate counts of the delegate filter (min / median / max) and how many
-   rows took the fallback (long rows: read from the kernels; register rows: the same rule in torch).
+   rows took the fallback (read from the kernels' per-row path flags; register rows' counts: the 16-bit rule in torch).
 3. **Timings** (CUDA-graph replay, L2 flushed by zeroing 1 GiB before each call, median): ours
    ``order="index"`` vs ``torch.topk(sorted=False)``, ``order="score"`` vs ``torch.topk(sorted=True)``;
    the fused selection 32 x 8192 pages (k=128, 4 recent) vs ``torch.topk`` alone and torch
@@ -71,7 +71,8 @@ def check(label, got, ref):
 
 def candidate_stats(x, k):
     """(per-row candidate counts, fallback rows) of the delegate filter for this call. Register rows: the
-    tie path runs inside the one kernel, so "fallback" counts the rows whose candidates overflow."""
+    counts at the 16-bit threshold (a row over the slots then continues to the exact k-th delegate); the
+    fallback rows from the kernel's per-row path flags, as for long rows."""
     R, N = x.shape
     out = torch.empty(R, k, dtype=torch.int32, device=x.device)
     stats: dict = {}
@@ -92,7 +93,8 @@ def candidate_stats(x, k):
     t = dele.topk(min(k, p["G"]), dim=1).values[:, -1]
     t = ((t.long() + 2**31) >> 16 << 16) - 2**31  # the two-round (16-bit) prefix of the k-th delegate
     counts = (key.long() >= t[:, None]).sum(1)
-    return counts, f"{int((counts > p['slots']).sum())}/{R}"
+    flags = stats["flags"]  # 0: in the slots, 2: tie path, 1: whole-row radix select
+    return counts, f"{int((flags != 0).sum())}/{R} r{int((flags == 1).sum())}"
 
 
 def breakdown(R, N, k, dist, timer, device) -> list:

@@ -8,7 +8,8 @@ one program per request row, the row's page scores held in registers:
    the history budget ``k`` (read from a table computed once by ``SparseConfig.history_budget_tensor``), and
    whether the row goes sparse at all.
 2. **History top-k** with the delegate threshold of ``kernels/topk.py`` (delegates, threshold,
-   candidates, exact select on the candidates; ``_select_history``: a 16-bit threshold first, the
+   candidates, exact select on the candidates; ``topk_common._select_in_registers``, shared with the
+   short rows of the top-k: a 16-bit threshold first, the
    exact k-th delegate when page scores are packed too tightly for 16 bits, an exact select over
    the whole register row only when even that overflows), winners written in ascending page order.
 3. **Merge.** Sink ids < history ids < recent ids, so "ascending" is a concatenation: the sink
@@ -21,7 +22,7 @@ No value is read back to the host, so the call can be captured in a CUDA graph. 
 than ``MAX_REGISTER_PAGES`` are refused here; ``retrieve_topk`` sends them to the torch
 ``select_pages``. The selection rules (history budget, static width) have one home,
 ``SparseConfig``; this module imports only the leaf modules of the package, ``config`` and the
-kernel helpers of ``kernels/topk.py`` and ``kernels/page_table.py``.
+kernel helpers of ``kernels/topk.py``, ``kernels/topk_common.py`` and ``kernels/page_table.py``.
 """
 
 from __future__ import annotations
@@ -36,59 +37,13 @@ from sparse_ref.device import check_kernel_device, triton_interpreted
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels.page_table import _running_sum, _table_row, page_table_from_selection
 from sparse_ref.kernels.topk import TUNING, check_scores
-from sparse_ref.kernels.topk_common import _exact_delegate, _keys, _radix_rounds, _write_above_and_ties, _write_winners
+from sparse_ref.kernels.topk_common import _select_in_registers
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
 # Candidate slots per delegate. Quest scores are packed (~2% spread), so the 16-bit threshold lets ~350 of 2048
 # pages through at k=123 (~260 of 8192): 2 G slots hold them, and the exact k-th delegate (two more radix
 # rounds) is needed only beyond that. kernels/topk.py's TUNING["slots"] still overrides (tests force overflows).
 SLOTS_PER_DELEGATE = 2
-
-
-@triton.jit
-def _select_history(row, lo, hi, k, out_row, base, W, scratch_row,
-                    N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
-    """The k best pages among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:].
-
-    Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k pages
-    reach; the pages >= T (the candidates) are compacted into SLOTS slots and the exact top-k is
-    taken among them. T is first the k-th delegate with its low 16 bits cleared (two radix rounds).
-    Page scores are often packed in a narrow range (Quest bounds: sums over many heads and dims,
-    a spread of ~2% around the mean), where 16 bits let hundreds of pages through; then T becomes
-    the exact k-th delegate (radix rounds 3-4 continue over the G delegates, not over the row). Only when
-    even that overflows (ties, rows that defeat the delegates): keys > Te plus the lowest-id ties
-    == Te when that is the answer, else an exact radix select over the whole register row.
-    """
-    j = tl.arange(0, N_PAD)
-    valid = (j >= lo) & (j < hi)
-    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
-    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
-    n_valid = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
-    ut, k_rem = _radix_rounds(dkey, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k, n_valid), 1), 0, 2)
-    T = tl.where(usable, ut ^ -2147483648, -2147483648)  # the k-th delegate, low 16 bits cleared
-    T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
-    count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
-    if usable & (count > SLOTS):  # too many through 16 bits: the exact k-th delegate (radix rounds 3-4)
-        ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)
-        T = ut ^ -2147483648
-        count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
-    cand = (key >= T) & (key != -2147483648)
-    if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row
-        tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
-        tl.debug_barrier()
-        s = tl.arange(0, SLOTS)
-        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
-        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
-        k_eff = _write_winners(skey, ids, k, out_row, base, W, scratch_row, PAIR)
-    else:  # overflow even at the exact delegate
-        te, usable = _exact_delegate(dkey, k)
-        above = tl.sum((key > te).to(tl.int32), axis=0)
-        if usable & (above < k):  # the k-th key is te: keys > te plus the first k - above keys == te
-            k_eff = _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
-        else:  # exact radix select over the whole register row
-            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
-    return k_eff
 
 
 @triton.jit
@@ -129,8 +84,8 @@ def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_ma
     n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, page_size, n_recent,
                                                      n_sink, min_seq)
     out_row = selected + r.to(tl.int64) * W
-    k_eff = _select_history(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
-                            sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
+    k_eff, _ = _select_in_registers(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
+                                    sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
     tl.store(lengths + r, filled)
 
@@ -151,8 +106,8 @@ def _select_to_table_kernel(scores, stride_r, selected, lengths, seq_lens, spars
     n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, page_size, n_recent,
                                                      n_sink, min_seq)
     out_row = selected + r.to(tl.int64) * W
-    k_eff = _select_history(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
-                            sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
+    k_eff, _ = _select_in_registers(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
+                                    sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
     tl.store(lengths + r, filled)
     tl.debug_barrier()  # the row's ids are stored before the table reads them back

@@ -21,7 +21,9 @@ The design, in five steps:
    ``[T, row max]``. The row's last program walks that histogram to the bin holding the k-th key,
    ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``, and writes
    ``key > t`` plus the first ``key == t`` (ties to the lower id) in ascending id order by a prefix
-   sum over the slots: no sort. Register rows run radix rounds on their slots instead.
+   sum over the slots: no sort. Register rows run radix rounds on their slots instead; and when their
+   16-bit ``T`` lets more keys through than the slots hold (values packed within a few percent share
+   their top 16 bits), two more radix rounds over the delegates make ``T`` the exact k-th delegate.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
@@ -74,17 +76,15 @@ from sparse_ref.kernels.topk_common import (
     SYNC,
     T_,
     TE,
-    _exact_delegate,
     _keys,
     _pad,
     _radix_rounds,
     _rank_members,
     _row_k_len,
-    _threshold,
+    _select_in_registers,
     _walk,
     _work_row,
     _write_above_and_ties,
-    _write_winners,
     aot_variant,
 )
 from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _write_row
@@ -112,34 +112,6 @@ TUNING = {
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
-
-
-@triton.jit
-def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
-                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
-    """Steps 2-5 for a row held in registers: winners among columns [lo, hi) at out_row[base:]."""
-    j = tl.arange(0, N_PAD)
-    valid = (j >= lo) & (j < hi)
-    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
-    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
-    T = _threshold(dkey, k)
-    cand = (key >= T) & (key != -2147483648)
-    count = tl.sum(cand.to(tl.int32), axis=0)
-    if count <= SLOTS:  # compact the candidates (ids ascending) through a small scratch row
-        tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
-        tl.debug_barrier()
-        s = tl.arange(0, SLOTS)
-        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
-        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
-        k_eff = _write_winners(skey, ids, k, out_row, base, W, scratch_row, PAIR)
-    else:  # overflow (ties at the threshold, or a row that defeats the delegates)
-        te, usable = _exact_delegate(dkey, k)
-        above = tl.sum((key > te).to(tl.int32), axis=0)
-        if usable & (above < k):  # the k-th key is te: keys > te plus the first k - above keys == te
-            k_eff = _write_above_and_ties(key, j, te, k - above, 0, out_row, base, W)
-        else:  # exact radix select over the whole register row
-            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
-    return k_eff
 
 
 @triton.jit
@@ -199,15 +171,16 @@ def _select_slots(cand_row, work_row, hist, rebin, out_row, k, total, T, shift, 
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _register_row_kernel(scores, stride_r, out, scratch, N, W, k_scalar, k_ptr, len_ptr,
+def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, k_ptr, len_ptr,
                          HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, N_PAD: tl.constexpr, G: tl.constexpr,
                          SLOTS: tl.constexpr, PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
     """One program = one row of at most N_PAD columns, held in registers: the whole top-k, one launch."""
     r = tl.program_id(0)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     out_row = out + r.to(tl.int64) * W
-    k_eff = _select_in_registers(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
-                                 scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
+    k_eff, path = _select_in_registers(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
+                                       scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
+    tl.store(flags + r, path)
     _pad(out_row, k_eff, W, BLOCK_OUT)
 
 
@@ -356,8 +329,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
     benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
 
-    ``stats`` (a dict) receives the plan, the per-row fallback ``flags`` (long rows; 0 = done by the
-    candidates kernel, 2 = tie path, 1 = whole-row radix select) and on the long-row path the
+    ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
+    2 = tie path, 1 = whole-row radix select) and on the long-row path the
     per-chunk candidate ``counts`` and the thresholds (valid after the launches ran).
     """
     R, N = scores.shape
@@ -376,8 +349,9 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     stride = scores.stride(0)
     if p["register"]:
         scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
+        stats["flags"] = flags = torch.empty((R,), dtype=torch.int32, device=device)
         return [("register_row", lambda: _register_row_kernel[(R,)](
-            scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
+            scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
             PAIR=p["pair"], BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
     block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
@@ -408,8 +382,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
 
 
 def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
-    """Run the kernels (no checks; see ``launches``). Returns the per-row fallback flags of the long-row
-    path (None for register rows), for tests."""
+    """Run the kernels (no checks; see ``launches``). Returns the per-row path flags, for tests."""
     stats = {} if stats is None else stats
     for _, fn in launches(scores, k_scalar, k_tensor, lengths, out, stats):
         fn()
@@ -501,7 +474,8 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
 
 AOT_VARIANTS = [
     *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
-                  **AOT_PTRS) for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
+                  flags="*i32", **AOT_PTRS)
+      for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
     *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
                   sync="*i32", **AOT_PTRS)
       for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
@@ -510,6 +484,6 @@ AOT_VARIANTS = [
       zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4), (16, 8, 16, 8),
           (0, 128, 128, 128), (True, False, False, False), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
-                                           BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32",
+                                           BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32", flags="*i32",
                 **{**AOT_PTRS, "scores": "*bf16"}),
 ]

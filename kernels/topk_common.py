@@ -1,7 +1,9 @@
 """The device helpers shared by the top-k kernels (``kernels/topk.py`` and its fallback and sort
 modules): order-preserving int32 keys, 8-bit radix rounds and the walk of a 256-bin histogram, the
-exact rank of a few keys, ordered writes by prefix sums, and the layout of the per-row state of the
-long-row kernels. No kernel here: everything is a ``@triton.jit`` helper compiled into its callers.
+exact rank of a few keys, ordered writes by prefix sums, the whole selection of a row held in registers
+(``_select_in_registers``: the short rows of ``kernels/topk.py`` and the page histories of
+``kernels/page_select.py``), and the layout of the per-row state of the long-row kernels.
+No kernel here: everything is a ``@triton.jit`` helper compiled into its callers.
 """
 
 from __future__ import annotations
@@ -139,6 +141,56 @@ def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
     _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
+
+
+@triton.jit
+def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
+                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
+    (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: how many were written, and the path
+    taken (0 candidates in the slots, 2 tie path, 1 exact radix select over the whole register row).
+
+    Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
+    the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
+    them. T is first the k-th delegate with its low 16 bits cleared (two radix rounds over the
+    delegates). Values packed in a narrow range (Quest page scores: a spread of ~2%) share their top 16
+    bits, so that lets hundreds of keys through; then radix rounds 3-4 continue over the G delegates
+    (not over the row) and T becomes the exact k-th delegate Te. Only when even that overflows (ties,
+    rows that defeat the delegates): keys > Te plus the lowest-id ties == Te when that is the answer
+    (fewer than k keys > Te), else the whole row.
+    """
+    j = tl.arange(0, N_PAD)
+    valid = (j >= lo) & (j < hi)
+    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
+    n_valid = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
+    ut, k_rem = _radix_rounds(dkey, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k, n_valid), 1), 0, 2)
+    T = tl.where(usable, ut ^ -2147483648, -2147483648)  # the k-th delegate, low 16 bits cleared
+    T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
+    count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    if usable & (count > SLOTS):  # too many through 16 bits: T = Te, the exact k-th delegate (rounds 3-4)
+        ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)
+        T = ut ^ -2147483648
+        count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    cand = (key >= T) & (key != -2147483648)
+    path = tl.zeros([], tl.int32)
+    if count <= SLOTS:  # compact the candidates (ids ascending) through the scratch row
+        tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
+        tl.debug_barrier()
+        s = tl.arange(0, SLOTS)
+        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
+        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+        k_eff = _write_winners(skey, ids, k, out_row, base, W, scratch_row, PAIR)
+    else:  # overflow even at T = Te (or fewer than k delegates)
+        above = tl.sum((key > T).to(tl.int32), axis=0)
+        if usable & (above < k):  # the k-th key is Te: keys > Te plus the first k - above keys == Te
+            k_eff = _write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
+            path = path + 2
+        else:  # exact radix select over the whole register row
+            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
+            path = path + 1
+    return k_eff, path
 
 
 @triton.jit

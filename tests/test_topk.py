@@ -224,6 +224,27 @@ def test_forced_fallback_for_wide_k(monkeypatch):
     check(make_scores(2, 150, seed=3, ties=True, specials=True), 40, order="index")
 
 
+@pytest.mark.parametrize("N, k", [(300, 7), (3001, 100), (8192, 700)])
+def test_packed_register_rows_take_the_exact_delegate(N, k):
+    """Register rows packed within ~1% (like Quest page scores) share their top 16 bits, so the 16-bit
+    delegate threshold lets (nearly) the whole row through; the radix must continue over the delegates to
+    the exact k-th delegate instead of falling to the whole-row select (flag 1). bf16-rounded packed rows
+    (a handful of distinct values, hundreds of ties each) may take the tie path (flag 2), never flag 1."""
+    assert N <= topk_module.TUNING["register_row"]
+    g = torch.Generator().manual_seed(N)
+    rows = 1 + 0.01 * torch.rand(3, N, generator=g)
+    rows[1] = 5700 * (1 + 0.02 * torch.randn(N, generator=g))  # Quest-like: a bound summed over heads and dims
+    lengths = torch.tensor([N, N - N // 3, N - 1], device=DEVICE)
+    bf16 = (1 + 0.1 * torch.rand(2, N, generator=g)).to(torch.bfloat16)
+    for x, lens, allowed in ((rows, None, {0}), (rows, lengths, {0}), (bf16, None, {0, 2})):
+        x = x.to(DEVICE)
+        out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
+        flags = topk_module.launch_topk(x, k, None, lens, out)
+        assert set(flags.tolist()) <= allowed, flags.tolist()
+        assert torch.equal(out.cpu(), topk_reference(x.cpu(), k, None if lens is None else lens.cpu(), order="index"))
+        check(x, k, lens)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(dtype):
     check(make_scores(2, 29, seed=3, ties=True, specials=True, dtype=dtype), 6)

@@ -181,18 +181,16 @@ def programs_target(device: torch.device) -> int:
 def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
     """Splits per (request, KV head) from shapes only (never from ``kv_lens`` values: no host sync).
 
-    Enough programs for ``PROGRAMS_PER_SM`` per SM (many splits at bs=1, a few at bs=64), at most one per
-    ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``. When the
-    (request, KV head) pairs alone fill fewer programs than the device has SMs (bs=1), half as many:
-    measured on an H200 at bs=1, 32 heads, 16 splits beat 33 (22.5 against 24.8 us over 2048 tokens,
-    172.5 against 178 us over 32K), since a split program holds ~200 registers (two per SM at a time)
-    and each extra split adds a partial result to merge.
+    About ``PROGRAMS_PER_SM`` programs per SM (many splits at bs=1, a few at bs=64), at most one per
+    ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``. Measured on an
+    H200 (bf16, D=128, page 16; L2 cold), this rule against the best split count tried (1-33):
+    bs=1, 32 heads: 33 splits, 176 us over 32K (best 176), 640 us over 128K (best), 25.0 us over 2048
+    tokens (best 23.3 with 16); bs=8, 8 KV heads, 32K: 17 splits, 317 us (best 299 with 6); bs=64, 8 KV
+    heads, 32K: 3 splits, 2237 us (best 2223). Split counts that leave a nearly empty last wave are
+    the trap: at bs=1, 17 splits took 227 us over 32K and 1006 us over 128K.
     """
     base = max(1, bs * num_kv_heads)
-    target = programs_target(device)
-    if device.type == "cuda" and base < target // PROGRAMS_PER_SM:  # fewer pairs than SMs: small batch
-        target //= 2
-    want = triton.cdiv(target, base)
+    want = triton.cdiv(programs_target(device), base)
     return max(1, min(want, triton.cdiv(max(max_kv_len, 1), block_n), MAX_SPLITS))
 
 

@@ -227,3 +227,18 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(out, eager)
         torch.testing.assert_close(out, sparse_decode_attention(*fresh, P), rtol=1e-3, atol=1e-3)
     assert math.isfinite(float(out.abs().max()))
+
+
+def test_default_split_counts_on_an_h200_sized_gpu(monkeypatch):
+    """The split rule, evaluated for a 132-SM GPU without one: the counts whose H200 timings the
+    ``choose_num_splits`` docstring quotes (33 / 17 / 3 at bs=1 / 8 / 64), capped by the KV length."""
+    from sparse_ref.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert da.choose_num_splits(1, 32, 32768, 32, cuda) == 33
+    assert da.choose_num_splits(8, 8, 32768, 64, cuda) == 17
+    assert da.choose_num_splits(64, 8, 32768, 64, cuda) == 3
+    assert da.choose_num_splits(1, 32, 100, 32, cuda) == 4  # at most one split per block of 32 tokens
+    assert da.choose_num_splits(1, 1, 10**7, 32, cuda) == da.MAX_SPLITS
+    assert da.choose_num_splits(0, 8, 0, 64, cuda) == 1

@@ -13,7 +13,7 @@
    ``select_pages``.
 4. **Knob variants** (always run, randn): exactness and time of each ``TUNING`` variant of the winners'
    sort for ``order="score"`` (one ``tl.sort`` per row, or sorted runs then a merge) at 64 x 65536 and
-   1 x 131072, and of a few launch knobs in index order at 64 x 65536 and 128 x 131072 (``fold_fallback`` also on
+   1 x 131072, and of a few launch knobs in index order at 64 x 65536 and 128 x 131072 (some also on
    clustered rows).
 5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
    alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
@@ -45,7 +45,7 @@ from sparse_ref.selection import select_pages, topk_reference
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
 SWEEP = {"pair_rank": [0], "chunk": [4096], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
-         "fallback_warps": [8]}
+         "finish_warps": [16]}
 SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
 # order="score" variants, always run (exactness + time over index order): one tl.sort per row with its warps,
@@ -54,9 +54,9 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(chunk=4096), dict(chunk=16384), dict(fold_fallback=True), dict(num_warps_small=8),
-                  dict(pair_rank=64)]
-FOLD_VARIANTS = [dict(fold_fallback=True), dict(chunk=4096)]  # also on clustered rows (they take the tie path)
+INDEX_VARIANTS = [dict(chunk=4096), dict(chunk=16384), dict(finish_warps=4), dict(finish_warps=16),
+                  dict(delegate_tile=16384), dict(num_warps_small=8), dict(pair_rank=64)]
+CLUSTERED_VARIANTS = [dict(chunk=4096), dict(finish_warps=4)]  # also on clustered rows (they take the tie path)
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
@@ -115,7 +115,7 @@ def breakdown(R, N, k, dist, timer, device) -> list:
         t = timer.cold([steps[i][1] for steps in plans])
         rows.append((f"{R}x{N} {dist}", name, t))
         print(f"  breakdown {R}x{N} k={k} {dist:<9} {name:<12} {t:7.1f} us"
-              + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "fallback" and flags is not None else ""),
+              + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "finish" and flags is not None else ""),
               flush=True)
     return rows
 
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
 
     sort_rows = knob_variants(SORT_VARIANT_SHAPES, SORT_VARIANTS, "score", timer, device)
     index_rows = knob_variants(INDEX_VARIANT_SHAPES, INDEX_VARIANTS, "index", timer, device)
-    index_rows += knob_variants(INDEX_VARIANT_SHAPES, FOLD_VARIANTS, "index", timer, device, dist="clustered")
+    index_rows += knob_variants(INDEX_VARIANT_SHAPES, CLUSTERED_VARIANTS, "index", timer, device, dist="clustered")
 
     parts = []
     for dist in ("randn", "clustered"):
@@ -318,11 +318,9 @@ def main(argv=None) -> int:
             print(f"{shape:>16}: " + ", ".join(f"{n} {t:.1f}" for s, n, t in parts if s == shape)
                   + f" | sum {sum(t for s, _, t in parts if s == shape):.1f}")
         t = {(s.split()[-1], n): v for s, n, v in parts}
-        if ("randn", "candidates") in t and ("clustered", "fallback") in t:
-            # the clustered fallback launch does the candidates pass's per-chunk work (read, prefix sum, scatter)
-            # on every chunk, without the serial tail: the difference estimates the randn select tail
-            print(f"  select tail of the candidates launch (randn) ~ candidates(randn) - fallback(clustered) = "
-                  f"{t['randn', 'candidates'] - t['clustered', 'fallback']:.1f}")
+        if ("randn", "finish") in t and ("clustered", "candidates") in t:
+            print(f"  finish (randn, the exact select on the slots) {t['randn', 'finish']:.1f}; candidates randn "
+                  f"{t['randn', 'candidates']:.1f} vs clustered {t['clustered', 'candidates']:.1f} (plans the tie path)")
     for title, rows in (("order=\"score\" variants (randn), us: score order (its cost over index order)", sort_rows),
                         ("index-order knob variants (randn unless named), us (vs the defaults)", index_rows)):
         print(f"\n== {title} ==")

@@ -16,14 +16,16 @@ The design, in five steps:
    elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
    that set holds ``~0.7 G`` candidates (a few percent of a long row).
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
-   k-th key ``t``. Long rows: every chunk program copies its candidates (key and id, ascending id)
-   to its part of a buffer and adds their histogram to the row's 256-bin histogram over
-   ``[T, row max]``. The row's last program walks that histogram to the bin holding the k-th key,
-   ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``, and writes
-   ``key > t`` plus the first ``key == t`` (ties to the lower id) in ascending id order by a prefix
-   sum over the slots: no sort. Register rows run radix rounds on their slots instead; and when their
-   16-bit ``T`` lets more keys through than the slots hold (values packed within a few percent share
-   their top 16 bits), two more radix rounds over the delegates make ``T`` the exact k-th delegate.
+   k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
+   copies its candidates there (key and id, ascending id) and adds their histogram to the row's
+   256-bin histogram over ``[T, row max]``. Then every chunk program of a third launch loads the
+   row's slots, walks that histogram to the bin holding the k-th key and ranks the few keys of that
+   bin pairwise (``TUNING["pair_rank"]``) to get ``t`` (all programs of a row find the same ``t``),
+   counts the winners of the lower chunks, and writes its own ``key > t`` plus its share of the first
+   ``key == t`` (ties to the lower id) in ascending id order: no sort, and no program selects a whole
+   row alone. Register rows run radix rounds on their slots instead; and when their 16-bit ``T``
+   lets more keys through than the slots hold (values packed within a few percent share their top
+   16 bits), two more radix rounds over the delegates make ``T`` the exact k-th delegate.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
@@ -34,11 +36,11 @@ helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-ro
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
 keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
-launches: delegates (many programs per row, the last one to finish computes ``T``), candidates (many
-programs per row, the last one does the exact selection or plans the fallback) and the fallback
-(a program per chunk; a no-op for unflagged rows; ``TUNING["fold_fallback"]`` runs it in the
-candidates tail instead). "Last program of the row" is an atomic counter that the last program
-resets (as it resets the row's histogram), so nothing is read back to the host and the call can be
+launches, each with many programs per row: delegates (the last one to finish computes ``T``),
+candidates (the last one checks that the row fits its slots, else flags it and plans the fallback)
+and finish (every chunk writes its winners, or its share of the fallback). "Last program of the
+row" is an atomic counter that the last program resets (as the last finish program resets the
+row's slot counter and histogram), so nothing is read back to the host and the call can be
 captured in a CUDA graph.
 """
 
@@ -66,16 +68,18 @@ from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
     BIG,
+    CNT,
     DHIST,
+    FIN,
     FLAG,
     HEAD,
     HIST,
-    NEED,
     PAIR_SCRATCH,
     SHIFT,
     SYNC,
     T_,
     TE,
+    _delegates_of,
     _keys,
     _pad,
     _radix_rounds,
@@ -86,8 +90,9 @@ from sparse_ref.kernels.topk_common import (
     _work_row,
     _write_above_and_ties,
     aot_variant,
+    work_width,
 )
-from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _write_row
+from sparse_ref.kernels.topk_fallback import _fallback_chunk, _plan_tie_path
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -103,12 +108,12 @@ TUNING = {
     "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
     "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
-    "fallback_warps": 4,  # the fallback launch: a program per chunk, a no-op on most rows (keep it light)
+    "finish_warps": 8,  # the finish launch: a program per chunk, each loads the row's slots
+    "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
-    "fold_fallback": False,  # long rows: the candidates tail runs the fallback itself (serially), one launch less
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -129,42 +134,6 @@ def _add_chunk_histogram(n_c, chunk_cand, T, shift, hist, CAP: tl.constexpr):
     ckey = (tl.load(chunk_cand + s, mask=s < n_c, other=0) >> 32).to(tl.int32)
     h = tl.histogram(_bins(ckey, T, shift), 256, mask=s < n_c)
     tl.atomic_add(hist + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
-
-
-@triton.jit
-def _select_slots(cand_row, work_row, hist, rebin, out_row, k, total, T, shift, C, W,
-                  CHUNK: tl.constexpr, SLOTS: tl.constexpr, LOG_C: tl.constexpr, G: tl.constexpr,
-                  PAIR: tl.constexpr):
-    """The exact top-k of a row whose ``total <= SLOTS`` candidates sit chunk by chunk in ``cand_row``
-    (key << 32 | id) with their histogram ``hist`` (rebuilt from the slots when ``rebin``): walk it to the
-    bin of the k-th key, rank that bin's keys, write the winners in ascending id order."""
-    C_PAD: tl.constexpr = 1 << LOG_C
-    ci = tl.arange(0, C_PAD)
-    n_c = tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
-    prefix = work_row + HEAD + C_PAD
-    tl.store(prefix + ci, tl.cumsum(n_c, axis=0))
-    tl.debug_barrier()
-    # slot s belongs to the chunk whose candidates cover it: binary search on the prefix counts
-    s = tl.arange(0, SLOTS)
-    chunk = tl.zeros([SLOTS], tl.int32)
-    for b in tl.static_range(LOG_C):
-        probe = chunk + (C_PAD >> (b + 1))
-        incl = tl.load(prefix + probe - 1, mask=probe <= C, other=2147483647)
-        chunk = tl.where(incl <= s, probe, chunk)
-    before = tl.load(prefix + chunk - 1, mask=chunk > 0, other=0)
-    ok = s < total
-    packed = tl.load(cand_row + chunk * CHUNK + s - before, mask=ok, other=0, cache_modifier=".cg")
-    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
-    if rebin:  # some chunks had too many candidates to bin them (e.g. the top of a sorted row): bin the slots
-        hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
-    k_eff = tl.minimum(k, total)
-    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
-    member = ok & (_bins(key, T, shift) == d)
-    t, ties = _rank_members(key, member, k_rem, tl.zeros([], tl.int32),
-                            work_row + HEAD + 4 * C_PAD + G, PAIR, 0)
-    t = tl.where(k_eff > 0, t, 2147483647)
-    _write_above_and_ties(key, packed.to(tl.int32), t, tl.where(k_eff > 0, ties, 0), 0, out_row, 0, W)
-    _pad(out_row, k_eff, W, CHUNK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +168,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
     work_row = _work_row(work, r, LOG_C, G)
-    delegates = work_row + HEAD + 4 * C_PAD
+    delegates = _delegates_of(work_row, C_PAD)
     cols = c * COLS + tl.arange(0, COLS)
     acc = tl.full([COLS], -2147483648, tl.int32)
     for i in range(0, tl.cdiv(N, G), ROWS):
@@ -226,14 +195,13 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 
 
 @triton.jit
-def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, FOLD: tl.constexpr):
-    """One program = one CHUNK of a row: copy its elements >= T (key << 32 | id, ascending id) to the
-    chunk's part of ``cand`` and add their histogram to the row's (unless the row surely overflows).
-    The row's last program writes the exact top-k from them (``_select_slots``); when they do not fit
-    the SLOTS slots, it plans the fallback and flags the row, and with FOLD runs it too (serially:
-    no fallback launch)."""
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr):
+    """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
+    counter), copy its elements >= T there (key << 32 | id, ascending id) and add their histogram to the
+    row's. The row's last program only checks that every candidate found a slot; if not, it flags the
+    row for the fallback and plans it."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -248,41 +216,91 @@ def _candidates_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, 
     key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
     n_c = tl.sum(is_cand.to(tl.int32), axis=0)
-    cand_row = cand + r.to(tl.int64) * C * CHUNK
     tl.store(work_row + HEAD + c, n_c)
-    keep = n_c <= SLOTS
-    if n_c > CHUNK // 8:  # many candidates (counted in BIG, not binned): skip the copy if the row surely overflows
-        keep = tl.atomic_add(sync_row + BIG, n_c, sem="relaxed") + n_c <= SLOTS
-    if keep:
-        packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)
-        tl.store(cand_row + c * CHUNK + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, packed, mask=is_cand)
+    base = tl.atomic_add(sync_row + CNT, n_c, sem="relaxed")  # this chunk's run of slots: [base, base + n_c)
+    if base + n_c <= SLOTS:
+        run = cand + r.to(tl.int64) * SLOTS + base
+        tl.store(run + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, (key.to(tl.int64) << 32) | offs.to(tl.int64),
+                 mask=is_cand)
         if n_c <= CHUNK // 8:
-            _add_chunk_histogram(n_c, cand_row + c * CHUNK, T, shift, sync_row + HIST, CHUNK // 8)
+            _add_chunk_histogram(n_c, run, T, shift, sync_row + HIST, CHUNK // 8)
+        else:  # many candidates (e.g. the top of a sorted row): the finish programs bin the slots themselves
+            tl.atomic_add(sync_row + BIG, 1, sem="relaxed")
     tl.debug_barrier()
     if tl.atomic_add(sync_row + 1, 1, sem="acq_rel") == C - 1:
-        tl.store(sync_row + 1, 0)  # reset the counters and the histogram for the next call
-        unbinned = tl.load(sync_row + BIG, cache_modifier=".cg")
-        tl.store(sync_row + BIG, 0)
-        hist = tl.load(sync_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
-        tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
-        ci = tl.arange(0, C_PAD)
-        total = tl.sum(tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg"), axis=0)
-        if total <= SLOTS:
+        tl.store(sync_row + 1, 0)  # reset the counter for the next call
+        if tl.load(sync_row + CNT, cache_modifier=".cg") <= SLOTS:
             tl.store(work_row + FLAG, 0)
-            _select_slots(cand_row, work_row, hist, unbinned > 0, out + r.to(tl.int64) * W, k, total, T, shift,
-                          C, W, CHUNK, SLOTS, LOG_C, G, PAIR)
         else:
-            dkey = tl.load(work_row + HEAD + 4 * C_PAD + tl.arange(0, G), cache_modifier=".cg")
-            te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
+            te, flag = _plan_tie_path(row, length, tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G),
+                                                           cache_modifier=".cg"), k, work_row, C, CHUNK, C_PAD)
             tl.store(work_row + TE, te)
             tl.store(work_row + FLAG, flag)
-            if FOLD:
-                out_row = out + r.to(tl.int64) * W
-                if flag == 2:
-                    _write_row(row, length, te, tl.load(work_row + NEED), out_row, W, CHUNK)
-                    _pad(out_row, k, W, CHUNK)  # the tie path writes exactly k ids
-                else:
-                    _radix_select_row(row, length, k, out_row, W, CHUNK)
+
+
+@triton.jit
+def _finish_from_slots(cand_row, sync_row, work_row, scratch, out_row, k, c, W,
+                       CHUNK: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+    """Chunk c's winners of a row whose candidates all sit in its slots (runs of ascending ids, the runs
+    in any order): every program of the row loads the slots, walks the row's histogram to the bin of
+    the k-th key and ranks that bin's keys (the same ``t`` in every program), then counts the winners
+    of the lower chunks to know where its own winners go, and writes them in ascending id order."""
+    total = tl.load(sync_row + CNT)
+    s = tl.arange(0, SLOTS)
+    ok = s < total
+    packed = tl.load(cand_row + s, mask=ok, other=0)
+    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
+    ids = packed.to(tl.int32)  # the low 32 bits
+    T = tl.load(work_row + T_)
+    shift = tl.load(work_row + SHIFT).to(tl.int64)
+    hist = tl.load(sync_row + HIST + tl.arange(0, 256))
+    if tl.load(sync_row + BIG) > 0:  # some chunks stored their candidates unbinned: bin the slots
+        hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
+    k_eff = tl.minimum(k, total)
+    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
+    t, ties = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32), scratch, PAIR, 0)
+    t = tl.where(k_eff > 0, t, 2147483647)
+    ties = tl.where(k_eff > 0, ties, 0)
+    lower = ids < c * CHUNK  # the candidates of the lower chunks
+    above_before = tl.sum(((key > t) & lower).to(tl.int32), axis=0)
+    ties_before = tl.sum(((key == t) & lower).to(tl.int32), axis=0)
+    own = ok & (ids >= c * CHUNK) & (ids < (c + 1) * CHUNK)  # one run of the slots, ids ascending
+    _write_above_and_ties(tl.where(own, key, -2147483648), ids, t, ties, ties_before, out_row,
+                          above_before + tl.minimum(ties_before, ties), W)
+    if c == 0:
+        _pad(out_row, k_eff, W, BLOCK)
+
+
+@triton.jit
+def _finish_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+                   HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one CHUNK of a row: its winners in the output. A row that fits the slots takes
+    ``_finish_from_slots`` (in parallel: no program does the row's selection alone); a flagged row its
+    fallback (``topk_fallback._fallback_chunk``). The row's last program resets its slot counter and
+    histogram for the next call."""
+    C_PAD: tl.constexpr = 1 << LOG_C
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+    work_row = _work_row(work, r, LOG_C, G)
+    sync_row = sync + r.to(tl.int64) * SYNC
+    out_row = out + r.to(tl.int64) * W
+    flag = tl.load(work_row + FLAG)
+    if flag == 0:
+        if (c == 0) | (tl.load(work_row + HEAD + c) > 0):  # a chunk without candidates has no winners
+            _finish_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row,
+                               _delegates_of(work_row, C_PAD) + G + c * PAIR_SCRATCH, out_row, k, c, W,
+                               CHUNK, SLOTS, PAIR, BLOCK)
+    else:
+        _fallback_chunk(scores + r.to(tl.int64) * stride_r, length, k, flag, work_row, out_row, c, W, CHUNK, C_PAD,
+                        BLOCK)
+    tl.debug_barrier()  # this program's reads of the row's state are done
+    if tl.atomic_add(sync_row + FIN, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        tl.store(sync_row + FIN, 0)
+        tl.store(sync_row + CNT, 0)
+        tl.store(sync_row + BIG, 0)
+        tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,28 +375,25 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
     C = triton.cdiv(N, chunk)
     log_c = max(1, (C - 1).bit_length())
-    fallback_args = dict(CHUNK=chunk, LOG_C=log_c, G=G, BLOCK=block)
     if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
         stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
-        return [("fallback", lambda: topk_fallback._fallback_kernel[(R, 1)](
-            scores, stride, out, out, N, W, **row_args, FORCE=True, **fallback_args, num_warps=nw))]
+        return [("whole_row", lambda: topk_fallback._whole_row_kernel[(R,)](
+            scores, stride, out, N, W, **row_args, BLOCK=block, num_warps=nw))]
     sync = _sync_buffer(device, R)
-    work = torch.empty((R, HEAD.value + 4 * (1 << log_c) + G + PAIR_SCRATCH.value), dtype=torch.int32,
-                       device=device)
-    cand = torch.empty((R, C * chunk), dtype=torch.int64, device=device)
+    work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
+    cand = torch.empty((R, p["slots"]), dtype=torch.int64, device=device)
     stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value])
-    rows = max(1, min(8192 // cols, triton.next_power_of_2(triton.cdiv(N, G))))
-    fold = bool(TUNING["fold_fallback"])
+    rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, out, cand, work, sync, N, W, **row_args, G=G, CHUNK=chunk, SLOTS=p["slots"],
-            LOG_C=log_c, PAIR=p["pair"], FOLD=fold, num_warps=nw)),
-        ("fallback", lambda: topk_fallback._fallback_kernel[(R, C)](
-            scores, stride, out, work, N, W, **row_args, FORCE=False, **fallback_args,
-            num_warps=TUNING["fallback_warps"] if device.type == "cuda" else 1)),
-    ][:2 if fold else 3]
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=nw)),
+        ("finish", lambda: _finish_kernel[(R, C)](
+            scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
+            num_warps=TUNING["finish_warps"] if device.type == "cuda" else 1)),
+    ]
 
 
 def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
@@ -479,10 +494,14 @@ AOT_VARIANTS = [
     *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
                   sync="*i32", **AOT_PTRS)
       for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, FOLD=fold),
-                  {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS) for f, g, ch, c, nw, pr, fold in
-      zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4), (16, 8, 16, 8),
-          (0, 128, 128, 128), (True, False, False, False), strict=True)],
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw}, cand="*i64",
+                  work="*i32", sync="*i32", **AOT_PTRS)
+      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
+                                 (16, 8, 16, 8), strict=True)],
+    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024), {"num_warps": nw},
+                  cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
+      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192),
+                                     (4, 7, 3, 4), (8, 8, 4, 8), (0, 128, 128, 128), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
                                            BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32", flags="*i32",
                 **{**AOT_PTRS, "scores": "*bf16"}),

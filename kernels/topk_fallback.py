@@ -4,9 +4,9 @@ clusters of equal values, a period of G, more than half the row wanted), chosen 
 Most such rows overflow because many keys EQUAL the threshold. With ``Te`` = the exact k-th delegate,
 at least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is "every
 key > Te, plus the lowest-id keys == Te": the row's last candidates program counts both per chunk
-(``_plan_tie_path``), then every chunk writes its share at known offsets in parallel (the *tie path*,
-``_fallback_kernel``). Rows with k or more keys above ``Te`` (e.g. a period of G) take the whole-row
-radix select (``_radix_select_row``). Launched by ``kernels/topk.py``.
+(``_plan_tie_path``), then every chunk program of the finish launch writes its share at known offsets
+in parallel (the *tie path*, ``_fallback_chunk``). Rows with k or more keys above ``Te`` (e.g. a period
+of G) take the whole-row radix select (``_radix_select_row``). Used by ``kernels/topk.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import triton.language as tl
 from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
-    FLAG,
     HEAD,
     NEED,
     TE,
@@ -26,7 +25,6 @@ from sparse_ref.kernels.topk_common import (
     _pad,
     _row_k_len,
     _walk,
-    _work_row,
     _write_above_and_ties,
     aot_variant,
 )
@@ -48,8 +46,8 @@ def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD
         key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
         a = tl.sum((key > te).to(tl.int32), axis=1)
         e = tl.sum((key == te).to(tl.int32), axis=1)
-        tl.store(work_row + HEAD + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
-        tl.store(work_row + HEAD + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
+        tl.store(work_row + HEAD + C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
+        tl.store(work_row + HEAD + 2 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
         above += tl.sum(a, axis=0)
         ties += tl.sum(e, axis=0)
     tl.store(work_row + NEED, k - above)
@@ -104,42 +102,34 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fallback_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
-                     HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, FORCE: tl.constexpr, CHUNK: tl.constexpr,
-                     LOG_C: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one CHUNK of a flagged row; unflagged rows (flag 0) return at once.
+def _fallback_chunk(row, length, k, flag, work_row, out_row, c, W, CHUNK: tl.constexpr, C_PAD: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Chunk c's share of a flagged row. Flag 2 (the tie path): store the chunk's keys > Te and its share
+    of the lowest-id keys == Te at the offsets the candidates kernel planned (every chunk in parallel, ids
+    ascending). Flag 1: chunk 0 runs the whole-row radix select."""
+    if flag == 2:
+        te = tl.load(work_row + TE)
+        need = tl.load(work_row + NEED)
+        above_before = tl.load(work_row + HEAD + C_PAD + c)
+        ties_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
+                              W)
+        if c == 0:
+            _pad(out_row, k, W, BLOCK)  # the tie path writes exactly k ids
+    elif c == 0:
+        _radix_select_row(row, length, k, out_row, W, BLOCK)
 
-    Flag 2 (the tie path): store the chunk's keys > Te and its share of the lowest-id keys == Te at
-    the offsets planned by the candidates kernel (every chunk in parallel, ids ascending).
-    Flag 1 (or FORCE): program 0 of the row runs the whole-row radix select."""
-    C_PAD: tl.constexpr = 1 << LOG_C
+
+@triton.jit
+def _whole_row_kernel(scores, stride_r, out, N, W, k_scalar, k_ptr, len_ptr,
+                      HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one row: the whole-row radix select (k too wide for the delegates)."""
     r = tl.program_id(0)
-    c = tl.program_id(1)
-    work_row = _work_row(work, r, LOG_C, G)
-    flag = tl.full([], 1, tl.int32)
-    if not FORCE:
-        flag = tl.load(work_row + FLAG)
-    if flag != 0:
-        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-        row = scores + r.to(tl.int64) * stride_r
-        out_row = out + r.to(tl.int64) * W
-        if flag == 2:
-            te = tl.load(work_row + TE)
-            need = tl.load(work_row + NEED)
-            above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
-            ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
-                                  above_before + tl.minimum(ties_before, need), W)
-            if c == 0:
-                _pad(out_row, k, W, BLOCK)  # the tie path writes exactly k ids
-        elif c == 0:
-            _radix_select_row(row, length, k, out_row, W, BLOCK)
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+    _radix_select_row(scores + r.to(tl.int64) * stride_r, length, k, out + r.to(tl.int64) * W, W, BLOCK)
 
 
 AOT_VARIANTS = [
-    aot_variant(_fallback_kernel, dict(**f, FORCE=force, CHUNK=ch, LOG_C=c, G=4096, BLOCK=1024), {"num_warps": nw},
-                work="*i32", **AOT_PTRS)
-    for f, force, ch, c, nw in zip(AOT_FLAGS * 2, (False, True, False, False), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
-                                   (4, 8, 4, 4), strict=True)]
+    aot_variant(_whole_row_kernel, dict(**f, BLOCK=1024), **AOT_PTRS) for f in AOT_FLAGS]

@@ -2,10 +2,9 @@
 
 The paths are tested separately, forced at interpreter sizes through ``TUNING``:
 ``register`` (one program per row, row in registers), ``long`` (delegates -> candidates ->
-exact select in the row's last program; several programs per row), ``fallback`` (the slot
-tensor shrunk so that every row overflows and the device-side fallback runs: the tie path or the
-exact radix select over the whole row), ``fallback_folded`` (the same, run by the candidates tail)
-and ``register_fallback``. The ``gpu`` tests run realistic sizes and CUDA-graph replays.
+exact select by every chunk program of the finish launch; several programs per row), ``fallback``
+(the slot tensor shrunk so that every row overflows and the device-side fallback runs: the tie path
+or the exact radix select over the whole row) and ``register_fallback``. The ``gpu`` tests run realistic sizes and CUDA-graph replays.
 """
 
 import pytest
@@ -26,8 +25,6 @@ PATHS = {
     "register": {},
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
-    "fallback_folded": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
-                        "fold_fallback": True},
     "register_fallback": {"slots": 2},
 }
 
@@ -128,12 +125,10 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_tie_path_across_chunks(monkeypatch, fold):
+def test_tie_path_across_chunks(monkeypatch):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
-    chunk programs by their counts (or, folded, the candidates tail writes them in one pass): the
-    lowest ids win, also with lengths and per-row k."""
-    for name, value in {**PATHS["long"], "fold_fallback": fold}.items():
+    chunk programs by their counts: the lowest ids win, also with lengths and per-row k."""
+    for name, value in PATHS["long"].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     monkeypatch.setitem(topk_module.TUNING, "slots", 32)
     x = make_scores(4, 700, seed=4, ties=True)  # 7 distinct values: ~100 copies of each
@@ -186,7 +181,7 @@ def long_path_rows(N, k, seed=0):
 @pytest.mark.parametrize("pair_rank", [16, 128])
 def test_long_path_histogram_select(monkeypatch, pair_rank):
     """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
-    to the row's, the last program ranks the crossing bin's keys (pairwise when at most pair_rank share
+    to the row's, every finish program ranks the crossing bin's keys (pairwise when at most pair_rank share
     it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call."""
     for name, value in {**PATHS["long"], "pair_rank": pair_rank}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
@@ -377,10 +372,11 @@ def test_gpu_cuda_graph_capture_and_replay(N):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [dict(sort_run=512), dict(sort_run=256, sort_run_warps=2), dict(fold_fallback=True)])
+@pytest.mark.parametrize("knobs", [dict(sort_run=512), dict(sort_run=256, sort_run_warps=2), dict(sort_run=0),
+                                   dict(chunk=4096, finish_warps=4)])
 def test_gpu_knob_variants(monkeypatch, knobs):
-    """The optional paths compiled at realistic sizes: the two-step sort of order="score", and the
-    fallback folded into the candidates tail (adversarial rows take the tie path and the radix select)."""
+    """Knob variants compiled at realistic sizes (adversarial rows take the tie path and the radix select):
+    the two-step sort of order="score" or one sort per row, and smaller chunks with lighter finish programs."""
     for name, value in knobs.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     for N, k in ((65536, 2048), (131072, 2048), (20_000, 1000)):

@@ -319,8 +319,8 @@ def main(argv=None) -> int:
                   + f" | sum {sum(t for s, _, t in parts if s == shape):.1f}")
         t = {(s.split()[-1], n): v for s, n, v in parts}
         if ("randn", "finish") in t and ("clustered", "candidates") in t:
-            print(f"  finish (randn, the exact select on the slots) {t['randn', 'finish']:.1f}; candidates randn "
-                  f"{t['randn', 'candidates']:.1f} vs clustered {t['clustered', 'candidates']:.1f} (plans the tie path)")
+            print(f"  finish (randn: writes the runs) {t['randn', 'finish']:.1f}; candidates randn "
+                  f"{t['randn', 'candidates']:.1f} vs clustered {t['clustered', 'candidates']:.1f}")
     for title, rows in (("order=\"score\" variants (randn), us: score order (its cost over index order)", sort_rows),
                         ("index-order knob variants (randn unless named), us (vs the defaults)", index_rows)):
         print(f"\n== {title} ==")

@@ -18,14 +18,14 @@ The design, in five steps:
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
    k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
    copies its candidates there (key and id, ascending id) and adds their histogram to the row's
-   256-bin histogram over ``[T, row max]``. Then every chunk program of a third launch loads the
-   row's slots, walks that histogram to the bin holding the k-th key and ranks the few keys of that
-   bin pairwise (``TUNING["pair_rank"]``) to get ``t`` (all programs of a row find the same ``t``),
-   counts the winners of the lower chunks, and writes its own ``key > t`` plus its share of the first
-   ``key == t`` (ties to the lower id) in ascending id order: no sort, and no program selects a whole
-   row alone. Register rows run radix rounds on their slots instead; and when their 16-bit ``T``
-   lets more keys through than the slots hold (values packed within a few percent share their top
-   16 bits), two more radix rounds over the delegates make ``T`` the exact k-th delegate.
+   256-bin histogram over ``[T, row max]``. The row's last program loads the slots, walks that
+   histogram to the bin holding the k-th key, ranks the few keys of that bin pairwise
+   (``TUNING["pair_rank"]``) to get ``t``, and counts per chunk the winners of the chunks before it.
+   Then every chunk program of a third launch writes its run's ``key > t`` plus its share of the
+   first ``key == t`` (ties to the lower id) at those offsets: ascending ids, no sort. Register rows
+   run radix rounds on their slots instead; and when their 16-bit ``T`` lets more keys through than
+   the slots hold (values packed within a few percent share their top 16 bits), two more radix
+   rounds over the delegates make ``T`` the exact k-th delegate.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
@@ -37,11 +37,10 @@ helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-ro
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
 keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
 launches, each with many programs per row: delegates (the last one to finish computes ``T``),
-candidates (the last one checks that the row fits its slots, else flags it and plans the fallback)
-and finish (every chunk writes its winners, or its share of the fallback). "Last program of the
-row" is an atomic counter that the last program resets (as the last finish program resets the
-row's slot counter and histogram), so nothing is read back to the host and the call can be
-captured in a CUDA graph.
+candidates (the last one finds ``t`` and the offsets, or flags the row and plans its fallback) and
+finish (every chunk writes its winners, or its share of the fallback). "Last program of the row" is
+an atomic counter that the last program resets (with the row's slot counter and histogram), so
+nothing is read back to the host and the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -70,10 +69,11 @@ from sparse_ref.kernels.topk_common import (
     BIG,
     CNT,
     DHIST,
-    FIN,
     FLAG,
     HEAD,
     HIST,
+    KEFF,
+    NEED,
     PAIR_SCRATCH,
     SHIFT,
     SYNC,
@@ -108,8 +108,9 @@ TUNING = {
     "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
     "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
-    "finish_warps": 8,  # the finish launch: a program per chunk, each loads the row's slots
+    "finish_warps": 4,  # the finish launch: a program per chunk, writes its run of winners (light)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
+    "block": 1024,  # tile of the finish launch's writes and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
@@ -195,13 +196,49 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 
 
 @triton.jit
+def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUNK: tl.constexpr,
+                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr):
+    """The exact selection of a row whose candidates all sit in its slots (runs of ascending ids, the runs
+    in any order), by the row's last candidates program: walk the row's histogram to the bin of the k-th
+    key, rank that bin's keys -> ``t`` and how many keys == t the row takes; then count, for every chunk,
+    the winners of the chunks before it (two small histograms over the chunk ids), so that the finish
+    programs write their runs at known offsets in parallel."""
+    total = tl.load(sync_row + CNT, cache_modifier=".cg")
+    s = tl.arange(0, SLOTS)
+    ok = s < total
+    packed = tl.load(cand_row + s, mask=ok, other=0, cache_modifier=".cg")
+    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
+    T = tl.load(work_row + T_)
+    shift = tl.load(work_row + SHIFT).to(tl.int64)
+    hist = tl.load(sync_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
+    if tl.load(sync_row + BIG, cache_modifier=".cg") > 0:  # some chunks stored their candidates unbinned
+        hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
+    k_eff = tl.minimum(k, total)
+    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
+    t, ties = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32),
+                            work_row + HEAD + 4 * C_PAD + G, PAIR, 0)
+    t = tl.where(k_eff > 0, t, 2147483647)
+    ties = tl.where(k_eff > 0, ties, 0)
+    chunk = packed.to(tl.int32) // CHUNK  # the low 32 bits are the id
+    above = tl.histogram(chunk, C_PAD, mask=ok & (key > t))
+    equal = tl.histogram(chunk, C_PAD, mask=ok & (key == t))
+    ci = tl.arange(0, C_PAD)
+    tl.store(work_row + HEAD + 2 * C_PAD + ci, tl.cumsum(above, axis=0) - above, mask=ci < C)
+    tl.store(work_row + HEAD + 3 * C_PAD + ci, tl.cumsum(equal, axis=0) - equal, mask=ci < C)
+    tl.store(work_row + TE, t)
+    tl.store(work_row + NEED, ties)
+    tl.store(work_row + KEFF, k_eff)
+
+
+@triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr):
     """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
     counter), copy its elements >= T there (key << 32 | id, ascending id) and add their histogram to the
-    row's. The row's last program only checks that every candidate found a slot; if not, it flags the
-    row for the fallback and plans it."""
+    row's. The row's last program finds the row's k-th key and each chunk's output offsets
+    (``_select_from_slots``), or, when the candidates did not fit the slots, flags the row and plans its
+    fallback; then it resets the row's counters and histogram for the next call."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -210,97 +247,82 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
     row = scores + r.to(tl.int64) * stride_r
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
+    cand_row = cand + r.to(tl.int64) * SLOTS
     T = tl.load(work_row + T_)
     shift = tl.load(work_row + SHIFT).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
     n_c = tl.sum(is_cand.to(tl.int32), axis=0)
-    tl.store(work_row + HEAD + c, n_c)
     base = tl.atomic_add(sync_row + CNT, n_c, sem="relaxed")  # this chunk's run of slots: [base, base + n_c)
+    tl.store(work_row + HEAD + c, n_c)
+    tl.store(work_row + HEAD + C_PAD + c, base)
     if base + n_c <= SLOTS:
-        run = cand + r.to(tl.int64) * SLOTS + base
+        run = cand_row + base
         tl.store(run + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, (key.to(tl.int64) << 32) | offs.to(tl.int64),
                  mask=is_cand)
         if n_c <= CHUNK // 8:
             _add_chunk_histogram(n_c, run, T, shift, sync_row + HIST, CHUNK // 8)
-        else:  # many candidates (e.g. the top of a sorted row): the finish programs bin the slots themselves
+        else:  # many candidates (e.g. the top of a sorted row): the last program bins the slots itself
             tl.atomic_add(sync_row + BIG, 1, sem="relaxed")
     tl.debug_barrier()
     if tl.atomic_add(sync_row + 1, 1, sem="acq_rel") == C - 1:
-        tl.store(sync_row + 1, 0)  # reset the counter for the next call
         if tl.load(sync_row + CNT, cache_modifier=".cg") <= SLOTS:
             tl.store(work_row + FLAG, 0)
+            _select_from_slots(cand_row, sync_row, work_row, k, C, G, CHUNK, SLOTS, C_PAD, PAIR)
         else:
-            te, flag = _plan_tie_path(row, length, tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G),
-                                                           cache_modifier=".cg"), k, work_row, C, CHUNK, C_PAD)
+            dkey = tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G), cache_modifier=".cg")
+            te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
             tl.store(work_row + TE, te)
             tl.store(work_row + FLAG, flag)
+        tl.store(sync_row + 1, 0)  # reset the row's counters and histogram for the next call
+        tl.store(sync_row + CNT, 0)
+        tl.store(sync_row + BIG, 0)
+        tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
 
 
 @triton.jit
-def _finish_from_slots(cand_row, sync_row, work_row, scratch, out_row, k, c, W,
-                       CHUNK: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """Chunk c's winners of a row whose candidates all sit in its slots (runs of ascending ids, the runs
-    in any order): every program of the row loads the slots, walks the row's histogram to the bin of
-    the k-th key and ranks that bin's keys (the same ``t`` in every program), then counts the winners
-    of the lower chunks to know where its own winners go, and writes them in ascending id order."""
-    total = tl.load(sync_row + CNT)
-    s = tl.arange(0, SLOTS)
-    ok = s < total
-    packed = tl.load(cand_row + s, mask=ok, other=0)
-    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
-    ids = packed.to(tl.int32)  # the low 32 bits
-    T = tl.load(work_row + T_)
-    shift = tl.load(work_row + SHIFT).to(tl.int64)
-    hist = tl.load(sync_row + HIST + tl.arange(0, 256))
-    if tl.load(sync_row + BIG) > 0:  # some chunks stored their candidates unbinned: bin the slots
-        hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
-    k_eff = tl.minimum(k, total)
-    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
-    t, ties = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32), scratch, PAIR, 0)
-    t = tl.where(k_eff > 0, t, 2147483647)
-    ties = tl.where(k_eff > 0, ties, 0)
-    lower = ids < c * CHUNK  # the candidates of the lower chunks
-    above_before = tl.sum(((key > t) & lower).to(tl.int32), axis=0)
-    ties_before = tl.sum(((key == t) & lower).to(tl.int32), axis=0)
-    own = ok & (ids >= c * CHUNK) & (ids < (c + 1) * CHUNK)  # one run of the slots, ids ascending
-    _write_above_and_ties(tl.where(own, key, -2147483648), ids, t, ties, ties_before, out_row,
-                          above_before + tl.minimum(ties_before, ties), W)
-    if c == 0:
-        _pad(out_row, k_eff, W, BLOCK)
+def _write_run(run, n, t, need, ties_before, out_row, pos0, W, BLOCK: tl.constexpr):
+    """Store, in ascending id order, the ids of a chunk's candidate run (``n`` entries key << 32 | id) that
+    win: keys > t, and keys == t while the row's ties taken stay within ``need``."""
+    done = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        packed = tl.load(run + j, mask=j < n, other=0)
+        key = tl.where(j < n, (packed >> 32).to(tl.int32), -2147483648)
+        done += _write_above_and_ties(key, packed.to(tl.int32), t, need, ties_before + ties_seen, out_row,
+                                      pos0 + done, W)
+        ties_seen += tl.sum((key == t).to(tl.int32), axis=0)
 
 
 @triton.jit
-def _finish_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+def _finish_kernel(scores, stride_r, out, cand, work, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one CHUNK of a row: its winners in the output. A row that fits the slots takes
-    ``_finish_from_slots`` (in parallel: no program does the row's selection alone); a flagged row its
-    fallback (``topk_fallback._fallback_chunk``). The row's last program resets its slot counter and
-    histogram for the next call."""
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one CHUNK of a row: its winners, at the offsets the candidates kernel planned. A
+    row in the slots: the chunk's run of slots; a flagged row: its fallback (``_fallback_chunk``)."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
-    sync_row = sync + r.to(tl.int64) * SYNC
     out_row = out + r.to(tl.int64) * W
     flag = tl.load(work_row + FLAG)
     if flag == 0:
-        if (c == 0) | (tl.load(work_row + HEAD + c) > 0):  # a chunk without candidates has no winners
-            _finish_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row,
-                               _delegates_of(work_row, C_PAD) + G + c * PAIR_SCRATCH, out_row, k, c, W,
-                               CHUNK, SLOTS, PAIR, BLOCK)
+        n_c = tl.load(work_row + HEAD + c)
+        if n_c > 0:
+            t = tl.load(work_row + TE)
+            need = tl.load(work_row + NEED)
+            above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+            ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
+            _write_run(cand + r.to(tl.int64) * SLOTS + tl.load(work_row + HEAD + C_PAD + c), n_c, t, need,
+                       ties_before, out_row, above_before + tl.minimum(ties_before, need), W, BLOCK)
+        if c == 0:
+            _pad(out_row, tl.load(work_row + KEFF), W, BLOCK)
     else:
         _fallback_chunk(scores + r.to(tl.int64) * stride_r, length, k, flag, work_row, out_row, c, W, CHUNK, C_PAD,
                         BLOCK)
-    tl.debug_barrier()  # this program's reads of the row's state are done
-    if tl.atomic_add(sync_row + FIN, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        tl.store(sync_row + FIN, 0)
-        tl.store(sync_row + CNT, 0)
-        tl.store(sync_row + BIG, 0)
-        tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,7 +393,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         return [("register_row", lambda: _register_row_kernel[(R,)](
             scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
             PAIR=p["pair"], BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
-    block = 1024 if device.type == "cuda" else min(1024, p["n_pad"])
+    block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p["n_pad"])
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
     C = triton.cdiv(N, chunk)
     log_c = max(1, (C - 1).bit_length())
@@ -389,9 +411,9 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=nw)),
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], num_warps=nw)),
         ("finish", lambda: _finish_kernel[(R, C)](
-            scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
+            scores, stride, out, cand, work, N, W, **row_args, **shape, BLOCK=block,
             num_warps=TUNING["finish_warps"] if device.type == "cuda" else 1)),
     ]
 
@@ -494,14 +516,14 @@ AOT_VARIANTS = [
     *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
                   sync="*i32", **AOT_PTRS)
       for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw}, cand="*i64",
-                  work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
-                                 (16, 8, 16, 8), strict=True)],
-    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024), {"num_warps": nw},
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192),
-                                     (4, 7, 3, 4), (8, 8, 4, 8), (0, 128, 128, 128), strict=True)],
+      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
+                                     (16, 8, 16, 8), (0, 128, 128, 128), strict=True)],
+    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BLOCK=1024), {"num_warps": nw},
+                  cand="*i64", work="*i32", **AOT_PTRS)
+      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
+                                 (4, 8, 4, 4), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
                                            BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32", flags="*i32",
                 **{**AOT_PTRS, "scores": "*bf16"}),

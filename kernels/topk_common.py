@@ -12,17 +12,17 @@ import triton
 import triton.language as tl
 
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
-#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 done / 2 tie path / 1 whole-row radix
-#   [TE] exact k-th delegate  [NEED] ties the tie path takes, then from HEAD, with C_PAD = 2**LOG_C:
-#   candidates per chunk | keys > Te before each chunk | keys == Te before each chunk (C_PAD each) |
-#   the G delegates | PAIR_SCRATCH ints per chunk program for the pairwise rank.
+#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 1 whole-row radix
+#   [TE] the row's k-th key (flag 0) or exact k-th delegate (flag 2)  [NEED] keys == TE the row takes
+#   [KEFF] ids the row writes, then from HEAD, with C_PAD = 2**LOG_C: candidates per chunk | each chunk's
+#   first slot | keys > TE before each chunk | keys == TE before each chunk (C_PAD each) | the G
+#   delegates | PAIR_SCRATCH ints for the pairwise rank.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
 #   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram,
 #   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates, [BIG] chunks that stored
-#   their candidates without binning them, [CNT] the row's candidates (the slot allocator), [FIN] the
-#   finish counter.
-T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
-HIST, DHIST, BIG, CNT, FIN, SYNC = (tl.constexpr(i) for i in (2, 258, 514, 515, 516, 520))
+#   their candidates without binning them, [CNT] the row's candidates (the slot allocator).
+T_, SHIFT, FLAG, TE, NEED, KEFF, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 5, 8))
+HIST, DHIST, BIG, CNT, SYNC = (tl.constexpr(i) for i in (2, 258, 514, 515, 520))
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -220,18 +220,18 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
 def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
     """Row r of the ``work`` buffer (layout above)."""
     C_PAD: tl.constexpr = 1 << LOG_C
-    return work + r.to(tl.int64) * (HEAD + 3 * C_PAD + G + C_PAD * PAIR_SCRATCH)
+    return work + r.to(tl.int64) * (HEAD + 4 * C_PAD + G + PAIR_SCRATCH)
 
 
 @triton.jit
 def _delegates_of(work_row, C_PAD: tl.constexpr):
     """Where a row's G delegates sit in its ``work`` row."""
-    return work_row + HEAD + 3 * C_PAD
+    return work_row + HEAD + 4 * C_PAD
 
 
 def work_width(c_pad: int, G: int) -> int:
     """Ints per row of the ``work`` buffer (layout above; as ``_work_row``)."""
-    return HEAD.value + 3 * c_pad + G + c_pad * PAIR_SCRATCH.value
+    return HEAD.value + 4 * c_pad + G + PAIR_SCRATCH.value
 
 
 def aot_variant(kernel, constexprs, options=None, **types):

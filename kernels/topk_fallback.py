@@ -46,8 +46,8 @@ def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD
         key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
         a = tl.sum((key > te).to(tl.int32), axis=1)
         e = tl.sum((key == te).to(tl.int32), axis=1)
-        tl.store(work_row + HEAD + C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
-        tl.store(work_row + HEAD + 2 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
+        tl.store(work_row + HEAD + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
+        tl.store(work_row + HEAD + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
         above += tl.sum(a, axis=0)
         ties += tl.sum(e, axis=0)
     tl.store(work_row + NEED, k - above)
@@ -110,8 +110,8 @@ def _fallback_chunk(row, length, k, flag, work_row, out_row, c, W, CHUNK: tl.con
     if flag == 2:
         te = tl.load(work_row + TE)
         need = tl.load(work_row + NEED)
-        above_before = tl.load(work_row + HEAD + C_PAD + c)
-        ties_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+        above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+        ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
         _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),

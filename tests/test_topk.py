@@ -1,10 +1,11 @@
 """The Triton top-k (kernels/topk.py) against ``topk_reference`` on awkward and adversarial inputs.
 
 The paths are tested separately, forced at interpreter sizes through ``TUNING``:
-``register`` (one program per row, row in registers), ``long`` (delegates -> candidates ->
-exact select by every chunk program of the finish launch; several programs per row), ``fallback``
-(the slot tensor shrunk so that every row overflows and the device-side fallback runs: the tie path
-or the exact radix select over the whole row) and ``register_fallback``. The ``gpu`` tests run realistic sizes and CUDA-graph replays.
+``register`` (one program per row, row in registers), ``long`` (delegates -> candidates, whose last
+program selects on the row's slots -> every chunk writes its winners; several programs per row),
+``fallback`` (the slot tensor shrunk so that every row overflows and the device-side fallback runs:
+the tie path or the exact radix select over the whole row) and ``register_fallback``. The ``gpu``
+tests run realistic sizes and CUDA-graph replays.
 """
 
 import pytest
@@ -181,7 +182,7 @@ def long_path_rows(N, k, seed=0):
 @pytest.mark.parametrize("pair_rank", [16, 128])
 def test_long_path_histogram_select(monkeypatch, pair_rank):
     """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
-    to the row's, every finish program ranks the crossing bin's keys (pairwise when at most pair_rank share
+    to the row's, the last program ranks the crossing bin's keys (pairwise when at most pair_rank share
     it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call."""
     for name, value in {**PATHS["long"], "pair_rank": pair_rank}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
@@ -194,6 +195,20 @@ def test_long_path_histogram_select(monkeypatch, pair_rank):
     check(x, torch.tensor([20, 1, 0, 19, 7, 3, 20], device=DEVICE), torch.tensor([1500, 1499, 700, 1500, 65, 900, 1],
           device=DEVICE), width=20, order="index")
     assert not topk_module._SYNC[str(x.device)].any()
+
+
+def test_long_path_runs_wider_than_a_tile(monkeypatch):
+    """A chunk with more winners than one tile of the finish launch (the top of an ascending row) writes
+    its run of slots in several tiles; ties at the k-th key cross tile and chunk boundaries."""
+    for name, value in {**PATHS["long"], "block": 16}.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = make_scores(3, 1000, seed=8)
+    x[0] = torch.arange(1000, device=DEVICE).float()  # the 50 winners: the last chunk's 40 and 10 before
+    x[1, 900:] = 5.0  # 100 ties above every other key, across two chunks: the 50 lowest ids win
+    out = torch.empty(3, 50, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 50, None, None, out).tolist() == [0, 0, 0]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 50, order="index"))
+    check(x, 50, torch.tensor([1000, 950, 37], device=DEVICE), order="score")
 
 
 @pytest.mark.parametrize("run", [16, 64])

@@ -45,7 +45,7 @@ from sparse_ref.selection import select_pages, topk_reference
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
 SWEEP = {"pair_rank": [0], "chunk": [4096], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
-         "finish_warps": [16]}
+         "finish_warps": [8]}
 SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
 # order="score" variants, always run (exactness + time over index order): one tl.sort per row with its warps,
@@ -54,9 +54,10 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(chunk=4096), dict(chunk=16384), dict(finish_warps=4), dict(finish_warps=16),
-                  dict(delegate_tile=16384), dict(num_warps_small=8), dict(pair_rank=64)]
-CLUSTERED_VARIANTS = [dict(chunk=4096), dict(finish_warps=4)]  # also on clustered rows (they take the tie path)
+INDEX_VARIANTS = [dict(chunk=8192), dict(chunk=2048), dict(candidate_warps=4), dict(candidate_warps=16),
+                  dict(select_warps=8), dict(select_warps=32), dict(finish_warps=8), dict(num_warps_small=8),
+                  dict(delegate_cols=512, num_warps_small=4), dict(pair_rank=64)]
+CLUSTERED_VARIANTS = [dict(chunk=8192), dict(finish_warps=8)]  # also on clustered rows (they take the tie path)
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []

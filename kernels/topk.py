@@ -18,14 +18,14 @@ The design, in five steps:
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
    k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
    copies its candidates there (key and id, ascending id) and adds their histogram to the row's
-   256-bin histogram over ``[T, row max]``. The row's last program loads the slots, walks that
+   256-bin histogram over ``[T, row max]``. Then one program per row loads the slots, walks that
    histogram to the bin holding the k-th key, ranks the few keys of that bin pairwise
-   (``TUNING["pair_rank"]``) to get ``t``, and counts per chunk the winners of the chunks before it.
-   Then every chunk program of a third launch writes its run's ``key > t`` plus its share of the
-   first ``key == t`` (ties to the lower id) at those offsets: ascending ids, no sort. Register rows
-   run radix rounds on their slots instead; and when their 16-bit ``T`` lets more keys through than
-   the slots hold (values packed within a few percent share their top 16 bits), two more radix
-   rounds over the delegates make ``T`` the exact k-th delegate.
+   (``TUNING["pair_rank"]``) to get ``t``, and counts per chunk the winners of the chunks before it;
+   and every chunk program of a last launch writes its run's ``key > t`` plus its share of the first
+   ``key == t`` (ties to the lower id) at those offsets: ascending ids, no sort. Register rows run
+   radix rounds on their slots instead; and when their 16-bit ``T`` lets more keys through than the
+   slots hold (values packed within a few percent share their top 16 bits), two more radix rounds
+   over the delegates make ``T`` the exact k-th delegate.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
@@ -35,12 +35,14 @@ helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-ro
 ``kernels/topk_common.py``.
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
-keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
-launches, each with many programs per row: delegates (the last one to finish computes ``T``),
-candidates (the last one finds ``t`` and the offsets, or flags the row and plans its fallback) and
-finish (every chunk writes its winners, or its share of the fallback). "Last program of the row" is
-an atomic counter that the last program resets (with the row's slot counter and histogram), so
-nothing is read back to the host and the call can be captured in a CUDA graph.
+keeps it in registers (one launch; the tie path runs in registers too). Longer rows use four
+launches: delegates (many programs per row; the last one to finish computes ``T``), candidates (a
+light program per chunk, no serial tail), select (a program per row: ``t`` and the offsets, or the
+flag and the plan of the fallback) and finish (every chunk writes its winners, or its share of the
+fallback). The selection is a launch of its own so that the wide per-chunk passes run with few
+warps and the one serial step per row with many. "Last program of the row" is an atomic counter
+that the last program resets, and the select program resets the row's slot counter and histogram,
+so nothing is read back to the host and the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -102,12 +104,14 @@ TUNING = {
     "max_delegates": 8192,
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
-    "chunk": 8192,  # columns per candidate program
+    "chunk": 4096,  # columns per candidate program
     "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,
     "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
     "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
+    "candidate_warps": 8,  # the candidates launch: a program per chunk, no serial tail
+    "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
     "finish_warps": 4,  # the finish launch: a program per chunk, writes its run of winners (light)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the finish launch's writes and of the fallback's tile loops
@@ -199,19 +203,19 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUNK: tl.constexpr,
                        SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr):
     """The exact selection of a row whose candidates all sit in its slots (runs of ascending ids, the runs
-    in any order), by the row's last candidates program: walk the row's histogram to the bin of the k-th
+    in any order): walk the row's histogram to the bin of the k-th
     key, rank that bin's keys -> ``t`` and how many keys == t the row takes; then count, for every chunk,
     the winners of the chunks before it (two small histograms over the chunk ids), so that the finish
     programs write their runs at known offsets in parallel."""
-    total = tl.load(sync_row + CNT, cache_modifier=".cg")
+    total = tl.load(sync_row + CNT)
     s = tl.arange(0, SLOTS)
     ok = s < total
-    packed = tl.load(cand_row + s, mask=ok, other=0, cache_modifier=".cg")
+    packed = tl.load(cand_row + s, mask=ok, other=0)
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
     T = tl.load(work_row + T_)
     shift = tl.load(work_row + SHIFT).to(tl.int64)
-    hist = tl.load(sync_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
-    if tl.load(sync_row + BIG, cache_modifier=".cg") > 0:  # some chunks stored their candidates unbinned
+    hist = tl.load(sync_row + HIST + tl.arange(0, 256))
+    if tl.load(sync_row + BIG) > 0:  # some chunks stored their candidates unbinned
         hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
     k_eff = tl.minimum(k, total)
     d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
@@ -233,52 +237,59 @@ def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUN
 @triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr):
     """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
     counter), copy its elements >= T there (key << 32 | id, ascending id) and add their histogram to the
-    row's. The row's last program finds the row's k-th key and each chunk's output offsets
-    (``_select_from_slots``), or, when the candidates did not fit the slots, flags the row and plans its
-    fallback; then it resets the row's counters and histogram for the next call."""
+    row's. No tail: the selection is the next launch's, so this one runs with light programs."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
-    C = tl.num_programs(1)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-    row = scores + r.to(tl.int64) * stride_r
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
-    cand_row = cand + r.to(tl.int64) * SLOTS
     T = tl.load(work_row + T_)
-    shift = tl.load(work_row + SHIFT).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+    key = _keys(tl.load(scores + r.to(tl.int64) * stride_r + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
     n_c = tl.sum(is_cand.to(tl.int32), axis=0)
     base = tl.atomic_add(sync_row + CNT, n_c, sem="relaxed")  # this chunk's run of slots: [base, base + n_c)
     tl.store(work_row + HEAD + c, n_c)
     tl.store(work_row + HEAD + C_PAD + c, base)
     if base + n_c <= SLOTS:
-        run = cand_row + base
+        run = cand + r.to(tl.int64) * SLOTS + base
         tl.store(run + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, (key.to(tl.int64) << 32) | offs.to(tl.int64),
                  mask=is_cand)
         if n_c <= CHUNK // 8:
-            _add_chunk_histogram(n_c, run, T, shift, sync_row + HIST, CHUNK // 8)
-        else:  # many candidates (e.g. the top of a sorted row): the last program bins the slots itself
+            _add_chunk_histogram(n_c, run, T, tl.load(work_row + SHIFT).to(tl.int64), sync_row + HIST, CHUNK // 8)
+        else:  # many candidates (e.g. the top of a sorted row): the select program bins the slots itself
             tl.atomic_add(sync_row + BIG, 1, sem="relaxed")
-    tl.debug_barrier()
-    if tl.atomic_add(sync_row + 1, 1, sem="acq_rel") == C - 1:
-        if tl.load(sync_row + CNT, cache_modifier=".cg") <= SLOTS:
-            tl.store(work_row + FLAG, 0)
-            _select_from_slots(cand_row, sync_row, work_row, k, C, G, CHUNK, SLOTS, C_PAD, PAIR)
-        else:
-            dkey = tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G), cache_modifier=".cg")
-            te, flag = _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK, C_PAD)
-            tl.store(work_row + TE, te)
-            tl.store(work_row + FLAG, flag)
-        tl.store(sync_row + 1, 0)  # reset the row's counters and histogram for the next call
-        tl.store(sync_row + CNT, 0)
-        tl.store(sync_row + BIG, 0)
-        tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
+
+
+@triton.jit
+def _select_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+                   HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr):
+    """One program = one row: when its candidates all found a slot, the row's k-th key and each chunk's
+    output offsets (``_select_from_slots``); else flag the row and plan its fallback. Then reset the row's
+    slot counter and histogram for the next call."""
+    C_PAD: tl.constexpr = 1 << LOG_C
+    r = tl.program_id(0)
+    C = tl.cdiv(N, CHUNK)
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+    work_row = _work_row(work, r, LOG_C, G)
+    sync_row = sync + r.to(tl.int64) * SYNC
+    if tl.load(sync_row + CNT) <= SLOTS:
+        tl.store(work_row + FLAG, 0)
+        _select_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row, k, C, G, CHUNK, SLOTS, C_PAD, PAIR)
+    else:
+        dkey = tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G))
+        te, flag = _plan_tie_path(scores + r.to(tl.int64) * stride_r, length, dkey, k, work_row, C, CHUNK, C_PAD)
+        tl.store(work_row + TE, te)
+        tl.store(work_row + FLAG, flag)
+    tl.debug_barrier()  # every thread's reads of the row's state are done
+    tl.store(sync_row + CNT, 0)
+    tl.store(sync_row + BIG, 0)
+    tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
 
 
 @triton.jit
@@ -401,6 +412,9 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
         return [("whole_row", lambda: topk_fallback._whole_row_kernel[(R,)](
             scores, stride, out, N, W, **row_args, BLOCK=block, num_warps=nw))]
+    def warps(knob):
+        return TUNING[knob] if device.type == "cuda" else 1
+
     sync = _sync_buffer(device, R)
     work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
     cand = torch.empty((R, p["slots"]), dtype=torch.int64, device=device)
@@ -411,10 +425,13 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], num_warps=nw)),
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"))),
+        ("select", lambda: _select_kernel[(R,)](
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"],
+            num_warps=warps("select_warps"))),
         ("finish", lambda: _finish_kernel[(R, C)](
             scores, stride, out, cand, work, N, W, **row_args, **shape, BLOCK=block,
-            num_warps=TUNING["finish_warps"] if device.type == "cuda" else 1)),
+            num_warps=warps("finish_warps"))),
     ]
 
 
@@ -516,10 +533,14 @@ AOT_VARIANTS = [
     *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
                   sync="*i32", **AOT_PTRS)
       for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr), {"num_warps": nw},
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
-                                     (16, 8, 16, 8), (0, 128, 128, 128), strict=True)],
+      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 4096), (4, 7, 3, 5),
+                                 (8, 8, 16, 8), strict=True)],
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr), {"num_warps": nw},
+                  cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
+      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 4096),
+                                     (4, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), strict=True)],
     *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BLOCK=1024), {"num_warps": nw},
                   cand="*i64", work="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),

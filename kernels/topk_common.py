@@ -18,7 +18,7 @@ import triton.language as tl
 #   first slot | keys > TE before each chunk | keys == TE before each chunk (C_PAD each) | the G
 #   delegates | PAIR_SCRATCH ints for the pairwise rank.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
-#   [0] delegates counter, [1] candidates counter, [HIST, HIST + 256) the row's candidate histogram,
+#   [0] delegates counter, [1] free, [HIST, HIST + 256) the row's candidate histogram,
 #   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates, [BIG] chunks that stored
 #   their candidates without binning them, [CNT] the row's candidates (the slot allocator).
 T_, SHIFT, FLAG, TE, NEED, KEFF, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 5, 8))

@@ -1,8 +1,8 @@
 """The Triton top-k (kernels/topk.py) against ``topk_reference`` on awkward and adversarial inputs.
 
 The paths are tested separately, forced at interpreter sizes through ``TUNING``:
-``register`` (one program per row, row in registers), ``long`` (delegates -> candidates, whose last
-program selects on the row's slots -> every chunk writes its winners; several programs per row),
+``register`` (one program per row, row in registers), ``long`` (delegates -> candidates -> select on
+the row's slots -> every chunk writes its winners; several programs per row),
 ``fallback`` (the slot tensor shrunk so that every row overflows and the device-side fallback runs:
 the tie path or the exact radix select over the whole row) and ``register_fallback``. The ``gpu``
 tests run realistic sizes and CUDA-graph replays.
@@ -182,7 +182,7 @@ def long_path_rows(N, k, seed=0):
 @pytest.mark.parametrize("pair_rank", [16, 128])
 def test_long_path_histogram_select(monkeypatch, pair_rank):
     """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
-    to the row's, the last program ranks the crossing bin's keys (pairwise when at most pair_rank share
+    to the row's, the select program ranks the crossing bin's keys (pairwise when at most pair_rank share
     it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call."""
     for name, value in {**PATHS["long"], "pair_rank": pair_rank}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
@@ -388,7 +388,7 @@ def test_gpu_cuda_graph_capture_and_replay(N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [dict(sort_run=512), dict(sort_run=256, sort_run_warps=2), dict(sort_run=0),
-                                   dict(chunk=4096, finish_warps=4)])
+                                   dict(chunk=8192, candidate_warps=16, finish_warps=8)])
 def test_gpu_knob_variants(monkeypatch, knobs):
     """Knob variants compiled at realistic sizes (adversarial rows take the tie path and the radix select):
     the two-step sort of order="score" or one sort per row, and smaller chunks with lighter finish programs."""

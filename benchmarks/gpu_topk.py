@@ -54,9 +54,8 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(chunk=8192), dict(chunk=2048), dict(candidate_warps=4), dict(candidate_warps=16),
-                  dict(select_warps=8), dict(select_warps=32), dict(finish_warps=8), dict(num_warps_small=8),
-                  dict(delegate_cols=512, num_warps_small=4), dict(pair_rank=64)]
+INDEX_VARIANTS = [dict(chunk=8192), dict(chunk=2048), dict(candidate_warps=8), dict(candidate_warps=2),
+                  dict(finish_warps=2), dict(num_warps_small=16), dict(num_warps_small=4), dict(pair_rank=64)]
 CLUSTERED_VARIANTS = [dict(chunk=8192), dict(finish_warps=8)]  # also on clustered rows (they take the tie path)
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]

@@ -107,10 +107,10 @@ TUNING = {
     "chunk": 4096,  # columns per candidate program
     "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,
-    "num_warps_small": 16,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
+    "num_warps_small": 8,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
     "small_batch": 64 * 65536,
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
-    "candidate_warps": 8,  # the candidates launch: a program per chunk, no serial tail
+    "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
     "finish_warps": 4,  # the finish launch: a program per chunk, writes its run of winners (light)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
@@ -311,7 +311,7 @@ def _write_run(run, n, t, need, ties_before, out_row, pos0, W, BLOCK: tl.constex
 def _finish_kernel(scores, stride_r, out, cand, work, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one CHUNK of a row: its winners, at the offsets the candidates kernel planned. A
+    """One program = one CHUNK of a row: its winners, at the offsets the select kernel planned. A
     row in the slots: the chunk's run of slots; a flagged row: its fallback (``_fallback_chunk``)."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
@@ -319,16 +319,17 @@ def _finish_kernel(scores, stride_r, out, cand, work, N, W, k_scalar, k_ptr, len
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
     out_row = out + r.to(tl.int64) * W
-    flag = tl.load(work_row + FLAG)
+    flag = tl.load(work_row + FLAG)  # (independent loads: one round trip, not a chain)
+    n_c = tl.load(work_row + HEAD + c)
+    base = tl.load(work_row + HEAD + C_PAD + c)
+    above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+    ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
+    t = tl.load(work_row + TE)
+    need = tl.load(work_row + NEED)
     if flag == 0:
-        n_c = tl.load(work_row + HEAD + c)
         if n_c > 0:
-            t = tl.load(work_row + TE)
-            need = tl.load(work_row + NEED)
-            above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
-            ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
-            _write_run(cand + r.to(tl.int64) * SLOTS + tl.load(work_row + HEAD + C_PAD + c), n_c, t, need,
-                       ties_before, out_row, above_before + tl.minimum(ties_before, need), W, BLOCK)
+            _write_run(cand + r.to(tl.int64) * SLOTS + base, n_c, t, need, ties_before, out_row,
+                       above_before + tl.minimum(ties_before, need), W, BLOCK)
         if c == 0:
             _pad(out_row, tl.load(work_row + KEFF), W, BLOCK)
     else:

@@ -3,7 +3,7 @@ clusters of equal values, a period of G, more than half the row wanted), chosen 
 
 Most such rows overflow because many keys EQUAL the threshold. With ``Te`` = the exact k-th delegate,
 at least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is "every
-key > Te, plus the lowest-id keys == Te": the row's last candidates program counts both per chunk
+key > Te, plus the lowest-id keys == Te": the row's select program counts both per chunk
 (``_plan_tie_path``), then every chunk program of the finish launch writes its share at known offsets
 in parallel (the *tie path*, ``_fallback_chunk``). Rows with k or more keys above ``Te`` (e.g. a period
 of G) take the whole-row radix select (``_radix_select_row``). Used by ``kernels/topk.py``.
@@ -105,7 +105,7 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 def _fallback_chunk(row, length, k, flag, work_row, out_row, c, W, CHUNK: tl.constexpr, C_PAD: tl.constexpr,
                     BLOCK: tl.constexpr):
     """Chunk c's share of a flagged row. Flag 2 (the tie path): store the chunk's keys > Te and its share
-    of the lowest-id keys == Te at the offsets the candidates kernel planned (every chunk in parallel, ids
+    of the lowest-id keys == Te at the offsets the select kernel planned (every chunk in parallel, ids
     ascending). Flag 1: chunk 0 runs the whole-row radix select."""
     if flag == 2:
         te = tl.load(work_row + TE)

@@ -75,12 +75,12 @@ def _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_
 
 
 @triton.jit
-def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
-                        N, W, page_size, n_recent, n_sink, min_seq,
-                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                        BLOCK_OUT: tl.constexpr):
-    """One program = one request row: plan its windows, select its history top-k, write the full row."""
-    r = tl.program_id(0)
+def _select_row(r, scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
+                N, W, page_size, n_recent, n_sink, min_seq,
+                N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                BLOCK_OUT: tl.constexpr):
+    """Steps 1-3 for request row r: plan its windows, select its history top-k (ids ascending, after the
+    sink pages), write sink, recent and padding, store its length. Returns (its output row, its length)."""
     n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, page_size, n_recent,
                                                      n_sink, min_seq)
     out_row = selected + r.to(tl.int64) * W
@@ -88,6 +88,17 @@ def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_ma
                                     sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
     tl.store(lengths + r, filled)
+    return out_row, filled
+
+
+@triton.jit
+def _page_select_kernel(scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
+                        N, W, page_size, n_recent, n_sink, min_seq,
+                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                        BLOCK_OUT: tl.constexpr):
+    """One program = one request row: plan its windows, select its history top-k, write the full row."""
+    _select_row(tl.program_id(0), scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
+                N, W, page_size, n_recent, n_sink, min_seq, N_PAD, G, SLOTS, PAIR, BLOCK_OUT)
 
 
 @triton.jit
@@ -103,13 +114,8 @@ def _select_to_table_kernel(scores, stride_r, selected, lengths, seq_lens, spars
     row = tl.minimum(tl.maximum(tl.load(rows + r).to(tl.int64), 0), r2t_rows - 1)  # loaded before the selection
     on = tl.load(sparse_mask + r).to(tl.int32) != 0
     seq_raw = tl.load(seq_lens + r).to(tl.int64)
-    n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, page_size, n_recent,
-                                                     n_sink, min_seq)
-    out_row = selected + r.to(tl.int64) * W
-    k_eff, _ = _select_in_registers(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
-                                    sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
-    filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
-    tl.store(lengths + r, filled)
+    out_row, filled = _select_row(r, scores, stride_r, selected, lengths, seq_lens, sparse_mask, budget, scratch,
+                                  N, W, page_size, n_recent, n_sink, min_seq, N_PAD, G, SLOTS, PAIR, BLOCK_OUT)
     tl.debug_barrier()  # the row's ids are stored before the table reads them back
     kv_len = _table_row(out_row, filled, W, seq_raw, on,
                         req_to_token + row * r2t_width, r2t_width, page_size,

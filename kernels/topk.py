@@ -209,8 +209,8 @@ def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUN
     programs write their runs at known offsets in parallel."""
     total = tl.load(sync_row + CNT)
     s = tl.arange(0, SLOTS)
+    packed = tl.load(cand_row + s)  # every slot (not masked by total: one round trip instead of two)
     ok = s < total
-    packed = tl.load(cand_row + s, mask=ok, other=0)
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
     T = tl.load(work_row + T_)
     shift = tl.load(work_row + SHIFT).to(tl.int64)

@@ -44,7 +44,7 @@ from sparse_ref.selection import select_pages, topk_reference
 
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
-SWEEP = {"pair_rank": [0], "chunk": [4096], "num_warps_small": [8], "num_warps": [16], "delegate_cols": [512],
+SWEEP = {"pair_rank": [0], "chunk": [4096], "delegate_warps": [4], "num_warps": [16], "delegate_cols": [512],
          "finish_warps": [8]}
 SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
@@ -55,7 +55,7 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
 INDEX_VARIANTS = [dict(chunk=8192), dict(chunk=2048), dict(candidate_warps=8), dict(candidate_warps=2),
-                  dict(finish_warps=2), dict(num_warps_small=16), dict(num_warps_small=4), dict(pair_rank=64)]
+                  dict(finish_warps=2), dict(delegate_warps=16), dict(delegate_warps=4), dict(pair_rank=64)]
 CLUSTERED_VARIANTS = [dict(chunk=8192), dict(finish_warps=8)]  # also on clustered rows (they take the tie path)
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]

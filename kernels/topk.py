@@ -106,9 +106,8 @@ TUNING = {
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
     "chunk": 4096,  # columns per candidate program
     "delegate_cols": 1024,  # delegate columns per delegate program
-    "num_warps": 8,
-    "num_warps_small": 8,  # long rows: warps per program when R * N <= small_batch (few programs: wider ones)
-    "small_batch": 64 * 65536,
+    "num_warps": 8,  # register rows (one program per row) and the fused page selection
+    "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
@@ -391,10 +390,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     p = plan(R, N, W)
     stats = {} if stats is None else stats
     stats["plan"] = p
-    nw = TUNING["num_warps"]
-    if R * N <= TUNING["small_batch"] and not p["register"]:
-        nw = TUNING["num_warps_small"]
-    nw = nw if device.type == "cuda" else 1
+    nw = TUNING["num_warps" if p["register"] else "delegate_warps"] if device.type == "cuda" else 1
     row_args = dict(k_scalar=min(k_scalar, N), k_ptr=k_tensor if k_tensor is not None else out,
                     len_ptr=lengths if lengths is not None else out, HAS_K=k_tensor is not None,
                     HAS_LEN=lengths is not None)

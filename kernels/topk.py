@@ -202,10 +202,10 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUNK: tl.constexpr,
                        SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr):
     """The exact selection of a row whose candidates all sit in its slots (runs of ascending ids, the runs
-    in any order): walk the row's histogram to the bin of the k-th
-    key, rank that bin's keys -> ``t`` and how many keys == t the row takes; then count, for every chunk,
-    the winners of the chunks before it (two small histograms over the chunk ids), so that the finish
-    programs write their runs at known offsets in parallel."""
+    in any order): walk the row's histogram to the bin of the k-th key, rank that bin's keys -> ``t`` and
+    how many keys == t the row takes; then count, for every chunk, the winners of the chunks before it
+    (two small histograms over the chunk ids), so that the finish programs write their runs at known
+    offsets in parallel."""
     total = tl.load(sync_row + CNT)
     s = tl.arange(0, SLOTS)
     packed = tl.load(cand_row + s)  # every slot (not masked by total: one round trip instead of two)
@@ -219,7 +219,7 @@ def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUN
     k_eff = tl.minimum(k, total)
     d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
     t, ties = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32),
-                            work_row + HEAD + 4 * C_PAD + G, PAIR, 0)
+                            _delegates_of(work_row, C_PAD) + G, PAIR, 0)  # (the pair scratch)
     t = tl.where(k_eff > 0, t, 2147483647)
     ties = tl.where(k_eff > 0, ties, 0)
     chunk = packed.to(tl.int32) // CHUNK  # the low 32 bits are the id
@@ -409,6 +409,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
         return [("whole_row", lambda: topk_fallback._whole_row_kernel[(R,)](
             scores, stride, out, N, W, **row_args, BLOCK=block, num_warps=nw))]
+
     def warps(knob):
         return TUNING[knob] if device.type == "cuda" else 1
 

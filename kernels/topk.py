@@ -381,8 +381,9 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
 
     ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
-    2 = tie path, 1 = whole-row radix select) and on the long-row path the
-    per-chunk candidate ``counts`` and the thresholds (valid after the launches ran).
+    2 = tie path, 1 = whole-row radix select) and on the long-row path the per-chunk candidate
+    ``counts``, the thresholds, the candidate ``slots`` and each chunk's first slot (``run_starts``),
+    valid after the launches ran.
     """
     R, N = scores.shape
     W = out.shape[1]
@@ -416,7 +417,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     sync = _sync_buffer(device, R)
     work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
     cand = torch.empty((R, p["slots"]), dtype=torch.int64, device=device)
-    stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value])
+    stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value],
+                 slots=cand, run_starts=work[:, HEAD.value + (1 << log_c):HEAD.value + (1 << log_c) + C])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
     return [

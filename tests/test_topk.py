@@ -211,6 +211,37 @@ def test_long_path_runs_wider_than_a_tile(monkeypatch):
     check(x, 50, torch.tensor([1000, 950, 37], device=DEVICE), order="score")
 
 
+def test_runs_of_slots_in_any_order(monkeypatch):
+    """On a GPU the chunks of a row take their runs of slots in whatever order their atomic adds land; the
+    interpreter runs programs in order. Reverse the runs between the candidates and the select launch
+    (slots and run starts): the select and finish launches must give the same exact answer."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = long_path_rows(1500, 20)
+    out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
+    stats: dict = {}
+    steps = topk_module.launches(x, 20, None, None, out, stats)
+    assert [name for name, _ in steps] == ["delegates", "candidates", "select", "finish"]
+    for _, fn in steps[:2]:
+        fn()
+    slots, starts, counts = stats["slots"], stats["run_starts"], stats["counts"]
+    before = starts.clone()
+    for r in range(x.shape[0]):
+        runs = [slots[r, int(b):int(b) + int(n)].clone() for b, n in zip(starts[r], counts[r], strict=True)]
+        if sum(int(n) for n in counts[r]) > slots.shape[1]:
+            continue  # (an overflowing row keeps its runs: it takes the fallback)
+        pos = 0
+        for c in reversed(range(len(runs))):  # the last chunk's run first
+            slots[r, pos:pos + runs[c].numel()] = runs[c]
+            starts[r, c] = pos
+            pos += runs[c].numel()
+    assert (starts != before).any(dim=1).sum() >= 5  # most rows now hold their runs in another order
+    for _, fn in steps[2:]:
+        fn()
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
+    assert not topk_module._SYNC[str(x.device)].any()
+
+
 @pytest.mark.parametrize("run", [16, 64])
 def test_score_order_by_sorted_runs(monkeypatch, run):
     """order="score" on rows wider than TUNING["sort_run"]: runs sorted by parallel programs, then merged

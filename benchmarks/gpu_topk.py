@@ -44,7 +44,7 @@ from sparse_ref.selection import select_pages, topk_reference
 
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
-SWEEP = {"pair_rank": [0], "chunk": [4096], "delegate_warps": [4], "num_warps": [16], "delegate_cols": [512],
+SWEEP = {"pair_rank": [0], "chunk": [2048], "delegate_warps": [4], "num_warps": [16], "delegate_cols": [512],
          "finish_warps": [8]}
 SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)

@@ -5,6 +5,7 @@ Executing them is nbmake's job (``pytest --nbmake notebooks``); this file only r
 """
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def test_notebook_numbers_are_unique():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
 def test_notebook_is_committed_clean(path):
+    missing = [i for i, cell in enumerate(json.loads(path.read_text())["cells"]) if "id" not in cell]
+    assert not missing, f"{path.name}: cells {missing} have no id (nbformat 4.5 wants one per cell)"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{path.name}: kernel name must be python3"

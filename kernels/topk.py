@@ -20,11 +20,11 @@ The design, in five steps:
    copies its candidates there (key and id, ascending id) and adds their histogram to the row's
    256-bin histogram over ``[T, row max]``. Then one program per row loads the slots, walks that
    histogram to the bin holding the k-th key, ranks the few keys of that bin pairwise
-   (``TUNING["pair_rank"]``) to get ``t``, and counts per chunk the winners of the chunks before it;
-   and every chunk program of a last launch writes its run's ``key > t`` plus its share of the first
-   ``key == t`` (ties to the lower id) at those offsets: ascending ids, no sort. Register rows run
-   radix rounds on their slots instead; and when their 16-bit ``T`` lets more keys through than the
-   slots hold (values packed within a few percent share their top 16 bits), two more radix rounds
+   (``TUNING["pair_rank"]``) to get ``t``, and stores every ``key > t`` plus the first ``key == t``
+   (ties to the lower id) at its place in id order: the winners of the chunks before its chunk (two
+   small histograms) plus those before it in its run (a prefix sum). Ascending ids, no sort. Register
+   rows run radix rounds on their slots instead; and when their 16-bit ``T`` lets more keys through
+   than the slots hold (values packed within a few percent share their top 16 bits), two more radix rounds
    over the delegates make ``T`` the exact k-th delegate.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
@@ -37,12 +37,13 @@ helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-ro
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
 keeps it in registers (one launch; the tie path runs in registers too). Longer rows use four
 launches: delegates (many programs per row; the last one to finish computes ``T``), candidates (a
-light program per chunk, no serial tail), select (a program per row: ``t`` and the offsets, or the
-flag and the plan of the fallback) and finish (every chunk writes its winners, or its share of the
-fallback). The selection is a launch of its own so that the wide per-chunk passes run with few
-warps and the one serial step per row with many. "Last program of the row" is an atomic counter
-that the last program resets, and the select program resets the row's slot counter and histogram,
-so nothing is read back to the host and the call can be captured in a CUDA graph.
+light program per chunk, no serial tail), select (a program per row: ``t`` and the winners, or the
+flag and the plan of the fallback) and finish (every chunk of a flagged row writes its share of the
+fallback; the programs of the other rows return at once). The selection is a launch of its own so
+that the wide per-chunk passes run with few warps and the one serial step per row with many. "Last
+program of the row" is an atomic counter that the last program resets, and the select program resets
+the row's slot counter and histogram, so nothing is read back to the host and the call can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -74,8 +75,6 @@ from sparse_ref.kernels.topk_common import (
     FLAG,
     HEAD,
     HIST,
-    KEFF,
-    NEED,
     PAIR_SCRATCH,
     SHIFT,
     SYNC,
@@ -90,7 +89,6 @@ from sparse_ref.kernels.topk_common import (
     _select_in_registers,
     _walk,
     _work_row,
-    _write_above_and_ties,
     aot_variant,
     work_width,
 )
@@ -199,13 +197,17 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 
 
 @triton.jit
-def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr):
-    """The exact selection of a row whose candidates all sit in its slots (runs of ascending ids, the runs
-    in any order): walk the row's histogram to the bin of the k-th key, rank that bin's keys -> ``t`` and
-    how many keys == t the row takes; then count, for every chunk, the winners of the chunks before it
-    (two small histograms over the chunk ids), so that the finish programs write their runs at known
-    offsets in parallel."""
+def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
+                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+    """The whole exact selection of a row whose candidates all sit in its slots (runs of ascending ids,
+    the runs in any order): walk the row's histogram to the bin of the k-th key, rank that bin's keys ->
+    ``t`` and how many keys == t the row takes (``need``); then store every winner at its place in the
+    ascending output.
+
+    A slot's place is its rank in id order among the keys > t, plus its rank among the keys == t
+    (capped at ``need``). Both ranks are "the same keys in the chunks before mine" (two small histograms
+    over the chunk ids) plus "the same keys before me in my run" (a prefix sum over the slots, minus the
+    keys of the runs stored before mine: the runs landed in any order)."""
     total = tl.load(sync_row + CNT)
     s = tl.arange(0, SLOTS)
     packed = tl.load(cand_row + s)  # every slot (not masked by total: one round trip instead of two)
@@ -218,19 +220,33 @@ def _select_from_slots(cand_row, sync_row, work_row, k, C, G: tl.constexpr, CHUN
         hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
     k_eff = tl.minimum(k, total)
     d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
-    t, ties = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32),
+    t, need = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32),
                             _delegates_of(work_row, C_PAD) + G, PAIR, 0)  # (the pair scratch)
     t = tl.where(k_eff > 0, t, 2147483647)
-    ties = tl.where(k_eff > 0, ties, 0)
-    chunk = packed.to(tl.int32) // CHUNK  # the low 32 bits are the id
-    above = tl.histogram(chunk, C_PAD, mask=ok & (key > t))
-    equal = tl.histogram(chunk, C_PAD, mask=ok & (key == t))
+    need = tl.where(k_eff > 0, need, 0)
+    ids = packed.to(tl.int32)  # the low 32 bits
+    chunk = ids // CHUNK
+    above = ok & (key > t)
+    tie = ok & (key == t)
+    # Per chunk: the keys > t (== t) of the chunks before it, minus those of the runs stored before its run.
     ci = tl.arange(0, C_PAD)
-    tl.store(work_row + HEAD + 2 * C_PAD + ci, tl.cumsum(above, axis=0) - above, mask=ci < C)
-    tl.store(work_row + HEAD + 3 * C_PAD + ci, tl.cumsum(equal, axis=0) - equal, mask=ci < C)
-    tl.store(work_row + TE, t)
-    tl.store(work_row + NEED, ties)
-    tl.store(work_row + KEFF, k_eff)
+    n_above = tl.histogram(chunk, C_PAD, mask=above)
+    n_tie = tl.histogram(chunk, C_PAD, mask=tie)
+    start = tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=SLOTS)  # each chunk's first slot
+    earlier = start[None, :] < start[:, None]  # [chunk, other chunk]: the other's run is stored before
+    above_off = tl.cumsum(n_above, axis=0) - n_above - tl.sum(tl.where(earlier, n_above[None, :], 0), axis=1)
+    tie_off = tl.cumsum(n_tie, axis=0) - n_tie - tl.sum(tl.where(earlier, n_tie[None, :], 0), axis=1)
+    tl.store(work_row + HEAD + 2 * C_PAD + ci, above_off)
+    tl.store(work_row + HEAD + 3 * C_PAD + ci, tie_off)
+    tl.debug_barrier()  # the offsets are stored: every slot reads its chunk's (an L1 gather)
+    # One prefix sum counts both kinds (keys > t in the high 16 bits, keys == t in the low; SLOTS < 2**15).
+    flags = (above.to(tl.int32) << 16) | tie.to(tl.int32)
+    before = tl.cumsum(flags, axis=0) - flags
+    above_rank = tl.load(work_row + HEAD + 2 * C_PAD + chunk, mask=ok, other=0) + (before >> 16)
+    tie_rank = tl.load(work_row + HEAD + 3 * C_PAD + chunk, mask=ok, other=0) + (before & 0xFFFF)
+    pos = above_rank + tl.minimum(tie_rank, need)
+    tl.store(out_row + pos, ids, mask=(above | (tie & (tie_rank < need))) & (pos < W))
+    _pad(out_row, k_eff, W, BLOCK)
 
 
 @triton.jit
@@ -265,12 +281,12 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 
 
 @triton.jit
-def _select_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr):
-    """One program = one row: when its candidates all found a slot, the row's k-th key and each chunk's
-    output offsets (``_select_from_slots``); else flag the row and plan its fallback. Then reset the row's
-    slot counter and histogram for the next call."""
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
+    (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
+    Then reset the row's slot counter and histogram for the next call."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     C = tl.cdiv(N, CHUNK)
@@ -279,7 +295,8 @@ def _select_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, le
     sync_row = sync + r.to(tl.int64) * SYNC
     if tl.load(sync_row + CNT) <= SLOTS:
         tl.store(work_row + FLAG, 0)
-        _select_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row, k, C, G, CHUNK, SLOTS, C_PAD, PAIR)
+        _select_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row, out + r.to(tl.int64) * W, k, C, W,
+                           G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
     else:
         dkey = tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G))
         te, flag = _plan_tie_path(scores + r.to(tl.int64) * stride_r, length, dkey, k, work_row, C, CHUNK, C_PAD)
@@ -292,48 +309,19 @@ def _select_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, le
 
 
 @triton.jit
-def _write_run(run, n, t, need, ties_before, out_row, pos0, W, BLOCK: tl.constexpr):
-    """Store, in ascending id order, the ids of a chunk's candidate run (``n`` entries key << 32 | id) that
-    win: keys > t, and keys == t while the row's ties taken stay within ``need``."""
-    done = tl.zeros([], tl.int32)
-    ties_seen = tl.zeros([], tl.int32)
-    for j0 in range(0, n, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        packed = tl.load(run + j, mask=j < n, other=0)
-        key = tl.where(j < n, (packed >> 32).to(tl.int32), -2147483648)
-        done += _write_above_and_ties(key, packed.to(tl.int32), t, need, ties_before + ties_seen, out_row,
-                                      pos0 + done, W)
-        ties_seen += tl.sum((key == t).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _finish_kernel(scores, stride_r, out, cand, work, N, W, k_scalar, k_ptr, len_ptr,
+def _finish_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, BLOCK: tl.constexpr):
-    """One program = one CHUNK of a row: its winners, at the offsets the select kernel planned. A
-    row in the slots: the chunk's run of slots; a flagged row: its fallback (``_fallback_chunk``)."""
-    C_PAD: tl.constexpr = 1 << LOG_C
+                   LOG_C: tl.constexpr, BLOCK: tl.constexpr):
+    """One program = one CHUNK of a flagged row: its share of the row's fallback (``_fallback_chunk``).
+    The programs of the other rows (their select program wrote them) return at once."""
     r = tl.program_id(0)
     c = tl.program_id(1)
-    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
-    out_row = out + r.to(tl.int64) * W
-    flag = tl.load(work_row + FLAG)  # (independent loads: one round trip, not a chain)
-    n_c = tl.load(work_row + HEAD + c)
-    base = tl.load(work_row + HEAD + C_PAD + c)
-    above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
-    ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
-    t = tl.load(work_row + TE)
-    need = tl.load(work_row + NEED)
-    if flag == 0:
-        if n_c > 0:
-            _write_run(cand + r.to(tl.int64) * SLOTS + base, n_c, t, need, ties_before, out_row,
-                       above_before + tl.minimum(ties_before, need), W, BLOCK)
-        if c == 0:
-            _pad(out_row, tl.load(work_row + KEFF), W, BLOCK)
-    else:
-        _fallback_chunk(scores + r.to(tl.int64) * stride_r, length, k, flag, work_row, out_row, c, W, CHUNK, C_PAD,
-                        BLOCK)
+    flag = tl.load(work_row + FLAG)
+    if flag != 0:
+        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+        _fallback_chunk(scores + r.to(tl.int64) * stride_r, length, k, flag, work_row, out + r.to(tl.int64) * W, c, W,
+                        CHUNK, 1 << LOG_C, BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,7 +357,7 @@ def plan(R: int, N: int, width: int) -> dict:
         chunk //= 2  # programs per row
     while R * (G // cols) < TUNING["min_programs"] and cols > 64:
         cols //= 2
-    slots = min(slots, n_pad)
+    slots = min(slots, n_pad, 1 << 14)  # (< 2**15: the select program packs two counts in one int32)
     pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
     return dict(register=register, n_pad=n_pad, G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
                 force_fallback=not register and G > TUNING["max_delegates"])
@@ -427,10 +415,10 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"))),
         ("select", lambda: _select_kernel[(R,)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"],
+            scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
             num_warps=warps("select_warps"))),
         ("finish", lambda: _finish_kernel[(R, C)](
-            scores, stride, out, cand, work, N, W, **row_args, **shape, BLOCK=block,
+            scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, LOG_C=log_c, BLOCK=block,
             num_warps=warps("finish_warps"))),
     ]
 
@@ -537,12 +525,12 @@ AOT_VARIANTS = [
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 4096), (4, 7, 3, 5),
                                  (8, 8, 16, 8), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr), {"num_warps": nw},
-                  cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024),
+                  {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 4096),
                                      (4, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), strict=True)],
-    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BLOCK=1024), {"num_warps": nw},
-                  cand="*i64", work="*i32", **AOT_PTRS)
+    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
+                  work="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
                                  (4, 8, 4, 4), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,

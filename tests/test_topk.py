@@ -198,8 +198,8 @@ def test_long_path_histogram_select(monkeypatch, pair_rank):
 
 
 def test_long_path_runs_wider_than_a_tile(monkeypatch):
-    """A chunk with more winners than one tile of the finish launch (the top of an ascending row) writes
-    its run of slots in several tiles; ties at the k-th key cross tile and chunk boundaries."""
+    """A chunk with more winners than one tile (the top of an ascending row): the select program places
+    a whole run of winners, pads in tiles; ties at the k-th key cross tile and chunk boundaries."""
     for name, value in {**PATHS["long"], "block": 16}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = make_scores(3, 1000, seed=8)
@@ -214,7 +214,7 @@ def test_long_path_runs_wider_than_a_tile(monkeypatch):
 def test_runs_of_slots_in_any_order(monkeypatch):
     """On a GPU the chunks of a row take their runs of slots in whatever order their atomic adds land; the
     interpreter runs programs in order. Reverse the runs between the candidates and the select launch
-    (slots and run starts): the select and finish launches must give the same exact answer."""
+    (slots and run starts): the select launch must still place every winner exactly."""
     for name, value in PATHS["long"].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = long_path_rows(1500, 20)
@@ -422,7 +422,7 @@ def test_gpu_cuda_graph_capture_and_replay(N):
                                    dict(chunk=8192, candidate_warps=16, finish_warps=8)])
 def test_gpu_knob_variants(monkeypatch, knobs):
     """Knob variants compiled at realistic sizes (adversarial rows take the tie path and the radix select):
-    the two-step sort of order="score" or one sort per row, and smaller chunks with lighter finish programs."""
+    the two-step sort of order="score" or one sort per row, and larger chunks with heavier programs."""
     for name, value in knobs.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     for N, k in ((65536, 2048), (131072, 2048), (20_000, 1000)):

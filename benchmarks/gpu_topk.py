@@ -54,8 +54,8 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(chunk=8192), dict(chunk=2048), dict(candidate_warps=8), dict(candidate_warps=2),
-                  dict(finish_warps=2), dict(delegate_warps=16), dict(delegate_warps=4), dict(pair_rank=64)]
+INDEX_VARIANTS = [dict(chunk=2048), dict(select_warps=8), dict(select_warps=32), dict(finish_warps=1),
+                  dict(delegate_warps=4), dict(delegate_cols=512, delegate_warps=4), dict(pair_rank=64)]
 CLUSTERED_VARIANTS = [dict(chunk=8192), dict(finish_warps=8)]  # also on clustered rows (they take the tie path)
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
                   + f" | sum {sum(t for s, _, t in parts if s == shape):.1f}")
         t = {(s.split()[-1], n): v for s, n, v in parts}
         if ("randn", "finish") in t and ("clustered", "candidates") in t:
-            print(f"  finish (randn: writes the runs) {t['randn', 'finish']:.1f}; candidates randn "
+            print(f"  finish (randn: returns at once) {t['randn', 'finish']:.1f}; candidates randn "
                   f"{t['randn', 'candidates']:.1f} vs clustered {t['clustered', 'candidates']:.1f}")
     for title, rows in (("order=\"score\" variants (randn), us: score order (its cost over index order)", sort_rows),
                         ("index-order knob variants (randn unless named), us (vs the defaults)", index_rows)):

@@ -21,8 +21,8 @@ The design, in five steps:
    256-bin histogram over ``[T, row max]``. Then one program per row loads the slots, walks that
    histogram to the bin holding the k-th key, ranks the few keys of that bin pairwise
    (``TUNING["pair_rank"]``) to get ``t``, and stores every ``key > t`` plus the first ``key == t``
-   (ties to the lower id) at its place in id order: the winners of the chunks before its chunk (two
-   small histograms) plus those before it in its run (a prefix sum). Ascending ids, no sort. Register
+   (ties to the lower id) at its place in id order: the winners of the chunks before its chunk plus
+   those before it in its run (one prefix sum over the slots). Ascending ids, no sort. Register
    rows run radix rounds on their slots instead; and when their 16-bit ``T`` lets more keys through
    than the slots hold (values packed within a few percent share their top 16 bits), two more radix rounds
    over the delegates make ``T`` the exact k-th delegate.
@@ -205,9 +205,9 @@ def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.con
     ascending output.
 
     A slot's place is its rank in id order among the keys > t, plus its rank among the keys == t
-    (capped at ``need``). Both ranks are "the same keys in the chunks before mine" (two small histograms
-    over the chunk ids) plus "the same keys before me in my run" (a prefix sum over the slots, minus the
-    keys of the runs stored before mine: the runs landed in any order)."""
+    (capped at ``need``). Both ranks are "the same keys in the chunks before mine" plus "the same keys
+    before me in my run": one prefix sum over the slots gives both, read at the first and last slot of
+    every run (``tl.gather``; the runs landed in any order)."""
     total = tl.load(sync_row + CNT)
     s = tl.arange(0, SLOTS)
     packed = tl.load(cand_row + s)  # every slot (not masked by total: one round trip instead of two)
@@ -225,25 +225,25 @@ def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.con
     t = tl.where(k_eff > 0, t, 2147483647)
     need = tl.where(k_eff > 0, need, 0)
     ids = packed.to(tl.int32)  # the low 32 bits
-    chunk = ids // CHUNK
+    chunk = tl.where(ok, ids // CHUNK, 0)
     above = ok & (key > t)
     tie = ok & (key == t)
-    # Per chunk: the keys > t (== t) of the chunks before it, minus those of the runs stored before its run.
-    ci = tl.arange(0, C_PAD)
-    n_above = tl.histogram(chunk, C_PAD, mask=above)
-    n_tie = tl.histogram(chunk, C_PAD, mask=tie)
-    start = tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=SLOTS)  # each chunk's first slot
-    earlier = start[None, :] < start[:, None]  # [chunk, other chunk]: the other's run is stored before
-    above_off = tl.cumsum(n_above, axis=0) - n_above - tl.sum(tl.where(earlier, n_above[None, :], 0), axis=1)
-    tie_off = tl.cumsum(n_tie, axis=0) - n_tie - tl.sum(tl.where(earlier, n_tie[None, :], 0), axis=1)
-    tl.store(work_row + HEAD + 2 * C_PAD + ci, above_off)
-    tl.store(work_row + HEAD + 3 * C_PAD + ci, tie_off)
-    tl.debug_barrier()  # the offsets are stored: every slot reads its chunk's (an L1 gather)
-    # One prefix sum counts both kinds (keys > t in the high 16 bits, keys == t in the low; SLOTS < 2**15).
+    # One prefix sum over the slots counts both kinds (keys > t in the high 16 bits, == t in the low;
+    # SLOTS < 2**15): for each slot, those stored before it.
     flags = (above.to(tl.int32) << 16) | tie.to(tl.int32)
     before = tl.cumsum(flags, axis=0) - flags
-    above_rank = tl.load(work_row + HEAD + 2 * C_PAD + chunk, mask=ok, other=0) + (before >> 16)
-    tie_rank = tl.load(work_row + HEAD + 3 * C_PAD + chunk, mask=ok, other=0) + (before & 0xFFFF)
+    # Per chunk, from its run [start, start + n): its own counts (the prefix sum at its last slot minus
+    # at its first), and its offsets: the keys of the chunks before it minus those stored before its run.
+    ci = tl.arange(0, C_PAD)
+    n = tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
+    first = tl.minimum(tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0), SLOTS - 1)
+    last = tl.minimum(tl.maximum(first + n - 1, 0), SLOTS - 1)
+    at_first = tl.gather(before, first, 0)
+    in_run = tl.where(n > 0, tl.gather(before + flags, last, 0) - at_first, 0)
+    above_off = tl.cumsum(in_run >> 16, axis=0) - (in_run >> 16) - (at_first >> 16)
+    tie_off = tl.cumsum(in_run & 0xFFFF, axis=0) - (in_run & 0xFFFF) - (at_first & 0xFFFF)
+    above_rank = tl.gather(above_off, chunk, 0) + (before >> 16)
+    tie_rank = tl.gather(tie_off, chunk, 0) + (before & 0xFFFF)
     pos = above_rank + tl.minimum(tie_rank, need)
     tl.store(out_row + pos, ids, mask=(above | (tie & (tie_rank < need))) & (pos < W))
     _pad(out_row, k_eff, W, BLOCK)

@@ -54,9 +54,11 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(chunk=2048), dict(select_warps=8), dict(select_warps=32), dict(finish_warps=1),
-                  dict(delegate_warps=4), dict(delegate_cols=512, delegate_warps=4), dict(pair_rank=64)]
-CLUSTERED_VARIANTS = [dict(chunk=8192), dict(finish_warps=8)]  # also on clustered rows (they take the tie path)
+INDEX_VARIANTS = [dict(chunk=2048), dict(bin_candidates=False), dict(delegate_round1=False),
+                  dict(bin_candidates=False, delegate_round1=False),
+                  dict(chunk=2048, bin_candidates=False, delegate_round1=False), dict(pair_rank=64)]
+# also on clustered rows (their runs are uneven; some take the tie path)
+CLUSTERED_VARIANTS = [dict(chunk=2048), dict(bin_candidates=False, delegate_round1=False)]
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []

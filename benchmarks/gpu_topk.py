@@ -44,7 +44,7 @@ from sparse_ref.selection import select_pages, topk_reference
 
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
-SWEEP = {"pair_rank": [0], "chunk": [2048], "delegate_warps": [4], "num_warps": [16], "delegate_cols": [512],
+SWEEP = {"pair_rank": [0], "chunk": [1024], "delegate_warps": [4], "num_warps": [16], "delegate_cols": [512],
          "finish_warps": [8]}
 SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
@@ -54,11 +54,10 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(chunk=2048), dict(bin_candidates=False), dict(delegate_round1=False),
-                  dict(bin_candidates=False, delegate_round1=False),
-                  dict(chunk=2048, bin_candidates=False, delegate_round1=False), dict(pair_rank=64)]
+INDEX_VARIANTS = [dict(chunk=4096), dict(chunk=1024), dict(candidate_warps=8), dict(select_warps=32),
+                  dict(delegate_warps=16), dict(pair_rank=64)]
 # also on clustered rows (their runs are uneven; some take the tie path)
-CLUSTERED_VARIANTS = [dict(chunk=2048), dict(bin_candidates=False, delegate_round1=False)]
+CLUSTERED_VARIANTS = [dict(chunk=4096)]
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []

@@ -17,9 +17,9 @@ The design, in five steps:
    that set holds ``~0.7 G`` candidates (a few percent of a long row).
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
    k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
-   copies its candidates there (key and id, ascending id) and adds their histogram to the row's
-   256-bin histogram over ``[T, row max]``. Then one program per row loads the slots, walks that
-   histogram to the bin holding the k-th key, ranks the few keys of that bin pairwise
+   copies its candidates there (key and id, ascending id), and that is all it does. Then one program
+   per row loads the slots, bins them in a 256-bin histogram over ``[T, row max]``, walks it to the bin
+   holding the k-th key, ranks the few keys of that bin pairwise
    (``TUNING["pair_rank"]``) to get ``t``, and stores every ``key > t`` plus the first ``key == t``
    (ties to the lower id) at its place in id order: the winners of the chunks before its chunk plus
    those before it in its run (one prefix sum over the slots). Ascending ids, no sort. Register
@@ -42,7 +42,7 @@ flag and the plan of the fallback) and finish (every chunk of a flagged row writ
 fallback; the programs of the other rows return at once). The selection is a launch of its own so
 that the wide per-chunk passes run with few warps and the one serial step per row with many. "Last
 program of the row" is an atomic counter that the last program resets, and the select program resets
-the row's slot counter and histogram, so nothing is read back to the host and the call can be
+the row's slot counter, so nothing is read back to the host and the call can be
 captured in a CUDA graph.
 """
 
@@ -69,12 +69,10 @@ from sparse_ref.kernels import topk_fallback, topk_sort
 from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
-    BIG,
     CNT,
     DHIST,
     FLAG,
     HEAD,
-    HIST,
     PAIR_SCRATCH,
     SHIFT,
     SYNC,
@@ -102,7 +100,7 @@ TUNING = {
     "max_delegates": 8192,
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
-    "chunk": 4096,  # columns per candidate program
+    "chunk": 2048,  # columns per candidate program
     "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,  # register rows (one program per row) and the fused page selection
     "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
@@ -111,8 +109,6 @@ TUNING = {
     "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
     "finish_warps": 4,  # the finish launch: a program per chunk, writes its run of winners (light)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
-    "delegate_round1": True,  # each delegates program histograms its delegates (else the row's last one)
-    "bin_candidates": True,  # the candidates programs histogram their candidates (else the select program)
     "block": 1024,  # tile of the finish launch's writes and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
@@ -125,19 +121,8 @@ ORDERS = ("score", "index", "none")
 
 @triton.jit
 def _bins(key, T, shift):
-    """A candidate's bin in the row's histogram: (key - T) >> shift, in [0, 256) for T <= key <= row max."""
+    """A candidate's bin in the select program's histogram: (key - T) >> shift, in [0, 256) for T <= key <= row max."""
     return tl.minimum(tl.maximum((key.to(tl.int64) - T) >> shift, 0), 255).to(tl.int32)
-
-
-@triton.jit
-def _add_chunk_histogram(n_c, chunk_cand, T, shift, hist, CAP: tl.constexpr):
-    """Add the histogram of one chunk's n_c <= CAP candidates (its compacted copy, re-read after a
-    barrier; not the whole chunk) to the row's, with one [256] atomic add."""
-    tl.debug_barrier()  # this program's compacted candidates are stored
-    s = tl.arange(0, CAP)
-    ckey = (tl.load(chunk_cand + s, mask=s < n_c, other=0) >> 32).to(tl.int32)
-    h = tl.histogram(_bins(ckey, T, shift), 256, mask=s < n_c)
-    tl.atomic_add(hist + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,7 +145,7 @@ def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, 
 @triton.jit
 def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr, LOG_C: tl.constexpr, ROUND1: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
@@ -181,18 +166,14 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
     tl.store(delegates + cols, acc)
     sync_row = sync + r.to(tl.int64) * SYNC
-    if ROUND1:
-        h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
-        tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+    h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
+    tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
     if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
         tl.store(sync_row, 0)  # reset the counter and the histogram for the next call (CUDA-graph replays)
+        h = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
+        tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
-        if ROUND1:
-            h = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
-            tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
-        else:
-            h = tl.histogram(((dkey ^ -2147483648) >> 24) & 0xFF, 256, mask=dkey != -2147483648)
         n = tl.sum(h, axis=0)  # valid delegates
         d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
         ut, _ = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
@@ -204,12 +185,11 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 
 @triton.jit
 def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                       BIN: tl.constexpr):
+                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
     """The whole exact selection of a row whose candidates all sit in its slots (runs of ascending ids,
-    the runs in any order): walk the row's histogram to the bin of the k-th key, rank that bin's keys ->
-    ``t`` and how many keys == t the row takes (``need``); then store every winner at its place in the
-    ascending output.
+    the runs in any order): bin them (256 bins over [T, row max]), walk the histogram to the bin of the
+    k-th key, rank that bin's keys -> ``t`` and how many keys == t the row takes (``need``); then store
+    every winner at its place in the ascending output.
 
     A slot's place is its rank in id order among the keys > t, plus its rank among the keys == t
     (capped at ``need``). Both ranks are "the same keys in the chunks before mine" plus "the same keys
@@ -222,12 +202,7 @@ def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.con
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
     T = tl.load(work_row + T_)
     shift = tl.load(work_row + SHIFT).to(tl.int64)
-    if BIN:
-        hist = tl.load(sync_row + HIST + tl.arange(0, 256))
-        if tl.load(sync_row + BIG) > 0:  # some chunks stored their candidates unbinned
-            hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
-    else:
-        hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
+    hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
     k_eff = tl.minimum(k, total)
     d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
     t, need = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32),
@@ -262,10 +237,10 @@ def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.con
 @triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, BIN: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr):
     """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
-    counter), copy its elements >= T there (key << 32 | id, ascending id) and add their histogram to the
-    row's. No tail: the selection is the next launch's, so this one runs with light programs."""
+    counter) and copy its elements >= T there (key << 32 | id, ascending id). Nothing else: no tail and no
+    histogram (the selection is the next launch's), so this one runs with light programs."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -284,22 +259,15 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
         run = cand + r.to(tl.int64) * SLOTS + base
         tl.store(run + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1, (key.to(tl.int64) << 32) | offs.to(tl.int64),
                  mask=is_cand)
-        if BIN:
-            if n_c <= CHUNK // 8:
-                _add_chunk_histogram(n_c, run, T, tl.load(work_row + SHIFT).to(tl.int64), sync_row + HIST,
-                                     CHUNK // 8)
-            else:  # many candidates (e.g. the top of a sorted row): the select program bins the slots itself
-                tl.atomic_add(sync_row + BIG, 1, sem="relaxed")
 
 
 @triton.jit
 def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                   BIN: tl.constexpr):
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
     """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
     (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
-    Then reset the row's slot counter and histogram for the next call."""
+    Then reset the row's slot counter for the next call."""
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     C = tl.cdiv(N, CHUNK)
@@ -309,7 +277,7 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
     if tl.load(sync_row + CNT) <= SLOTS:
         tl.store(work_row + FLAG, 0)
         _select_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row, out + r.to(tl.int64) * W, k, C, W,
-                           G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK, BIN)
+                           G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
     else:
         dkey = tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G))
         te, flag = _plan_tie_path(scores + r.to(tl.int64) * stride_r, length, dkey, k, work_row, C, CHUNK, C_PAD)
@@ -317,8 +285,6 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
         tl.store(work_row + FLAG, flag)
     tl.debug_barrier()  # every thread's reads of the row's state are done
     tl.store(sync_row + CNT, 0)
-    tl.store(sync_row + BIG, 0)
-    tl.store(sync_row + HIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
 
 
 @triton.jit
@@ -421,11 +387,10 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value],
                  slots=cand, run_starts=work[:, HEAD.value + (1 << log_c):HEAD.value + (1 << log_c) + C])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
-    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BIN=TUNING["bin_candidates"])
+    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
-            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
-            ROUND1=TUNING["delegate_round1"], num_warps=nw)),
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"))),
         ("select", lambda: _select_kernel[(R,)](
@@ -532,18 +497,17 @@ AOT_VARIANTS = [
     *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
                   flags="*i32", **AOT_PTRS)
       for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c, ROUND1=r1), {"num_warps": nw},
-                  work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, c, nw, r1 in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), (True, False), strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BIN=b), {"num_warps": nw},
+    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw}, work="*i32",
+                  sync="*i32", **AOT_PTRS)
+      for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, b in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 4096),
-                                    (4, 7, 3, 5), (8, 8, 16, 8), (True, False, True, False), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024, BIN=b),
+      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
+                                 (4, 8, 16, 8), strict=True)],
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024),
                   {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, pr, b in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 4096),
-                                        (4, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), (True, False, True, False),
-                                        strict=True)],
+      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                     (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), strict=True)],
     *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
                   work="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),

@@ -13,16 +13,15 @@ import triton.language as tl
 
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
 #   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 1 whole-row radix
-#   [TE] the row's k-th key (flag 0) or exact k-th delegate (flag 2)  [NEED] keys == TE the row takes
-#   [KEFF] ids the row writes, then from HEAD, with C_PAD = 2**LOG_C: candidates per chunk | each chunk's
-#   first slot | keys > TE before each chunk | keys == TE before each chunk (C_PAD each) | the G
-#   delegates | PAIR_SCRATCH ints for the pairwise rank.
+#   [TE] the exact k-th delegate and [NEED] the keys == TE the row takes (tie path); then from HEAD, with
+#   C_PAD = 2**LOG_C: candidates per chunk | each chunk's first slot | keys > TE before each chunk | keys
+#   == TE before each chunk (C_PAD each; the last two for the tie path) | the G delegates | PAIR_SCRATCH
+#   ints for the pairwise rank.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
-#   [0] delegates counter, [1] free, [HIST, HIST + 256) the row's candidate histogram,
-#   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates, [BIG] chunks that stored
-#   their candidates without binning them, [CNT] the row's candidates (the slot allocator).
-T_, SHIFT, FLAG, TE, NEED, KEFF, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 5, 8))
-HIST, DHIST, BIG, CNT, SYNC = (tl.constexpr(i) for i in (2, 258, 514, 515, 520))
+#   [0] delegates counter, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates,
+#   [CNT] the row's candidates (the slot allocator).
+T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
+DHIST, CNT, SYNC = (tl.constexpr(i) for i in (2, 258, 260))
 PAIR_SCRATCH = tl.constexpr(256)
 
 

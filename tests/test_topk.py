@@ -25,8 +25,6 @@ SPECIALS = [float("nan"), float("-inf"), float("inf"), -0.0, 0.0]
 PATHS = {
     "register": {},
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
-    "long_unbinned": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128,
-                      "delegate_round1": False, "bin_candidates": False},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
     "register_fallback": {"slots": 2},
 }

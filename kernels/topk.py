@@ -78,6 +78,7 @@ from sparse_ref.kernels.topk_common import (
     SYNC,
     T_,
     TE,
+    _after_previous_launch,
     _delegates_of,
     _keys,
     _pad,
@@ -113,6 +114,7 @@ TUNING = {
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
+    "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
@@ -145,12 +147,13 @@ def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, 
 @triton.jit
 def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr, LOG_C: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
     as ``_threshold``) and sets the width 2**SHIFT of the candidate histogram's bins (256 bins cover
     [T, row max])."""
+    _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -237,10 +240,11 @@ def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.con
 @triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
     """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
     counter) and copy its elements >= T there (key << 32 | id, ascending id). Nothing else: no tail and no
     histogram (the selection is the next launch's), so this one runs with light programs."""
+    _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -264,10 +268,12 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 @triton.jit
 def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
     """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
     (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
     Then reset the row's slot counter for the next call."""
+    _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     C = tl.cdiv(N, CHUNK)
@@ -290,9 +296,10 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
 @triton.jit
 def _finish_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   LOG_C: tl.constexpr, BLOCK: tl.constexpr):
+                   LOG_C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program = one CHUNK of a flagged row: its share of the row's fallback (``_fallback_chunk``).
     The programs of the other rows (their select program wrote them) return at once."""
+    _after_previous_launch(PDL)
     r = tl.program_id(0)
     c = tl.program_id(1)
     work_row = _work_row(work, r, LOG_C, G)
@@ -321,6 +328,13 @@ def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
         if not capturing():  # a buffer made during a capture belongs to that graph's memory pool
             _SYNC[key] = buf
     return buf
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch (``_after_previous_launch``): the constexpr and
+    ``launch_pdl`` on a Hopper-or-later GPU when ``TUNING["pdl"]``; off on the CPU interpreter."""
+    on = (TUNING["pdl"] and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
 def plan(R: int, N: int, width: int) -> dict:
@@ -381,6 +395,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     def warps(knob):
         return TUNING[knob] if device.type == "cuda" else 1
 
+    pdl = pdl_options(device)
+
     sync = _sync_buffer(device, R)
     work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
     cand = torch.empty((R, p["slots"]), dtype=torch.int64, device=device)
@@ -390,15 +406,16 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
-            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw)),
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
+            **pdl)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"))),
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl)),
         ("select", lambda: _select_kernel[(R,)](
             scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
-            num_warps=warps("select_warps"))),
+            num_warps=warps("select_warps"), **pdl)),
         ("finish", lambda: _finish_kernel[(R, C)](
             scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, LOG_C=log_c, BLOCK=block,
-            num_warps=warps("finish_warps"))),
+            num_warps=warps("finish_warps"), **pdl)),
     ]
 
 
@@ -419,12 +436,14 @@ def sort_winners(scores, out):
     if 0 < run < w_pad:
         runs = torch.empty((R, w_pad), dtype=torch.int64, device=out.device)
         nw = TUNING["sort_run_warps"] if scores.is_cuda else 1
+        pdl = pdl_options(out.device)
         topk_sort._sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
-                                             num_warps=nw)
-        topk_sort._merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw)
+                                                       num_warps=nw, **pdl)
+        topk_sort._merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw, **pdl)
         return out
     num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
-    topk_sort._sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps)
+    topk_sort._sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps,
+                                         **pdl_options(out.device))
     return out
 
 

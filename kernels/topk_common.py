@@ -26,6 +26,18 @@ PAIR_SCRATCH = tl.constexpr(256)
 
 
 @triton.jit
+def _after_previous_launch(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper and later; ``TUNING["pdl"]``). A kernel launched with
+    ``launch_pdl=True`` may start while the kernel before it on the stream is still finishing: every
+    program first waits here until that kernel's writes are visible (so nothing is read or written
+    early), then allows the next kernel to launch, so that its programs are scheduled while this one
+    runs instead of after a gap. A no-op when PDL is False (CPU interpreter, older GPUs)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _keys(x, valid):
     """int32 keys, signed order == float order; NONE where the entry may not be selected."""
     x = x.to(tl.float32)
@@ -235,7 +247,10 @@ def work_width(c_pad: int, G: int) -> int:
 
 def aot_variant(kernel, constexprs, options=None, **types):
     """One ahead-of-time compile variant (tests/test_aot_compile.py): every argument not named in
-    ``types`` or ``constexprs`` is an i32 scalar."""
+    ``types`` or ``constexprs`` is an i32 scalar. A kernel with the ``PDL`` switch compiles with it on
+    (as a Hopper GPU runs it; off only removes code)."""
+    if "PDL" in kernel.arg_names:
+        constexprs = {"PDL": True, **constexprs}
     sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
     return (kernel, sig, constexprs, options or {"num_warps": 8})
 

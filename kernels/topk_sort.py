@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_ref.kernels.topk_common import _keys, aot_variant
+from sparse_ref.kernels.topk_common import _after_previous_launch, _keys, aot_variant
 
 
 @triton.jit
@@ -24,8 +24,9 @@ def _packed_winners(scores, stride_r, out, r, j, W):
 
 
 @triton.jit
-def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
+def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr, PDL: tl.constexpr):
     """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
+    _after_previous_launch(PDL)
     r = tl.program_id(0)
     j = tl.arange(0, W_PAD)
     packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
@@ -35,9 +36,10 @@ def _sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr):
 
 
 @triton.jit
-def _sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
+def _sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
     """One program = RUN consecutive winners of a row, sorted (as ``_packed_winners``, descending) into
     ``runs`` [R, W_PAD]: the first half of the two-step sort for wide rows."""
+    _after_previous_launch(PDL)
     r = tl.program_id(0)
     j = tl.program_id(1) * RUN + tl.arange(0, RUN)
     packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
@@ -45,10 +47,11 @@ def _sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: 
 
 
 @triton.jit
-def _merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr):
+def _merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
     """One program = one sorted run of a row: an entry's place in the row's order is the number of larger
     entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
     Stores each valid entry's id there, and -1 on the run's share of the padding."""
+    _after_previous_launch(PDL)
     NR: tl.constexpr = W_PAD // RUN
     r = tl.program_id(0)
     row = runs + r.to(tl.int64) * W_PAD

@@ -19,6 +19,7 @@ from sparse_ref.kernels.topk_common import (
     AOT_PTRS,
     HEAD,
     NEED,
+    T_,
     TE,
     _exact_delegate,
     _keys,
@@ -52,6 +53,24 @@ def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD
         ties += tl.sum(e, axis=0)
     tl.store(work_row + NEED, k - above)
     return te, tl.where(usable & (above < k), 2, 1)
+
+
+@triton.jit
+def _plan_tie_path_from_counts(work_row, k, C, C_PAD: tl.constexpr):
+    """The same plan when T is already the exact k-th delegate and every chunk program counted its keys
+    > T and == T (``TUNING["exact_threshold"]``): a prefix sum over the chunks, no pass over the row.
+    Returns (Te = T, flag): 2 = the tie path, 1 = the whole-row radix select (also when T is NONE:
+    fewer than k delegates)."""
+    te = tl.load(work_row + T_)
+    ci = tl.arange(0, C_PAD)
+    a = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0)
+    e = tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0)
+    above = tl.sum(a, axis=0)
+    tl.debug_barrier()  # every thread has read the counts before they become offsets
+    tl.store(work_row + HEAD + 2 * C_PAD + ci, tl.cumsum(a, axis=0) - a, mask=ci < C)
+    tl.store(work_row + HEAD + 3 * C_PAD + ci, tl.cumsum(e, axis=0) - e, mask=ci < C)
+    tl.store(work_row + NEED, k - above)
+    return te, tl.where((te != -2147483648) & (k > 0) & (above < k), 2, 1)
 
 
 @triton.jit

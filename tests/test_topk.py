@@ -26,6 +26,8 @@ PATHS = {
     "register": {},
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
+    "fallback_serial_plan": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
+                             "exact_threshold": False},
     "register_fallback": {"slots": 2},
 }
 

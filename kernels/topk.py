@@ -12,20 +12,20 @@ The design, in five steps:
    ``j`` is the largest of the strided elements ``j, j + G, j + 2G, ...`` (strided, so a sorted row
    cannot hide its top in a few columns). With ``G >= 2k`` this is one plain read of the row.
 3. **Threshold.** ``T`` = the k-th largest delegate (rounded down to a 16-bit key prefix: two
-   256-bin histogram rounds over the G delegates). The k delegates at or above ``T`` are row
+   256-bin histogram rounds over the G delegates; two more make it exact when many delegates share
+   that prefix, as on plateaus of equal values). The k delegates at or above ``T`` are row
    elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
    that set holds ``~0.7 G`` candidates (a few percent of a long row).
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
    k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
-   copies its candidates there (key and id, ascending id), and that is all it does. Then one program
-   per row loads the slots, bins them in a 256-bin histogram over ``[T, row max]``, walks it to the bin
-   holding the k-th key, ranks the few keys of that bin pairwise
-   (``TUNING["pair_rank"]``) to get ``t``, and stores every ``key > t`` plus the first ``key == t``
+   copies its candidates there (key and id, ascending id) and stores how many of its keys are > T
+   and == T (for the fallback). Then one program per row loads the slots, bins them in a 256-bin
+   histogram over ``[T, row max]``, walks it to the bin holding the k-th key, ranks the few keys of
+   that bin pairwise (``TUNING["pair_rank"]``) to get ``t``, and stores every ``key > t`` plus the first ``key == t``
    (ties to the lower id) at its place in id order: the winners of the chunks before its chunk plus
    those before it in its run (one prefix sum over the slots). Ascending ids, no sort. Register
-   rows run radix rounds on their slots instead; and when their 16-bit ``T`` lets more keys through
-   than the slots hold (values packed within a few percent share their top 16 bits), two more radix rounds
-   over the delegates make ``T`` the exact k-th delegate.
+   rows run radix rounds on their slots instead (and make ``T`` exact when their 16-bit ``T`` lets
+   more keys through than the slots hold: values packed within a few percent share their top 16 bits).
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
@@ -91,7 +91,7 @@ from sparse_ref.kernels.topk_common import (
     aot_variant,
     work_width,
 )
-from sparse_ref.kernels.topk_fallback import _fallback_chunk, _plan_tie_path, _plan_tie_path_from_counts
+from sparse_ref.kernels.topk_fallback import _fallback_chunk, _plan_tie_path
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -114,7 +114,6 @@ TUNING = {
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
-    "exact_threshold": True,  # long rows: T = the exact k-th delegate (4 radix rounds), tie counts per chunk
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
 }
@@ -148,12 +147,12 @@ def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, 
 @triton.jit
 def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr, LOG_C: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
-    as ``_threshold``) and sets the width 2**SHIFT of the candidate histogram's bins (256 bins cover
-    [T, row max])."""
+    as ``_threshold``; rounds 3-4 too, T exact, when more than k + k/8 delegates reach the cut T) and sets
+    the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
@@ -180,7 +179,9 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
         n = tl.sum(h, axis=0)  # valid delegates
         d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
-        ut, _ = _radix_rounds(dkey, d << 24, k_rem, 1, 4 if EXACT else 2)
+        ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
+        if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
+            ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)  # rounds 3-4, T = the exact k-th delegate
         T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # as _threshold
         span = tl.max(dkey, axis=0).to(tl.int64) - T  # row max - T (the row max is the largest delegate)
         tl.store(work_row + T_, T)
@@ -241,10 +242,11 @@ def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.con
 @triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
     """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
-    counter) and copy its elements >= T there (key << 32 | id, ascending id). Nothing else: no tail and no
-    histogram (the selection is the next launch's), so this one runs with light programs."""
+    counter), copy its elements >= T there (key << 32 | id, ascending id) and store its counts of keys > T
+    and == T (the tie path's plan if the row overflows). No tail and no histogram (the selection is the
+    next launch's), so this one runs with light programs."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
@@ -256,13 +258,10 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key = _keys(tl.load(scores + r.to(tl.int64) * stride_r + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
-    if EXACT:  # also count the chunk's keys > T and == T (the tie path's plan, if the row overflows)
-        both = tl.sum(is_cand.to(tl.int32) + ((key > T).to(tl.int32) << 16), axis=0)  # (CHUNK < 2**16)
-        n_c = both & 0xFFFF
-        tl.store(work_row + HEAD + 2 * C_PAD + c, both >> 16)
-        tl.store(work_row + HEAD + 3 * C_PAD + c, n_c - (both >> 16))
-    else:
-        n_c = tl.sum(is_cand.to(tl.int32), axis=0)
+    both = tl.sum(is_cand.to(tl.int32) + ((key > T).to(tl.int32) << 16), axis=0)  # two counts (CHUNK < 2**16)
+    n_c = both & 0xFFFF
+    tl.store(work_row + HEAD + 2 * C_PAD + c, both >> 16)  # keys > T and == T: the tie path's counts,
+    tl.store(work_row + HEAD + 3 * C_PAD + c, n_c - (both >> 16))  # used only if the row overflows
     base = tl.atomic_add(sync_row + CNT, n_c, sem="relaxed")  # this chunk's run of slots: [base, base + n_c)
     tl.store(work_row + HEAD + c, n_c)
     tl.store(work_row + HEAD + C_PAD + c, base)
@@ -276,7 +275,7 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                   EXACT: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
     (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
     Then reset the row's slot counter for the next call."""
@@ -291,13 +290,8 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
         tl.store(work_row + FLAG, 0)
         _select_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row, out + r.to(tl.int64) * W, k, C, W,
                            G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
-    elif EXACT:
-        te, flag = _plan_tie_path_from_counts(work_row, k, C, C_PAD)
-        tl.store(work_row + TE, te)
-        tl.store(work_row + FLAG, flag)
     else:
-        dkey = tl.load(_delegates_of(work_row, C_PAD) + tl.arange(0, G))
-        te, flag = _plan_tie_path(scores + r.to(tl.int64) * stride_r, length, dkey, k, work_row, C, CHUNK, C_PAD)
+        te, flag = _plan_tie_path(work_row, k, C, C_PAD)
         tl.store(work_row + TE, te)
         tl.store(work_row + FLAG, flag)
     tl.debug_barrier()  # every thread's reads of the row's state are done
@@ -414,11 +408,10 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value],
                  slots=cand, run_starts=work[:, HEAD.value + (1 << log_c):HEAD.value + (1 << log_c) + C])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
-    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, EXACT=TUNING["exact_threshold"])
+    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
-            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
-            EXACT=TUNING["exact_threshold"], num_warps=nw,
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
             **pdl)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl)),
@@ -528,18 +521,17 @@ AOT_VARIANTS = [
     *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
                   flags="*i32", **AOT_PTRS)
       for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c, EXACT=ex), {"num_warps": nw},
+    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw},
                   work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, c, nw, ex in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), (True, False), strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, EXACT=ex), {"num_warps": nw},
+      for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, ex in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
-                                     (5, 7, 3, 5), (4, 8, 16, 8), (True, True, False, True), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024, EXACT=ex),
+      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
+                                 (4, 8, 16, 8), strict=True)],
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024),
                   {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, pr, ex in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
-                                         (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), (True, True, False, True),
-                                         strict=True)],
+      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                     (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), strict=True)],
     *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
                   work="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),

@@ -13,10 +13,10 @@ import triton.language as tl
 
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
 #   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 1 whole-row radix
-#   [TE] the exact k-th delegate and [NEED] the keys == TE the row takes (tie path); then from HEAD, with
-#   C_PAD = 2**LOG_C: candidates per chunk | each chunk's first slot | keys > TE before each chunk | keys
-#   == TE before each chunk (C_PAD each; the last two for the tie path) | the G delegates | PAIR_SCRATCH
-#   ints for the pairwise rank.
+#   [TE] the tie path's k-th key (= T) and [NEED] the keys == TE it takes; then from HEAD, with
+#   C_PAD = 2**LOG_C: candidates per chunk | each chunk's first slot | keys > T per chunk | keys == T per
+#   chunk (C_PAD each; the last two become "before each chunk" offsets on a tie-path row) | the G
+#   delegates | PAIR_SCRATCH ints for the pairwise rank.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
 #   [0] delegates counter, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates,
 #   [CNT] the row's candidates (the slot allocator).
@@ -117,16 +117,6 @@ def _threshold(dkey, k):
     t, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 2)
     t = tl.where(n >= k, t, -2147483648)
     return tl.where(k > 0, t, 2147483647)  # k = 0: no candidates at all
-
-
-@triton.jit
-def _exact_delegate(dkey, k):
-    """Te = the exact k-th largest delegate and ``usable``: k >= 1 and at least k valid delegates, so at
-    least k row elements are >= Te. Then, if fewer than k elements are > Te, the k-th largest element IS
-    Te and the top-k is "every key > Te, plus the lowest-id keys == Te" (the tie path of the fallbacks)."""
-    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    te, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 4)
-    return te, (n >= k) & (k > 0)
 
 
 @triton.jit

@@ -1,13 +1,14 @@
 """The exact fallback of the top-k for rows whose candidates do not fit the slots (plateaus and
 clusters of equal values, a period of G, more than half the row wanted), chosen on the device.
 
-Most such rows overflow because many keys EQUAL the threshold. With ``Te`` = the exact k-th delegate,
-at least k keys are >= Te, so if fewer than k are > Te, ``Te`` is the k-th key and the answer is "every
-key > Te, plus the lowest-id keys == Te": the row's select program counts both per chunk
-(``_plan_tie_path``), then every chunk program of the finish launch writes its share at known offsets
-in parallel (the *tie path*, ``_fallback_chunk``). Rows with k or more keys above ``Te`` (e.g. a period
-of G) take the whole-row radix select (``_radix_select_row``). Used by ``kernels/topk.py``.
-"""
+Most such rows overflow because many keys EQUAL the threshold ``T``. At least k keys are >= T, so if
+fewer than k are > T, ``T`` is the k-th key and the answer is "every key > T, plus the lowest-id keys
+== T". The candidates programs of ``kernels/topk.py`` count both in every chunk; an overflowing row's
+select program turns the counts into offsets (``_plan_tie_path``), then every chunk program of the
+finish launch writes its share at those offsets in parallel (the *tie path*, ``_fallback_chunk``).
+(``T`` is the k-th delegate cut to 16 bits, or exact when many delegates share those bits, so that
+plateaus at any value have their ties at ``T``.) Rows with k or more keys above ``T`` (e.g. a period of
+G) take the whole-row radix select (``_radix_select_row``). Used by ``kernels/topk.py``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from sparse_ref.kernels.topk_common import (
     NEED,
     T_,
     TE,
-    _exact_delegate,
     _keys,
     _pad,
     _row_k_len,
@@ -32,35 +32,12 @@ from sparse_ref.kernels.topk_common import (
 
 
 @triton.jit
-def _plan_tie_path(row, length, dkey, k, work_row, C, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Tail of an overflowing row (its last candidate program): the exact k-th delegate Te, and for
-    every chunk how many keys > Te and == Te come before it, one pass over the row from L2.
-    Returns (Te, flag): 2 = the tie path (fewer than k keys are > Te: the fallback's chunk programs
-    write every key > Te plus the first k - above keys == Te), 1 = the whole-row radix select."""
-    PER: tl.constexpr = 8192 // CHUNK if CHUNK < 8192 else 1  # chunks counted per step (tiles of ~8K)
-    te, usable = _exact_delegate(dkey, k)
-    above = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for c0 in range(0, C, PER):
-        ci = c0 + tl.arange(0, PER)
-        offs = ci[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        a = tl.sum((key > te).to(tl.int32), axis=1)
-        e = tl.sum((key == te).to(tl.int32), axis=1)
-        tl.store(work_row + HEAD + 2 * C_PAD + ci, above + tl.cumsum(a, axis=0) - a, mask=ci < C)
-        tl.store(work_row + HEAD + 3 * C_PAD + ci, ties + tl.cumsum(e, axis=0) - e, mask=ci < C)
-        above += tl.sum(a, axis=0)
-        ties += tl.sum(e, axis=0)
-    tl.store(work_row + NEED, k - above)
-    return te, tl.where(usable & (above < k), 2, 1)
-
-
-@triton.jit
-def _plan_tie_path_from_counts(work_row, k, C, C_PAD: tl.constexpr):
-    """The same plan when T is already the exact k-th delegate and every chunk program counted its keys
-    > T and == T (``TUNING["exact_threshold"]``): a prefix sum over the chunks, no pass over the row.
-    Returns (Te = T, flag): 2 = the tie path, 1 = the whole-row radix select (also when T is NONE:
-    fewer than k delegates)."""
+def _plan_tie_path(work_row, k, C, C_PAD: tl.constexpr):
+    """The plan of an overflowing row (its select program), from the counts every chunk program of the
+    candidates launch stored: its keys > T and == T. At least k keys are >= T, so if fewer than k are
+    > T, the k-th key IS T: a prefix sum over the chunks gives each chunk's offsets, no pass over the
+    row. Returns (T, flag): 2 = the tie path, 1 = the whole-row radix select (k or more keys > T, or
+    T = NONE: fewer than k delegates)."""
     te = tl.load(work_row + T_)
     ci = tl.arange(0, C_PAD)
     a = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0)
@@ -123,8 +100,8 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 @triton.jit
 def _fallback_chunk(row, length, k, flag, work_row, out_row, c, W, CHUNK: tl.constexpr, C_PAD: tl.constexpr,
                     BLOCK: tl.constexpr):
-    """Chunk c's share of a flagged row. Flag 2 (the tie path): store the chunk's keys > Te and its share
-    of the lowest-id keys == Te at the offsets the select kernel planned (every chunk in parallel, ids
+    """Chunk c's share of a flagged row. Flag 2 (the tie path): store the chunk's keys > T and its share
+    of the lowest-id keys == T at the offsets the select kernel planned (every chunk in parallel, ids
     ascending). Flag 1: chunk 0 runs the whole-row radix select."""
     if flag == 2:
         te = tl.load(work_row + TE)

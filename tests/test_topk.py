@@ -26,8 +26,6 @@ PATHS = {
     "register": {},
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
-    "fallback_serial_plan": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
-                             "exact_threshold": False},
     "register_fallback": {"slots": 2},
 }
 
@@ -119,12 +117,30 @@ def test_long_path_flags(monkeypatch):
     x = adversarial_rows(1000, 128)[:5]
     flags = topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5))
     # ascending, descending and periodic rows fit the 128 slots here; the plateau and the all-equal row
-    # do not, and take the tie path (flag 2: fewer than k keys above the exact k-th delegate)
+    # do not, and take the tie path (flag 2: fewer than k keys above T)
     assert flags.tolist() == [0, 0, 0, 2, 2]
     monkeypatch.setitem(topk_module.TUNING, "slots", 2)
     out = out.new_empty(5, 5)
-    # with 2 slots all overflow; the periodic row has many keys above its k-th delegate: whole-row radix
-    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == [2, 2, 1, 2, 2]
+    # with 2 slots all overflow. The periodic row has many keys above its k-th delegate, and the descending
+    # row's T (its 5th delegate cut to 16 bits, not refined: only 5 delegates reach it) sits below its 5th
+    # key, so 5 keys are > T: both take the whole-row radix (flag 1); the others the tie path
+    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == [2, 1, 1, 2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
+
+
+def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
+    """A plateau at 0.3 (its key has low bits below the 16-bit cut): every delegate is 0.3, so the cut T
+    would sit below the plateau and every plateau key would be > T (the slow whole-row radix). The
+    delegates' last program sees more than k + k/8 delegates reach the cut T and refines T to the exact
+    k-th delegate: the plateau keys EQUAL T and the row takes the tie path."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    g = torch.Generator().manual_seed(4)
+    j = torch.arange(1000)
+    x = torch.stack([torch.where(j % 3 == 0, 0.3, torch.randn(1000, generator=g).clamp(max=0.2)),
+                     torch.where(j % 7 == 1, -1.1, torch.randn(1000, generator=g).clamp(max=-1.2))]).to(DEVICE)
+    out = torch.empty(2, 5, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == [2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 

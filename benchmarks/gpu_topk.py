@@ -13,7 +13,7 @@
    ``select_pages``.
 4. **Knob variants** (always run, randn): exactness and time of each ``TUNING`` variant of the winners'
    sort for ``order="score"`` (one ``tl.sort`` per row, or sorted runs then a merge) at 64 x 65536 and
-   1 x 131072, and of a few launch knobs in index order at 64 x 65536 and 128 x 131072 (some also on
+   1 x 131072, and of a few launch knobs in index order at 64 x 65536, 128 x 131072 and 1 x 131072 (some also on
    clustered rows).
 5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
    alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the

@@ -108,9 +108,9 @@ TUNING = {
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
-    "finish_warps": 4,  # the finish launch: a program per chunk, writes its run of winners (light)
+    "finish_warps": 4,  # the finish launch: a program per chunk, its share of a flagged row's fallback
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
-    "block": 1024,  # tile of the finish launch's writes and of the fallback's tile loops
+    "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,

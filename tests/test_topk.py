@@ -229,13 +229,16 @@ def test_long_path_runs_wider_than_a_tile(monkeypatch):
     check(x, 50, torch.tensor([1000, 950, 37], device=DEVICE), order="score")
 
 
-def test_runs_of_slots_in_any_order(monkeypatch):
+@pytest.mark.parametrize("shuffle", [None, 1, 2])
+def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
     """On a GPU the chunks of a row take their runs of slots in whatever order their atomic adds land; the
-    interpreter runs programs in order. Reverse the runs between the candidates and the select launch
-    (slots and run starts): the select launch must still place every winner exactly."""
+    interpreter runs programs in order. Reorder the runs between the candidates and the select launch
+    (slots and run starts; reversed, or a random order per row): the select launch must still place every
+    winner exactly."""
     for name, value in PATHS["long"].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
-    x = long_path_rows(1500, 20)
+    g = torch.Generator().manual_seed(shuffle or 0)
+    x = long_path_rows(1500, 20, seed=shuffle or 0)
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats: dict = {}
     steps = topk_module.launches(x, 20, None, None, out, stats)
@@ -249,7 +252,8 @@ def test_runs_of_slots_in_any_order(monkeypatch):
         if sum(int(n) for n in counts[r]) > slots.shape[1]:
             continue  # (an overflowing row keeps its runs: it takes the fallback)
         pos = 0
-        for c in reversed(range(len(runs))):  # the last chunk's run first
+        order = reversed(range(len(runs))) if shuffle is None else torch.randperm(len(runs), generator=g).tolist()
+        for c in order:  # reversed: the last chunk's run first
             slots[r, pos:pos + runs[c].numel()] = runs[c]
             starts[r, c] = pos
             pos += runs[c].numel()

@@ -272,7 +272,7 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 
 
 @triton.jit
-def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
                    PDL: tl.constexpr):
@@ -283,7 +283,7 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
     C = tl.cdiv(N, CHUNK)
-    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+    k, _ = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
     if tl.load(sync_row + CNT) <= SLOTS:
@@ -416,7 +416,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl)),
         ("select", lambda: _select_kernel[(R,)](
-            scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
+            out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
             num_warps=warps("select_warps"), **pdl)),
         ("finish", lambda: _finish_kernel[(R, C)](
             scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, LOG_C=log_c, BLOCK=block,

@@ -151,8 +151,8 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
-    as ``_threshold``; rounds 3-4 too, T exact, when more than k + k/8 delegates reach the cut T) and sets
-    the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
+    NONE if fewer than k delegates; rounds 3-4 too, T exact, when more than k + k/8 delegates reach the
+    cut T) and sets the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
@@ -182,7 +182,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
         if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
             ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)  # rounds 3-4, T = the exact k-th delegate
-        T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # as _threshold
+        T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # k = 0: no candidates at all
         span = tl.max(dkey, axis=0).to(tl.int64) - T  # row max - T (the row max is the largest delegate)
         tl.store(work_row + T_, T)
         tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))

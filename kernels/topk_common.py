@@ -73,18 +73,6 @@ def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(key, k, ROUNDS: tl.constexpr):
-    """Radix select over a register tensor (1 <= k <= #valid keys): 8 bits per round, top first.
-
-    Returns ``(t, ties)``. With 4 rounds ``t`` is the k-th largest key and ``ties`` how many keys
-    equal to ``t`` belong to the top k; with fewer rounds ``t`` is that key with its low bits
-    cleared, so that ``count(key >= t) >= k`` still holds.
-    """
-    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), k, 0, ROUNDS)
-    return ut ^ -2147483648, k_rem
-
-
-@triton.jit
 def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
     """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
     ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
@@ -108,15 +96,6 @@ def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl
         ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
         t = ut ^ -2147483648
     return t, ties
-
-
-@triton.jit
-def _threshold(dkey, k):
-    """T with count(delegates >= T) >= k (so at least k row elements are >= T); NONE if impossible."""
-    n = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
-    t, _ = _kth_largest(dkey, tl.maximum(tl.minimum(k, n), 1), 2)
-    t = tl.where(n >= k, t, -2147483648)
-    return tl.where(k > 0, t, 2147483647)  # k = 0: no candidates at all
 
 
 @triton.jit

@@ -91,7 +91,7 @@ from sparse_ref.kernels.topk_common import (
     aot_variant,
     work_width,
 )
-from sparse_ref.kernels.topk_fallback import _fallback_chunk, _plan_tie_path
+from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _tie_path_chunks
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -108,7 +108,9 @@ TUNING = {
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
-    "finish_warps": 4,  # the finish launch: a program per chunk, its share of a flagged row's fallback
+    "candidate_maxnreg": 0,  # > 0: cap the candidates programs' registers (more programs resident per SM)
+    "finish_warps": 4,  # the finish launch: its programs write their chunks' shares of a flagged row's fallback
+    "finish_programs": 512,  # finish programs in all (at least one per row, at most one per chunk)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
@@ -123,8 +125,10 @@ ORDERS = ("score", "index", "none")
 
 @triton.jit
 def _bins(key, T, shift):
-    """A candidate's bin in the select program's histogram: (key - T) >> shift, in [0, 256) for T <= key <= row max."""
-    return tl.minimum(tl.maximum((key.to(tl.int64) - T) >> shift, 0), 255).to(tl.int32)
+    """A candidate's bin in the select program's histogram: (key - T) >> shift, in [0, 256) for T <= key <=
+    row max (the difference taken as uint32: exact for key >= T, and 32-bit arithmetic; smaller keys,
+    which the caller masks, land in bin 255)."""
+    return tl.minimum((key - T).to(tl.uint32, bitcast=True) >> shift.to(tl.uint32), 255).to(tl.int32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,51 +193,55 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 
 
 @triton.jit
-def _select_from_slots(cand_row, sync_row, work_row, out_row, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
+def _select_from_slots(cand_row, work_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
                        SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """The whole exact selection of a row whose candidates all sit in its slots (runs of ascending ids,
-    the runs in any order): bin them (256 bins over [T, row max]), walk the histogram to the bin of the
-    k-th key, rank that bin's keys -> ``t`` and how many keys == t the row takes (``need``); then store
-    every winner at its place in the ascending output.
+    """The whole exact selection of a row whose ``total`` candidates all sit in its slots (runs of
+    ascending ids, the runs in any order): bin them (256 bins over [T, row max]), walk the histogram to
+    the bin of the k-th key, rank that bin's keys -> ``t`` and how many keys == t the row takes
+    (``need``); then store every winner at its place in the ascending output.
 
     A slot's place is its rank in id order among the keys > t, plus its rank among the keys == t
     (capped at ``need``). Both ranks are "the same keys in the chunks before mine" plus "the same keys
     before me in my run": one prefix sum over the slots gives both, read at the first and last slot of
-    every run (``tl.gather``; the runs landed in any order)."""
-    total = tl.load(sync_row + CNT)
+    every run (``tl.gather``; the runs landed in any order). One program runs this alone, so its time is
+    its chain of block-wide steps: every load is issued first, and counts of two kinds share one prefix
+    sum (packed in one integer) wherever they can."""
     s = tl.arange(0, SLOTS)
-    packed = tl.load(cand_row + s)  # every slot (not masked by total: one round trip instead of two)
+    ci = tl.arange(0, C_PAD)
+    packed = tl.load(cand_row + s)  # every slot (not masked by total: the loads go out together)
+    T = tl.load(work_row + T_)
+    shift = tl.load(work_row + SHIFT)
+    n = tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
+    first = tl.minimum(tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0), SLOTS - 1)
     ok = s < total
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
-    T = tl.load(work_row + T_)
-    shift = tl.load(work_row + SHIFT).to(tl.int64)
-    hist = tl.histogram(_bins(key, T, shift), 256, mask=ok)
+    bins = _bins(key, T, shift)
     k_eff = tl.minimum(k, total)
-    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
-    t, need = _rank_members(key, ok & (_bins(key, T, shift) == d), k_rem, tl.zeros([], tl.int32),
+    d, k_rem = _walk(tl.histogram(bins, 256, mask=ok), tl.maximum(k_eff, 1))
+    t, need = _rank_members(key, ok & (bins == d), k_rem, tl.zeros([], tl.int32),
                             _delegates_of(work_row, C_PAD) + G, PAIR, 0)  # (the pair scratch)
     t = tl.where(k_eff > 0, t, 2147483647)
     need = tl.where(k_eff > 0, need, 0)
     ids = packed.to(tl.int32)  # the low 32 bits
-    chunk = tl.where(ok, ids // CHUNK, 0)
     above = ok & (key > t)
     tie = ok & (key == t)
     # One prefix sum over the slots counts both kinds (keys > t in the high 16 bits, == t in the low;
     # SLOTS < 2**15): for each slot, those stored before it.
     flags = (above.to(tl.int32) << 16) | tie.to(tl.int32)
     before = tl.cumsum(flags, axis=0) - flags
-    # Per chunk, from its run [start, start + n): its own counts (the prefix sum at its last slot minus
-    # at its first), and its offsets: the keys of the chunks before it minus those stored before its run.
-    ci = tl.arange(0, C_PAD)
-    n = tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
-    first = tl.minimum(tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0), SLOTS - 1)
+    # Per chunk, from its run [first, first + n): its own counts (the prefix sum after its last slot minus
+    # before its first), then its offset: the keys of the chunks before it minus those stored before its
+    # run. The offsets go through one prefix sum and one gather as int64 (kind 1 << 32 | kind 2); their
+    # fields may be negative, but each slot's sum with its own "before" is not.
     last = tl.minimum(tl.maximum(first + n - 1, 0), SLOTS - 1)
     at_first = tl.gather(before, first, 0)
     in_run = tl.where(n > 0, tl.gather(before + flags, last, 0) - at_first, 0)
-    above_off = tl.cumsum(in_run >> 16, axis=0) - (in_run >> 16) - (at_first >> 16)
-    tie_off = tl.cumsum(in_run & 0xFFFF, axis=0) - (in_run & 0xFFFF) - (at_first & 0xFFFF)
-    above_rank = tl.gather(above_off, chunk, 0) + (before >> 16)
-    tie_rank = tl.gather(tie_off, chunk, 0) + (before & 0xFFFF)
+    run2 = ((in_run >> 16).to(tl.int64) << 32) + (in_run & 0xFFFF)
+    off2 = tl.cumsum(run2, axis=0) - run2 - (((at_first >> 16).to(tl.int64) << 32) + (at_first & 0xFFFF))
+    rank2 = tl.gather(off2, tl.where(ok, ids // CHUNK, 0), 0) + (((before >> 16).to(tl.int64) << 32)
+                                                                 + (before & 0xFFFF))
+    above_rank = (rank2 >> 32).to(tl.int32)
+    tie_rank = (rank2 & 0xFFFFFFFF).to(tl.int32)
     pos = above_rank + tl.minimum(tie_rank, need)
     tl.store(out_row + pos, ids, mask=(above | (tie & (tie_rank < need))) & (pos < W))
     _pad(out_row, k_eff, W, BLOCK)
@@ -286,9 +294,10 @@ def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
     k, _ = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
-    if tl.load(sync_row + CNT) <= SLOTS:
+    total = tl.load(sync_row + CNT)
+    if total <= SLOTS:
         tl.store(work_row + FLAG, 0)
-        _select_from_slots(cand + r.to(tl.int64) * SLOTS, sync_row, work_row, out + r.to(tl.int64) * W, k, C, W,
+        _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, out + r.to(tl.int64) * W, total, k, C, W,
                            G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
     else:
         te, flag = _plan_tie_path(work_row, k, C, C_PAD)
@@ -302,17 +311,22 @@ def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
 def _finish_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    LOG_C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program = one CHUNK of a flagged row: its share of the row's fallback (``_fallback_chunk``).
-    The programs of the other rows (their select program wrote them) return at once."""
+    """The fallback of the flagged rows; the programs of the other rows (their select program wrote them)
+    return at once. That is most rows, so the grid is kept small: P programs per row (few to schedule),
+    each writing every P-th chunk of a tie-path row (``_tie_path_chunks``); program 0 of a row runs the
+    whole-row radix select (``_radix_select_row``) when that is the row's fallback."""
     _after_previous_launch(PDL)
     r = tl.program_id(0)
-    c = tl.program_id(1)
+    p = tl.program_id(1)
     work_row = _work_row(work, r, LOG_C, G)
     flag = tl.load(work_row + FLAG)
-    if flag != 0:
+    if flag == 2:
         k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-        _fallback_chunk(scores + r.to(tl.int64) * stride_r, length, k, flag, work_row, out + r.to(tl.int64) * W, c, W,
-                        CHUNK, 1 << LOG_C, BLOCK)
+        _tie_path_chunks(scores + r.to(tl.int64) * stride_r, length, k, work_row, out + r.to(tl.int64) * W, p,
+                         tl.num_programs(1), W, CHUNK, 1 << LOG_C, BLOCK)
+    elif (flag == 1) & (p == 0):
+        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+        _radix_select_row(scores + r.to(tl.int64) * stride_r, length, k, out + r.to(tl.int64) * W, W, BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,16 +423,19 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
                  slots=cand, run_starts=work[:, HEAD.value + (1 << log_c):HEAD.value + (1 << log_c) + C])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
+    p_finish = min(C, max(1, TUNING["finish_programs"] // R))  # finish programs per row
+    regs = {"maxnreg": TUNING["candidate_maxnreg"]} if TUNING["candidate_maxnreg"] and device.type == "cuda" else {}
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
             **pdl)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl)),
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl,
+            **regs)),
         ("select", lambda: _select_kernel[(R,)](
             out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
             num_warps=warps("select_warps"), **pdl)),
-        ("finish", lambda: _finish_kernel[(R, C)](
+        ("finish", lambda: _finish_kernel[(R, p_finish)](
             scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, LOG_C=log_c, BLOCK=block,
             num_warps=warps("finish_warps"), **pdl)),
     ]

@@ -91,7 +91,7 @@ from sparse_ref.kernels.topk_common import (
     aot_variant,
     work_width,
 )
-from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _tie_path_chunks
+from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _tie_path_span
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -109,14 +109,17 @@ TUNING = {
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
     "candidate_maxnreg": 0,  # > 0: cap the candidates programs' registers (more programs resident per SM)
-    "finish_warps": 4,  # the finish launch: its programs write their chunks' shares of a flagged row's fallback
-    "finish_programs": 512,  # finish programs in all (at least one per row, at most one per chunk)
+    "finish_warps": 4,  # the finish launch: a program per span, its share of a flagged row's fallback
+    "finish_span": 2048,  # columns per finish program (a power of two; at least one chunk)
+    "finish_maxnreg": 0,  # > 0: cap the finish programs' registers (more of them resident per SM)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
+    "atomic_histogram": False,  # the select program's histogram by L2 atomics instead of tl.histogram
+    "atomic_round2": False,  # radix round 2 of T (the delegates' last program) by L2 atomics instead of tl.histogram
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
@@ -151,7 +154,7 @@ def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, 
 @triton.jit
 def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr, ATOMIC_HIST: tl.constexpr, PDL: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
@@ -183,7 +186,17 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
         n = tl.sum(h, axis=0)  # valid delegates
         d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
-        ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
+        if ATOMIC_HIST:  # round 2 counted into the (now zeroed) row histogram by L2 atomics
+            u = dkey ^ -2147483648
+            tl.debug_barrier()  # the zeros are stored before any add
+            in_d = (dkey != -2147483648) & (((u >> 24) & 0xFF) == d)  # the delegates in round 1's bin
+            tl.atomic_add(sync_row + DHIST + ((u >> 16) & 0xFF), 1, mask=in_d, sem="relaxed")
+            tl.debug_barrier()
+            d2, k_rem = _walk(tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg"), k_rem)
+            ut = (d << 24) | (d2 << 16)
+            tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
+        else:
+            ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
         if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
             ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)  # rounds 3-4, T = the exact k-th delegate
         T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # k = 0: no candidates at all
@@ -193,8 +206,9 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 
 
 @triton.jit
-def _select_from_slots(cand_row, work_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
+                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
+                       ATOMIC_HIST: tl.constexpr):
     """The whole exact selection of a row whose ``total`` candidates all sit in its slots (runs of
     ascending ids, the runs in any order): bin them (256 bins over [T, row max]), walk the histogram to
     the bin of the k-th key, rank that bin's keys -> ``t`` and how many keys == t the row takes
@@ -217,7 +231,15 @@ def _select_from_slots(cand_row, work_row, out_row, total, k, C, W, G: tl.conste
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
     bins = _bins(key, T, shift)
     k_eff = tl.minimum(k, total)
-    d, k_rem = _walk(tl.histogram(bins, 256, mask=ok), tl.maximum(k_eff, 1))
+    if ATOMIC_HIST:  # count into the row's zeroed histogram in memory (L2 atomics, no per-element ALU loop)
+        tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
+        hist = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
+    else:
+        hist = tl.histogram(bins, 256, mask=ok)
+    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
+    if ATOMIC_HIST:  # zero it again for the next call (every thread read it before the walk's block steps)
+        tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
     t, need = _rank_members(key, ok & (bins == d), k_rem, tl.zeros([], tl.int32),
                             _delegates_of(work_row, C_PAD) + G, PAIR, 0)  # (the pair scratch)
     t = tl.where(k_eff > 0, t, 2147483647)
@@ -283,7 +305,7 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
+                   ATOMIC_HIST: tl.constexpr, PDL: tl.constexpr):
     """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
     (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
     Then reset the row's slot counter for the next call."""
@@ -297,8 +319,8 @@ def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
     total = tl.load(sync_row + CNT)
     if total <= SLOTS:
         tl.store(work_row + FLAG, 0)
-        _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, out + r.to(tl.int64) * W, total, k, C, W,
-                           G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
+        _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, sync_row, out + r.to(tl.int64) * W, total, k, C,
+                           W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK, ATOMIC_HIST)
     else:
         te, flag = _plan_tie_path(work_row, k, C, C_PAD)
         tl.store(work_row + TE, te)
@@ -310,21 +332,21 @@ def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
 @triton.jit
 def _finish_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   LOG_C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """The fallback of the flagged rows; the programs of the other rows (their select program wrote them)
-    return at once. That is most rows, so the grid is kept small: P programs per row (few to schedule),
-    each writing every P-th chunk of a tie-path row (``_tie_path_chunks``); program 0 of a row runs the
-    whole-row radix select (``_radix_select_row``) when that is the row's fallback."""
+                   SPAN: tl.constexpr, LOG_C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program = one SPAN of columns (whole chunks) of a flagged row: its share of the tie path
+    (``_tie_path_span``), or, in the program of span 0, the whole-row radix select. The programs of
+    the other rows (their select program wrote them) return at once; that is most rows, so a span
+    holds several chunks (fewer programs to schedule)."""
     _after_previous_launch(PDL)
     r = tl.program_id(0)
-    p = tl.program_id(1)
+    f = tl.program_id(1)
     work_row = _work_row(work, r, LOG_C, G)
     flag = tl.load(work_row + FLAG)
     if flag == 2:
         k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-        _tie_path_chunks(scores + r.to(tl.int64) * stride_r, length, k, work_row, out + r.to(tl.int64) * W, p,
-                         tl.num_programs(1), W, CHUNK, 1 << LOG_C, BLOCK)
-    elif (flag == 1) & (p == 0):
+        _tie_path_span(scores + r.to(tl.int64) * stride_r, length, k, work_row, out + r.to(tl.int64) * W, f, W, SPAN,
+                       CHUNK, 1 << LOG_C, BLOCK)
+    elif (flag == 1) & (f == 0):
         k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
         _radix_select_row(scores + r.to(tl.int64) * stride_r, length, k, out + r.to(tl.int64) * W, W, BLOCK)
 
@@ -423,21 +445,24 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
                  slots=cand, run_starts=work[:, HEAD.value + (1 << log_c):HEAD.value + (1 << log_c) + C])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
-    p_finish = min(C, max(1, TUNING["finish_programs"] // R))  # finish programs per row
-    regs = {"maxnreg": TUNING["candidate_maxnreg"]} if TUNING["candidate_maxnreg"] and device.type == "cuda" else {}
+    span = min(max(chunk, TUNING["finish_span"]), p["n_pad"])  # finish program columns (whole chunks)
+
+    def regs(knob):  # a register cap (launch option) on a GPU, when the knob sets one
+        return {"maxnreg": TUNING[knob]} if TUNING[knob] and device.type == "cuda" else {}
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
-            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
-            **pdl)),
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
+            ATOMIC_HIST=TUNING["atomic_round2"], num_warps=nw, **pdl)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl,
-            **regs)),
+            **regs("candidate_maxnreg"))),
         ("select", lambda: _select_kernel[(R,)](
             out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
+            ATOMIC_HIST=TUNING["atomic_histogram"],
             num_warps=warps("select_warps"), **pdl)),
-        ("finish", lambda: _finish_kernel[(R, p_finish)](
-            scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, LOG_C=log_c, BLOCK=block,
-            num_warps=warps("finish_warps"), **pdl)),
+        ("finish", lambda: _finish_kernel[(R, triton.cdiv(N, span))](
+            scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, SPAN=span, LOG_C=log_c, BLOCK=block,
+            num_warps=warps("finish_warps"), **pdl, **regs("finish_maxnreg"))),
     ]
 
 
@@ -538,21 +563,22 @@ AOT_VARIANTS = [
     *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
                   flags="*i32", **AOT_PTRS)
       for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw},
+    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c, ATOMIC_HIST=ah), {"num_warps": nw},
                   work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
+      for f, g, c, nw, ah in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), (False, True), strict=True)],
     *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
                                  (4, 8, 16, 8), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024),
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024, ATOMIC_HIST=ah),
                   {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
-                                     (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), strict=True)],
-    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, LOG_C=c, BLOCK=1024), {"num_warps": nw},
+      for f, g, ch, c, nw, pr, ah in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                         (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), (False, True) * 2,
+                                         strict=True)],
+    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SPAN=sp, LOG_C=c, BLOCK=1024), {"num_warps": nw},
                   work="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (4096, 1024, 8192, 8192), (4, 7, 3, 4),
-                                 (4, 8, 4, 4), strict=True)],
+      for f, g, ch, sp, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 2048),
+                                     (8192, 8192, 8192, 2048), (5, 7, 3, 5), (4, 8, 4, 4), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
                                            BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32", flags="*i32",
                 **{**AOT_PTRS, "scores": "*bf16"}),

@@ -5,7 +5,7 @@ Most such rows overflow because many keys EQUAL the threshold ``T``. At least k 
 fewer than k are > T, ``T`` is the k-th key and the answer is "every key > T, plus the lowest-id keys
 == T". The candidates programs of ``kernels/topk.py`` count both in every chunk; an overflowing row's
 select program turns the counts into offsets (``_plan_tie_path``), then every chunk program of the
-finish launch writes its share at those offsets in parallel (the *tie path*, ``_tie_path_chunks``).
+finish launch writes its share at those offsets in parallel (the *tie path*, ``_tie_path_span``).
 (``T`` is the k-th delegate cut to 16 bits, or exact when many delegates share those bits, so that
 plateaus at any value have their ties at ``T``.) Rows with k or more keys above ``T`` (e.g. a period of
 G) take the whole-row radix select (``_radix_select_row``). Used by ``kernels/topk.py``."""
@@ -98,22 +98,21 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tie_path_chunks(row, length, k, work_row, out_row, first, step, W, CHUNK: tl.constexpr, C_PAD: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """One program's share of a tie-path row (flag 2): chunks first, first + step, ... Each stores its keys
-    > T and its share of the lowest-id keys == T at the offsets the select kernel planned (every chunk
-    independent of the others, ids ascending); the program of chunk 0 also pads the row (the tie path
-    writes exactly k ids)."""
+def _tie_path_span(row, length, k, work_row, out_row, f, W, SPAN: tl.constexpr, CHUNK: tl.constexpr,
+                   C_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Span f (SPAN columns, whole chunks) of a tie-path row (flag 2): store its keys > T and its share of
+    the lowest-id keys == T at the offsets the select kernel planned for its first chunk (every span
+    independent of the others, ids ascending). Every load goes out at once (one round trip per
+    program); the program of span 0 also pads the row (the tie path writes exactly k ids)."""
+    c = f * (SPAN // CHUNK)  # the span's first chunk
     te = tl.load(work_row + TE)
     need = tl.load(work_row + NEED)
-    for c in range(first, tl.cdiv(length, CHUNK), step):
-        above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
-        ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
-                              W)
-    if first == 0:
+    above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
+    ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
+    offs = f * SPAN + tl.arange(0, SPAN)
+    key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+    _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need), W)
+    if f == 0:
         _pad(out_row, k, W, BLOCK)
 
 

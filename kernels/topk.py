@@ -73,6 +73,7 @@ from sparse_ref.kernels.topk_common import (
     DHIST,
     FLAG,
     HEAD,
+    MEMBERS,
     PAIR_SCRATCH,
     SHIFT,
     SYNC,
@@ -82,6 +83,7 @@ from sparse_ref.kernels.topk_common import (
     _delegates_of,
     _keys,
     _pad,
+    _pairwise_kth,
     _radix_rounds,
     _rank_members,
     _row_k_len,
@@ -118,8 +120,7 @@ TUNING = {
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
-    "atomic_histogram": False,  # the select program's histogram by L2 atomics instead of tl.histogram
-    "atomic_round2": False,  # radix round 2 of T (the delegates' last program) by L2 atomics instead of tl.histogram
+    "atomic_members": False,  # the select program copies its crossing bin's keys by an atomic counter
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
@@ -154,7 +155,7 @@ def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, 
 @triton.jit
 def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr, LOG_C: tl.constexpr, ATOMIC_HIST: tl.constexpr, PDL: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
@@ -186,17 +187,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
         n = tl.sum(h, axis=0)  # valid delegates
         d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
-        if ATOMIC_HIST:  # round 2 counted into the (now zeroed) row histogram by L2 atomics
-            u = dkey ^ -2147483648
-            tl.debug_barrier()  # the zeros are stored before any add
-            in_d = (dkey != -2147483648) & (((u >> 24) & 0xFF) == d)  # the delegates in round 1's bin
-            tl.atomic_add(sync_row + DHIST + ((u >> 16) & 0xFF), 1, mask=in_d, sem="relaxed")
-            tl.debug_barrier()
-            d2, k_rem = _walk(tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg"), k_rem)
-            ut = (d << 24) | (d2 << 16)
-            tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
-        else:
-            ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
+        ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
         if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
             ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)  # rounds 3-4, T = the exact k-th delegate
         T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # k = 0: no candidates at all
@@ -208,7 +199,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 @triton.jit
 def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
                        SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                       ATOMIC_HIST: tl.constexpr):
+                       ATOMIC_MEMBERS: tl.constexpr):
     """The whole exact selection of a row whose ``total`` candidates all sit in its slots (runs of
     ascending ids, the runs in any order): bin them (256 bins over [T, row max]), walk the histogram to
     the bin of the k-th key, rank that bin's keys -> ``t`` and how many keys == t the row takes
@@ -231,17 +222,28 @@ def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G:
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
     bins = _bins(key, T, shift)
     k_eff = tl.minimum(k, total)
-    if ATOMIC_HIST:  # count into the row's zeroed histogram in memory (L2 atomics, no per-element ALU loop)
-        tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
-        tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
-        hist = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
-    else:
-        hist = tl.histogram(bins, 256, mask=ok)
+    # The histogram: L2 atomic adds into the row's zeroed one in memory (tl.histogram, a ballot per key bit
+    # and a loop over the bins per key, was the program's largest step).
+    tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
+    tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
+    b = tl.arange(0, 256)
+    hist = tl.load(sync_row + DHIST + b, cache_modifier=".cg")
     d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
-    if ATOMIC_HIST:  # zero it again for the next call (every thread read it before the walk's block steps)
-        tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
-    t, need = _rank_members(key, ok & (bins == d), k_rem, tl.zeros([], tl.int32),
-                            _delegates_of(work_row, C_PAD) + G, PAIR, 0)  # (the pair scratch)
+    tl.store(sync_row + DHIST + b, tl.zeros([256], tl.int32))  # zero again (every thread has read it)
+    member = ok & (bins == d)
+    scratch = _delegates_of(work_row, C_PAD) + G  # (the pair scratch)
+    m = tl.sum(tl.where(b == d, hist, 0), axis=0)  # keys in bin d
+    if ATOMIC_MEMBERS and PAIR > 0:
+        if m <= PAIR:  # copy them to the scratch at places an atomic counter hands out
+            at = tl.atomic_add(sync_row + MEMBERS + tl.zeros_like(s), 1, mask=member, sem="relaxed")
+            tl.store(scratch + at, key, mask=member)
+            tl.debug_barrier()
+            t, need = _pairwise_kth(scratch, m, k_rem, PAIR)
+            tl.store(sync_row + MEMBERS, 0)
+        else:
+            t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
+    else:
+        t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, PAIR, 0)
     t = tl.where(k_eff > 0, t, 2147483647)
     need = tl.where(k_eff > 0, need, 0)
     ids = packed.to(tl.int32)  # the low 32 bits
@@ -305,7 +307,7 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                   ATOMIC_HIST: tl.constexpr, PDL: tl.constexpr):
+                   ATOMIC_MEMBERS: tl.constexpr, PDL: tl.constexpr):
     """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
     (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
     Then reset the row's slot counter for the next call."""
@@ -320,7 +322,7 @@ def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
     if total <= SLOTS:
         tl.store(work_row + FLAG, 0)
         _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, sync_row, out + r.to(tl.int64) * W, total, k, C,
-                           W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK, ATOMIC_HIST)
+                           W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK, ATOMIC_MEMBERS)
     else:
         te, flag = _plan_tie_path(work_row, k, C, C_PAD)
         tl.store(work_row + TE, te)
@@ -451,14 +453,14 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         return {"maxnreg": TUNING[knob]} if TUNING[knob] and device.type == "cuda" else {}
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
-            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
-            ATOMIC_HIST=TUNING["atomic_round2"], num_warps=nw, **pdl)),
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
+            **pdl)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl,
             **regs("candidate_maxnreg"))),
         ("select", lambda: _select_kernel[(R,)](
             out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
-            ATOMIC_HIST=TUNING["atomic_histogram"],
+            ATOMIC_MEMBERS=TUNING["atomic_members"],
             num_warps=warps("select_warps"), **pdl)),
         ("finish", lambda: _finish_kernel[(R, triton.cdiv(N, span))](
             scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, SPAN=span, LOG_C=log_c, BLOCK=block,
@@ -563,14 +565,15 @@ AOT_VARIANTS = [
     *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
                   flags="*i32", **AOT_PTRS)
       for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c, ATOMIC_HIST=ah), {"num_warps": nw},
+    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw},
                   work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, c, nw, ah in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), (False, True), strict=True)],
+      for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
     *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
                                  (4, 8, 16, 8), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024, ATOMIC_HIST=ah),
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024,
+                                       ATOMIC_MEMBERS=ah),
                   {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw, pr, ah in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
                                          (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), (False, True) * 2,

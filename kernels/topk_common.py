@@ -18,10 +18,11 @@ import triton.language as tl
 #   chunk (C_PAD each; the last two become "before each chunk" offsets on a tie-path row) | the G
 #   delegates | PAIR_SCRATCH ints for the pairwise rank.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
-#   [0] delegates counter, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates,
-#   [CNT] the row's candidates (the slot allocator).
+#   [0] delegates counter, [MEMBERS] the select program's counter of the keys in its crossing bin,
+#   [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates (then of the select
+#   program's slots), [CNT] the row's candidates (the slot allocator).
 T_, SHIFT, FLAG, TE, NEED, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 3, 4, 8))
-DHIST, CNT, SYNC = (tl.constexpr(i) for i in (2, 258, 260))
+MEMBERS, DHIST, CNT, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 260))
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -77,6 +78,17 @@ def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
+def _pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest of the m <= PAIR keys at scratch[0:m] (in any order), and how
+    many keys equal to ``t`` it takes; a key's rank is the count of keys above it (a [PAIR, PAIR] compare)."""
+    i = tl.arange(0, PAIR)
+    mk = tl.load(scratch + i, mask=i < m, other=-2147483648)
+    above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # keys above each key
+    t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
+    return t, k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
     """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
     ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
@@ -88,11 +100,7 @@ def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl
             tl.debug_barrier()  # the caller's reads of scratch are done
             tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
             tl.debug_barrier()
-            i = tl.arange(0, PAIR)
-            mk = tl.load(scratch + i, mask=i < m, other=-2147483648)
-            above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # members above each member
-            t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
-            ties = k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+            t, ties = _pairwise_kth(scratch, m, k_rem, PAIR)
         else:
             ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
             t = ut ^ -2147483648

@@ -54,9 +54,9 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(pdl=False), dict(chunk=1024), dict(select_warps=32), dict(pair_rank=64)]
+INDEX_VARIANTS = [dict(pdl=False), dict(chunk=1024), dict(select_warps=32), dict(pair_rank=64), dict(finish_span=4096)]
 # also on clustered rows (their runs are uneven; some take the tie path)
-CLUSTERED_VARIANTS = [dict(chunk=4096)]
+CLUSTERED_VARIANTS = [dict(chunk=4096), dict(finish_span=4096)]
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []

@@ -20,9 +20,10 @@ The design, in five steps:
    k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
    copies its candidates there (key and id, ascending id) and stores how many of its keys are > T
    and == T (for the fallback). Then one program per row loads the slots, bins them in a 256-bin
-   histogram over ``[T, row max]``, walks it to the bin holding the k-th key, ranks the few keys of
-   that bin pairwise (``TUNING["pair_rank"]``) to get ``t``, and stores every ``key > t`` plus the first ``key == t``
-   (ties to the lower id) at its place in id order: the winners of the chunks before its chunk plus
+   histogram over ``[T, row max]`` (atomic adds into a zeroed histogram in memory), walks it to the
+   bin holding the k-th key, ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get
+   ``t``, and stores every ``key > t`` plus the first ``key == t`` (ties to the lower id) at its place
+   in id order: the winners of the chunks before its chunk plus
    those before it in its run (one prefix sum over the slots). Ascending ids, no sort. Register
    rows run radix rounds on their slots instead (and make ``T`` exact when their 16-bit ``T`` lets
    more keys through than the slots hold: values packed within a few percent share their top 16 bits).
@@ -120,7 +121,6 @@ TUNING = {
     "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
     "sort_run_warps": 4,
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
-    "atomic_members": False,  # the select program copies its crossing bin's keys by an atomic counter
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
@@ -198,8 +198,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 
 @triton.jit
 def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                       ATOMIC_MEMBERS: tl.constexpr):
+                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
     """The whole exact selection of a row whose ``total`` candidates all sit in its slots (runs of
     ascending ids, the runs in any order): bin them (256 bins over [T, row max]), walk the histogram to
     the bin of the k-th key, rank that bin's keys -> ``t`` and how many keys == t the row takes
@@ -233,17 +232,17 @@ def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G:
     member = ok & (bins == d)
     scratch = _delegates_of(work_row, C_PAD) + G  # (the pair scratch)
     m = tl.sum(tl.where(b == d, hist, 0), axis=0)  # keys in bin d
-    if ATOMIC_MEMBERS and PAIR > 0:
-        if m <= PAIR:  # copy them to the scratch at places an atomic counter hands out
+    if PAIR > 0:
+        if m <= PAIR:  # copy them to the scratch, at places an atomic counter hands out (no prefix sum); rank
             at = tl.atomic_add(sync_row + MEMBERS + tl.zeros_like(s), 1, mask=member, sem="relaxed")
             tl.store(scratch + at, key, mask=member)
             tl.debug_barrier()
             t, need = _pairwise_kth(scratch, m, k_rem, PAIR)
-            tl.store(sync_row + MEMBERS, 0)
-        else:
+            tl.store(sync_row + MEMBERS, 0)  # zero again for the next call
+        else:  # many (ties, clusters): radix rounds on them
             t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
     else:
-        t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, PAIR, 0)
+        t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
     t = tl.where(k_eff > 0, t, 2147483647)
     need = tl.where(k_eff > 0, need, 0)
     ids = packed.to(tl.int32)  # the low 32 bits
@@ -307,7 +306,7 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                   ATOMIC_MEMBERS: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
     (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
     Then reset the row's slot counter for the next call."""
@@ -322,7 +321,7 @@ def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
     if total <= SLOTS:
         tl.store(work_row + FLAG, 0)
         _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, sync_row, out + r.to(tl.int64) * W, total, k, C,
-                           W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK, ATOMIC_MEMBERS)
+                           W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
     else:
         te, flag = _plan_tie_path(work_row, k, C, C_PAD)
         tl.store(work_row + TE, te)
@@ -460,7 +459,6 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             **regs("candidate_maxnreg"))),
         ("select", lambda: _select_kernel[(R,)](
             out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
-            ATOMIC_MEMBERS=TUNING["atomic_members"],
             num_warps=warps("select_warps"), **pdl)),
         ("finish", lambda: _finish_kernel[(R, triton.cdiv(N, span))](
             scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, SPAN=span, LOG_C=log_c, BLOCK=block,
@@ -572,12 +570,10 @@ AOT_VARIANTS = [
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
                                  (4, 8, 16, 8), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024,
-                                       ATOMIC_MEMBERS=ah),
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024),
                   {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, pr, ah in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
-                                         (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), (False, True) * 2,
-                                         strict=True)],
+      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                     (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), strict=True)],
     *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SPAN=sp, LOG_C=c, BLOCK=1024), {"num_warps": nw},
                   work="*i32", **AOT_PTRS)
       for f, g, ch, sp, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 2048),

@@ -15,10 +15,10 @@
    sort for ``order="score"`` (one ``tl.sort`` per row, or sorted runs then a merge) at 64 x 65536 and
    1 x 131072, and of a few launch knobs in index order at 64 x 65536, 128 x 131072 and 1 x 131072 (some also on
    clustered rows).
-5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): each kernel of the call timed
-   alone (CUDA graph of that launch only, L2 flushed), inputs left by a full call. Alone, the
-   candidates pass reads the row from HBM; in the chained call it re-reads it from L2, so the sum of
-   the parts exceeds the call by about one L2-vs-HBM read (~4-6 µs).
+5. **Per-launch breakdown** at 64 x 65536, k=2048 (randn and clustered): the call cut after each launch
+   (CUDA graph of the launches up to it, L2 flushed before each replay), and each launch's share = the
+   difference between consecutive cuts (see ``breakdown``: timing a launch alone would replay the select
+   launch on a state with no candidates). The shares add up to the whole call.
 6. **Knob sweep** (index order, randn): a few launch-knob variants per shape (``TUNING`` keys).
 
 Budget: the whole run (compilation included) is meant to finish in about 4 minutes on an H200.
@@ -38,6 +38,8 @@ import torch
 import sparse_ref  # noqa: F401  (interpreter set-up; a GPU is required here)
 from sparse_ref.bench import Timer, make_distribution
 from sparse_ref.config import SparseConfig
+from sparse_ref.kernels import topk as topk_module
+from sparse_ref.kernels import topk_common
 from sparse_ref.kernels.page_select import select_pages_triton
 from sparse_ref.kernels.topk import TUNING, launch_topk, launches, topk
 from sparse_ref.selection import select_pages, topk_reference
@@ -98,7 +100,13 @@ def candidate_stats(x, k):
 
 
 def breakdown(R, N, k, dist, timer, device) -> list:
-    """Each launch of one call timed alone (after a full call left valid inputs for it)."""
+    """Each launch's share of one call: the call cut after each launch (delegates; + candidates; + select;
+    + finish), each cut replayed with L2 flushed, and the differences between cuts. (Timing a launch
+    alone would replay it on the state earlier replays left: after many replays of the candidates
+    launch alone, the rows' slot counters are far past the slots, so a select replayed alone sees no
+    candidates at all.) The cut after the candidates launch must leave the slot counters at zero as a
+    whole call does, so it ends with a tiny torch kernel that zeroes them; that kernel's own share (the
+    cut "delegates + reset" minus "delegates") is taken off again."""
     copies = [make_distribution(dist, R, N, device, seed=s) for s in range(4)]
     plans = []
     for c in copies:
@@ -110,11 +118,25 @@ def breakdown(R, N, k, dist, timer, device) -> list:
         plans.append(steps)
     torch.cuda.synchronize()
     flags = stats.get("flags")
+    counters = topk_module._SYNC[str(device)][:, topk_common.CNT.value]
+
+    def cut(n, reset=False):  # the first n launches of each copy's call, then the counter reset
+        def call(steps=None):
+            for _, fn in steps[:n]:
+                fn()
+            if reset:
+                counters.zero_()
+        return timer.cold([partial(call, steps) for steps in plans])
+
+    names = [name for name, _ in plans[0]]
+    t_del = cut(1)
+    reset_share = cut(1, reset=True) - t_del
+    cuts = [t_del, cut(2, reset=True) - reset_share] + [cut(n) for n in range(3, len(names) + 1)]
     rows = []
-    for i, (name, _) in enumerate(plans[0]):
-        t = timer.cold([steps[i][1] for steps in plans])
+    for i, name in enumerate(names):
+        t = cuts[i] - (cuts[i - 1] if i else 0.0)
         rows.append((f"{R}x{N} {dist}", name, t))
-        print(f"  breakdown {R}x{N} k={k} {dist:<9} {name:<12} {t:7.1f} us"
+        print(f"  breakdown {R}x{N} k={k} {dist:<9} {name:<12} {t:7.1f} us (the call up to it: {cuts[i]:.1f})"
               + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "finish" and flags is not None else ""),
               flush=True)
     return rows
@@ -313,7 +335,7 @@ def main(argv=None) -> int:
         print(f"{dist:<9} ours {t_ours:6.1f} | torch.topk alone {t_topk:6.1f} (x{t_topk / t_ours:4.2f}) | "
               f"select_pages {t_sel:7.1f} (x{t_sel / t_ours:5.1f})")
     if parts:
-        print("\n== per-launch breakdown, 64 x 65536 k=2048 (each launch alone, L2 flushed), us ==")
+        print("\n== per-launch breakdown, 64 x 65536 k=2048 (each launch's share of the call, L2 flushed), us ==")
         for shape in dict.fromkeys(s for s, _, _ in parts):
             print(f"{shape:>16}: " + ", ".join(f"{n} {t:.1f}" for s, n, t in parts if s == shape)
                   + f" | sum {sum(t for s, _, t in parts if s == shape):.1f}")

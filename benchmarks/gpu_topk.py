@@ -118,7 +118,7 @@ def breakdown(R, N, k, dist, timer, device) -> list:
         plans.append(steps)
     torch.cuda.synchronize()
     flags = stats.get("flags")
-    counters = topk_module._SYNC[str(device)][:, topk_common.CNT.value]
+    counters = topk_module._SYNC[str(copies[0].device)][:, topk_common.CNT.value]  # (the key names the index)
 
     def cut(n, reset=False):  # the first n launches of each copy's call, then the counter reset
         def call(steps=None):

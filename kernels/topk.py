@@ -111,10 +111,8 @@ TUNING = {
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
-    "candidate_maxnreg": 0,  # > 0: cap the candidates programs' registers (more programs resident per SM)
     "finish_warps": 4,  # the finish launch: a program per span, its share of a flagged row's fallback
     "finish_span": 2048,  # columns per finish program (a power of two; at least one chunk)
-    "finish_maxnreg": 0,  # > 0: cap the finish programs' registers (more of them resident per SM)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
@@ -334,10 +332,10 @@ def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
 def _finish_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SPAN: tl.constexpr, LOG_C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program = one SPAN of columns (whole chunks) of a flagged row: its share of the tie path
-    (``_tie_path_span``), or, in the program of span 0, the whole-row radix select. The programs of
-    the other rows (their select program wrote them) return at once; that is most rows, so a span
-    holds several chunks (fewer programs to schedule)."""
+    """One program = one SPAN of columns (whole chunks; one by default) of a flagged row: its share of the
+    tie path (``_tie_path_span``), or, in the program of span 0, the whole-row radix select. The programs
+    of the other rows (their select program wrote them) return at once. Wider spans schedule fewer
+    programs, which rows without a flag like, but a tie-path row then gets less parallel writing."""
     _after_previous_launch(PDL)
     r = tl.program_id(0)
     f = tl.program_id(1)
@@ -447,22 +445,18 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
     span = min(max(chunk, TUNING["finish_span"]), p["n_pad"])  # finish program columns (whole chunks)
-
-    def regs(knob):  # a register cap (launch option) on a GPU, when the knob sets one
-        return {"maxnreg": TUNING[knob]} if TUNING[knob] and device.type == "cuda" else {}
     return [
         ("delegates", lambda: _delegates_kernel[(R, G // cols)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
             **pdl)),
         ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl,
-            **regs("candidate_maxnreg"))),
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl)),
         ("select", lambda: _select_kernel[(R,)](
             out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
             num_warps=warps("select_warps"), **pdl)),
         ("finish", lambda: _finish_kernel[(R, triton.cdiv(N, span))](
             scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, SPAN=span, LOG_C=log_c, BLOCK=block,
-            num_warps=warps("finish_warps"), **pdl, **regs("finish_maxnreg"))),
+            num_warps=warps("finish_warps"), **pdl)),
     ]
 
 

@@ -144,10 +144,12 @@ def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
-def test_tie_path_across_chunks(monkeypatch):
+@pytest.mark.parametrize("span", [64, 256, 4096])
+def test_tie_path_across_chunks(monkeypatch, span):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
-    chunk programs by their counts: the lowest ids win, also with lengths and per-row k."""
-    for name, value in PATHS["long"].items():
+    chunk programs by their counts: the lowest ids win, also with lengths and per-row k. The finish
+    programs write one chunk each (span 64 = the chunk, the GPU default's shape), several, or the row."""
+    for name, value in {**PATHS["long"], "finish_span": span}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     monkeypatch.setitem(topk_module.TUNING, "slots", 32)
     x = make_scores(4, 700, seed=4, ties=True)  # 7 distinct values: ~100 copies of each

@@ -82,6 +82,7 @@ from sparse_ref.kernels.topk_common import (
     TE,
     _after_previous_launch,
     _delegates_of,
+    _exact_delegate,
     _keys,
     _pad,
     _pairwise_kth,
@@ -187,7 +188,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
         ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
         if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
-            ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)  # rounds 3-4, T = the exact k-th delegate
+            ut = _exact_delegate(dkey, ut, k_rem)  # T = the exact k-th delegate
         T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # k = 0: no candidates at all
         span = tl.max(dkey, axis=0).to(tl.int64) - T  # row max - T (the row max is the largest delegate)
         tl.store(work_row + T_, T)

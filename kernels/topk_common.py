@@ -78,6 +78,22 @@ def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
+def _exact_delegate(dkey, ut, k_rem):
+    """The exact k-th delegate (its unsigned-order digits, as ``ut``), given ``ut``/``k_rem`` after radix
+    rounds 1-2 (its top 16 bits). When every delegate sharing those 16 bits is the same key (a plateau
+    of equal values; clusters of bf16 values, whose 16-bit prefix is the whole value), that key is it:
+    a min and a max instead of two more histogram rounds over the delegates. Else rounds 3-4."""
+    u = dkey ^ -2147483648
+    member = (dkey != -2147483648) & ((u >> 16) == (ut >> 16))
+    lo = tl.min(tl.where(member, dkey, 2147483647), axis=0)
+    if lo == tl.max(tl.where(member, dkey, -2147483648), axis=0):
+        ut = lo ^ -2147483648
+    else:
+        ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)
+    return ut
+
+
+@triton.jit
 def _pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
     """``(t, ties)``: the k_rem-th largest of the m <= PAIR keys at scratch[0:m] (in any order), and how
     many keys equal to ``t`` it takes; a key's rank is the count of keys above it (a [PAIR, PAIR] compare)."""
@@ -163,8 +179,7 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     if usable & (count > SLOTS):  # too many through 16 bits: T = Te, the exact k-th delegate (rounds 3-4)
-        ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)
-        T = ut ^ -2147483648
+        T = _exact_delegate(dkey, ut, k_rem) ^ -2147483648
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)

@@ -144,6 +144,24 @@ def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
+def test_long_rows_packed_in_a_narrow_range(monkeypatch):
+    """Scores within 0.1% of each other share their top 16 bits: more than k + k/8 delegates reach the
+    16-bit cut of T, so the delegates' last program makes T the exact k-th delegate. Here they differ
+    below 16 bits, so it takes radix rounds 3-4 (equal ones would take a min and a max); with the exact
+    T the candidates fit the slots (flag 0), with the 16-bit cut every key would be one (a fallback)."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    g = torch.Generator().manual_seed(11)
+    x = (1.0 + 1e-3 * torch.rand(3, 1000, generator=g)).to(DEVICE)
+    out = torch.empty(3, 100, dtype=torch.int32, device=DEVICE)
+    stats: dict = {}
+    flags = topk_module.launch_topk(x, 100, None, None, out, stats)
+    assert flags.tolist() == [0, 0, 0]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 100, order="index"))
+    for order in ("index", "score"):
+        assert torch.equal(topk(x, 100, order=order).cpu(), topk_reference(x.cpu(), 100, order=order))
+
+
 @pytest.mark.parametrize("span", [64, 256, 4096])
 def test_tie_path_across_chunks(monkeypatch, span):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between

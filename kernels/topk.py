@@ -158,8 +158,8 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
-    NONE if fewer than k delegates; rounds 3-4 too, T exact, when more than k + k/8 delegates reach the
-    cut T) and sets the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
+    NONE if fewer than k delegates; T exact, ``_exact_delegate``, when more than k + k/8 delegates reach
+    the cut T) and sets the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)

@@ -163,8 +163,8 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
     them. T is first the k-th delegate with its low 16 bits cleared (two radix rounds over the
     delegates). Values packed in a narrow range (Quest page scores: a spread of ~2%) share their top 16
-    bits, so that lets hundreds of keys through; then radix rounds 3-4 continue over the G delegates
-    (not over the row) and T becomes the exact k-th delegate Te. Only when even that overflows (ties,
+    bits, so that lets hundreds of keys through; then T becomes the exact k-th delegate Te
+    (``_exact_delegate``: radix rounds 3-4 over the G delegates, not over the row). Only when even that overflows (ties,
     rows that defeat the delegates): keys > Te plus the lowest-id ties == Te when that is the answer
     (fewer than k keys > Te), else the whole row.
     """

@@ -121,7 +121,7 @@ def breakdown(R, N, k, dist, timer, device) -> list:
     counters = topk_module._SYNC[str(copies[0].device)][:, topk_common.CNT.value]  # (the key names the index)
 
     def cut(n, reset=False):  # the first n launches of each copy's call, then the counter reset
-        def call(steps=None):
+        def call(steps):
             for _, fn in steps[:n]:
                 fn()
             if reset:

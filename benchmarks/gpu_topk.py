@@ -47,7 +47,7 @@ from sparse_ref.selection import select_pages, topk_reference
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
 SWEEP = {"pair_rank": [0], "chunk": [1024], "delegate_warps": [4], "num_warps": [16], "delegate_cols": [512],
-         "finish_warps": [8]}
+         "reverse_rows": [False]}
 SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
 # order="score" variants, always run (exactness + time over index order): one tl.sort per row with its warps,
@@ -56,9 +56,10 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
     dict(sort_run=r, sort_run_warps=w) for r, w in ((512, 4), (512, 8), (1024, 8), (256, 4))]
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
-INDEX_VARIANTS = [dict(pdl=False), dict(chunk=1024), dict(select_warps=32), dict(pair_rank=64), dict(finish_span=4096)]
+INDEX_VARIANTS = [dict(pdl=False), dict(chunk=1024), dict(select_warps=32), dict(pair_rank=64),
+                  dict(reverse_rows=False)]
 # also on clustered rows (their runs are uneven; some take the tie path)
-CLUSTERED_VARIANTS = [dict(chunk=4096), dict(finish_span=4096)]
+CLUSTERED_VARIANTS = [dict(chunk=4096), dict(tie_tile=4096), dict(select_programs=512)]
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048)]
 SWEEP_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 failures: list[str] = []
@@ -100,8 +101,8 @@ def candidate_stats(x, k):
 
 
 def breakdown(R, N, k, dist, timer, device) -> list:
-    """Each launch's share of one call: the call cut after each launch (delegates; + candidates; + select;
-    + finish), each cut replayed with L2 flushed, and the differences between cuts. (Timing a launch
+    """Each launch's share of one call: the call cut after each launch (delegates; + candidates; + select),
+    each cut replayed with L2 flushed, and the differences between cuts. (Timing a launch
     alone would replay it on the state earlier replays left: after many replays of the candidates
     launch alone, the rows' slot counters are far past the slots, so a select replayed alone sees no
     candidates at all.) The cut after the candidates launch must leave the slot counters at zero as a
@@ -137,7 +138,7 @@ def breakdown(R, N, k, dist, timer, device) -> list:
         t = cuts[i] - (cuts[i - 1] if i else 0.0)
         rows.append((f"{R}x{N} {dist}", name, t))
         print(f"  breakdown {R}x{N} k={k} {dist:<9} {name:<12} {t:7.1f} us (the call up to it: {cuts[i]:.1f})"
-              + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "finish" and flags is not None else ""),
+              + (f" (fallback flags {flags.tolist()[:4]}...)" if name == "select" and flags is not None else ""),
               flush=True)
     return rows
 
@@ -340,9 +341,8 @@ def main(argv=None) -> int:
             print(f"{shape:>16}: " + ", ".join(f"{n} {t:.1f}" for s, n, t in parts if s == shape)
                   + f" | sum {sum(t for s, _, t in parts if s == shape):.1f}")
         t = {(s.split()[-1], n): v for s, n, v in parts}
-        if ("randn", "finish") in t and ("clustered", "candidates") in t:
-            print(f"  finish (randn: returns at once) {t['randn', 'finish']:.1f}; candidates randn "
-                  f"{t['randn', 'candidates']:.1f} vs clustered {t['clustered', 'candidates']:.1f}")
+        if ("randn", "candidates") in t and ("clustered", "candidates") in t:
+            print(f"  candidates randn {t['randn', 'candidates']:.1f} vs clustered {t['clustered', 'candidates']:.1f}")
     for title, rows in (("order=\"score\" variants (randn), us: score order (its cost over index order)", sort_rows),
                         ("index-order knob variants (randn unless named), us (vs the defaults)", index_rows)):
         print(f"\n== {title} ==")

@@ -79,7 +79,6 @@ from sparse_ref.kernels.topk_common import (
     SHIFT,
     SYNC,
     T_,
-    TE,
     _after_previous_launch,
     _delegates_of,
     _exact_delegate,
@@ -95,7 +94,7 @@ from sparse_ref.kernels.topk_common import (
     aot_variant,
     work_width,
 )
-from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _tie_path_span
+from sparse_ref.kernels.topk_fallback import _radix_select_row, _tie_path_span
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -111,9 +110,10 @@ TUNING = {
     "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
-    "select_warps": 16,  # the select launch: a program per row, the exact selection on its slots
-    "finish_warps": 4,  # the finish launch: a program per span, its share of a flagged row's fallback
-    "finish_span": 2048,  # columns per finish program (a power of two; at least one chunk)
+    "reverse_rows": True,  # the candidates launch takes the rows last-first (the delegates launch read them last)
+    "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
+    "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
+    "tie_tile": 2048,  # columns per load of a flagged row's select program (a power of two; at least one chunk)
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
@@ -162,8 +162,9 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
     the cut T) and sets the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
-    r = tl.program_id(0)
-    c = tl.program_id(1)
+    S: tl.constexpr = G // COLS  # programs per row
+    r = tl.program_id(0) // S  # row-major order: a row's programs run together, the last rows last
+    c = tl.program_id(0) % S
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     row = scores + r.to(tl.int64) * stride_r
     work_row = _work_row(work, r, LOG_C, G)
@@ -179,7 +180,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
     h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
     tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
-    if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+    if tl.atomic_add(sync_row, 1, sem="acq_rel") == S - 1:
         tl.store(sync_row, 0)  # reset the counter and the histogram for the next call (CUDA-graph replays)
         h = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
         tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
@@ -272,15 +273,20 @@ def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G:
 @triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, REVERSE: tl.constexpr, PDL: tl.constexpr):
     """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
     counter), copy its elements >= T there (key << 32 | id, ascending id) and store its counts of keys > T
     and == T (the tie path's plan if the row overflows). No tail and no histogram (the selection is the
-    next launch's), so this one runs with light programs."""
+    next launch's), so this one runs with light programs. Row-major order, the last rows first when
+    REVERSE: the delegates launch read those last, so more of them are still in L2 when the rows do not
+    all fit."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
-    r = tl.program_id(0)
-    c = tl.program_id(1)
+    C = tl.cdiv(N, CHUNK)
+    r = tl.program_id(0) // C
+    if REVERSE:
+        r = tl.num_programs(0) // C - 1 - r
+    c = tl.program_id(0) % C
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
@@ -302,53 +308,46 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
 
 
 @triton.jit
-def _select_kernel(out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
+def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
-    """One program = one row: when its candidates all found a slot, the row's whole answer from the slots
-    (``_select_from_slots``); else flag the row and plan its fallback, which the finish launch writes.
-    Then reset the row's slot counter for the next call."""
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, SPAN: tl.constexpr,
+                   TILE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program = one SPAN of a row's columns (whole chunks). When the row's candidates all found a
+    slot, the program of span 0 writes the row's whole answer from the slots (``_select_from_slots``)
+    and the others return at once. When they did not (the row is flagged), every program writes its
+    span's share of the tie path, or the program of span 0 runs the whole-row radix select.
+
+    The row's slot counter says which case it is, and must be zero again for the next call. In the
+    first case the program of span 0 resets it: the others read either the count or zero, and both say
+    "the slots". In the second the row's last program to finish resets it (an atomic counter)."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     r = tl.program_id(0)
+    f = tl.program_id(1)
     C = tl.cdiv(N, CHUNK)
-    k, _ = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
+    out_row = out + r.to(tl.int64) * W
     total = tl.load(sync_row + CNT)
     if total <= SLOTS:
-        tl.store(work_row + FLAG, 0)
-        _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, sync_row, out + r.to(tl.int64) * W, total, k, C,
-                           W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
+        if f == 0:
+            tl.store(work_row + FLAG, 0)
+            _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, sync_row, out_row, total, k, C, W, G, CHUNK,
+                               SLOTS, C_PAD, PAIR, BLOCK)
+            tl.debug_barrier()  # every thread has read the count
+            tl.store(sync_row + CNT, 0)
     else:
-        te, flag = _plan_tie_path(work_row, k, C, C_PAD)
-        tl.store(work_row + TE, te)
-        tl.store(work_row + FLAG, flag)
-    tl.debug_barrier()  # every thread's reads of the row's state are done
-    tl.store(sync_row + CNT, 0)
-
-
-@triton.jit
-def _finish_kernel(scores, stride_r, out, work, N, W, k_scalar, k_ptr, len_ptr,
-                   HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SPAN: tl.constexpr, LOG_C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program = one SPAN of columns (whole chunks; one by default) of a flagged row: its share of the
-    tie path (``_tie_path_span``), or, in the program of span 0, the whole-row radix select. The programs
-    of the other rows (their select program wrote them) return at once. Wider spans schedule fewer
-    programs, which rows without a flag like, but a tie-path row then gets less parallel writing."""
-    _after_previous_launch(PDL)
-    r = tl.program_id(0)
-    f = tl.program_id(1)
-    work_row = _work_row(work, r, LOG_C, G)
-    flag = tl.load(work_row + FLAG)
-    if flag == 2:
-        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-        _tie_path_span(scores + r.to(tl.int64) * stride_r, length, k, work_row, out + r.to(tl.int64) * W, f, W, SPAN,
-                       CHUNK, 1 << LOG_C, BLOCK)
-    elif (flag == 1) & (f == 0):
-        k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
-        _radix_select_row(scores + r.to(tl.int64) * stride_r, length, k, out + r.to(tl.int64) * W, W, BLOCK)
+        row = scores + r.to(tl.int64) * stride_r
+        flag = _tie_path_span(row, length, k, work_row, out_row, f, C, W, SPAN, TILE, CHUNK, C_PAD, BLOCK)
+        if f == 0:
+            tl.store(work_row + FLAG, flag)
+            if flag == 1:
+                _radix_select_row(row, length, k, out_row, W, BLOCK)
+        tl.debug_barrier()  # every thread has read the count
+        if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
+            tl.store(sync_row, 0)
+            tl.store(sync_row + CNT, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,19 +444,19 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
                  slots=cand, run_starts=work[:, HEAD.value + (1 << log_c):HEAD.value + (1 << log_c) + C])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
-    span = min(max(chunk, TUNING["finish_span"]), p["n_pad"])  # finish program columns (whole chunks)
+    tile = min(max(chunk, TUNING["tie_tile"]), p["n_pad"])  # a flagged row: its select programs' loads
+    spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
+    span = triton.cdiv(triton.cdiv(N, spans), tile) * tile  # (whole tiles)
     return [
-        ("delegates", lambda: _delegates_kernel[(R, G // cols)](
+        ("delegates", lambda: _delegates_kernel[(R * (G // cols),)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
             **pdl)),
-        ("candidates", lambda: _candidates_kernel[(R, C)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl)),
-        ("select", lambda: _select_kernel[(R,)](
-            out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], BLOCK=block,
-            num_warps=warps("select_warps"), **pdl)),
-        ("finish", lambda: _finish_kernel[(R, triton.cdiv(N, span))](
-            scores, stride, out, work, N, W, **row_args, G=G, CHUNK=chunk, SPAN=span, LOG_C=log_c, BLOCK=block,
-            num_warps=warps("finish_warps"), **pdl)),
+        ("candidates", lambda: _candidates_kernel[(R * C,)](
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, REVERSE=TUNING["reverse_rows"],
+            num_warps=warps("candidate_warps"), **pdl)),
+        ("select", lambda: _select_kernel[(R, triton.cdiv(N, span))](
+            scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], SPAN=span, TILE=tile,
+            BLOCK=block, num_warps=warps("select_warps"), **pdl)),
     ]
 
 
@@ -561,18 +560,16 @@ AOT_VARIANTS = [
     *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw},
                   work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw},
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, REVERSE=rv), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
-                                 (4, 8, 16, 8), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, BLOCK=1024),
-                  {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, pr in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
-                                     (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128), strict=True)],
-    *[aot_variant(_finish_kernel, dict(**f, G=g, CHUNK=ch, SPAN=sp, LOG_C=c, BLOCK=1024), {"num_warps": nw},
-                  work="*i32", **AOT_PTRS)
-      for f, g, ch, sp, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 2048),
-                                     (8192, 8192, 8192, 2048), (5, 7, 3, 5), (4, 8, 4, 4), strict=True)],
+      for f, g, ch, c, nw, rv in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
+                                     (4, 8, 16, 8), (True, False, True, False), strict=True)],
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, SPAN=sp, TILE=tl_,
+                                       BLOCK=1024), {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32",
+                  **AOT_PTRS)
+      for f, g, ch, c, nw, pr, sp, tl_ in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                              (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128),
+                                              (16384, 2048, 65536, 8192), (8192, 2048, 8192, 8192), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
                                            BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32", flags="*i32",
                 **{**AOT_PTRS, "scores": "*bf16"}),

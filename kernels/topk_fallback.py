@@ -19,9 +19,7 @@ from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
     HEAD,
-    NEED,
     T_,
-    TE,
     _keys,
     _pad,
     _row_k_len,
@@ -33,21 +31,20 @@ from sparse_ref.kernels.topk_common import (
 
 @triton.jit
 def _plan_tie_path(work_row, k, C, C_PAD: tl.constexpr):
-    """The plan of an overflowing row (its select program), from the counts every chunk program of the
-    candidates launch stored: its keys > T and == T. At least k keys are >= T, so if fewer than k are
-    > T, the k-th key IS T: a prefix sum over the chunks gives each chunk's offsets, no pass over the
-    row. Returns (T, flag): 2 = the tie path, 1 = the whole-row radix select (k or more keys > T, or
+    """The plan of an overflowing row, from the counts every chunk program of the candidates launch
+    stored: its keys > T (``above``) and == T (``ties``), per chunk. At least k keys are >= T, so if
+    fewer than k are > T, the k-th key IS T and the answer is every key > T plus the ``need`` lowest-id
+    keys == T: sums over the chunks give any tile's offsets, no pass over the row. Every program of the
+    row computes the plan itself (nothing is written, so no program waits for another). Returns (T, need,
+    flag, above, ties): flag 2 = the tie path, 1 = the whole-row radix select (k or more keys > T, or
     T = NONE: fewer than k delegates)."""
     te = tl.load(work_row + T_)
     ci = tl.arange(0, C_PAD)
-    a = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0)
-    e = tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0)
-    above = tl.sum(a, axis=0)
-    tl.debug_barrier()  # every thread has read the counts before they become offsets
-    tl.store(work_row + HEAD + 2 * C_PAD + ci, tl.cumsum(a, axis=0) - a, mask=ci < C)
-    tl.store(work_row + HEAD + 3 * C_PAD + ci, tl.cumsum(e, axis=0) - e, mask=ci < C)
-    tl.store(work_row + NEED, k - above)
-    return te, tl.where((te != -2147483648) & (k > 0) & (above < k), 2, 1)
+    above = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0)
+    ties = tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0)
+    n_above = tl.sum(above, axis=0)
+    flag = tl.where((te != -2147483648) & (k > 0) & (n_above < k), 2, 1)
+    return te, k - n_above, flag, above, ties
 
 
 @triton.jit
@@ -98,22 +95,33 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tie_path_span(row, length, k, work_row, out_row, f, W, SPAN: tl.constexpr, CHUNK: tl.constexpr,
-                   C_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Span f (SPAN columns, whole chunks) of a tie-path row (flag 2): store its keys > T and its share of
-    the lowest-id keys == T at the offsets the select kernel planned for its first chunk (every span
-    independent of the others, ids ascending). Every load goes out at once (one round trip per
-    program); the program of span 0 also pads the row (the tie path writes exactly k ids)."""
-    c = f * (SPAN // CHUNK)  # the span's first chunk
-    te = tl.load(work_row + TE)
-    need = tl.load(work_row + NEED)
-    above_before = tl.load(work_row + HEAD + 2 * C_PAD + c)
-    ties_before = tl.load(work_row + HEAD + 3 * C_PAD + c)
-    offs = f * SPAN + tl.arange(0, SPAN)
-    key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-    _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need), W)
-    if f == 0:
-        _pad(out_row, k, W, BLOCK)
+def _tie_path_span(row, length, k, work_row, out_row, f, C, W, SPAN: tl.constexpr, TILE: tl.constexpr,
+                   CHUNK: tl.constexpr, C_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Span f (SPAN columns, whole chunks) of an overflowing row: if it takes the tie path, store, tile
+    by tile, its keys > T and its share of the lowest-id keys == T at the offsets the plan gives (every
+    tile independent of the others, ids ascending). Only the columns between the row's first and last
+    chunk with something to store are read: a chunk with no key > T and no tie the row still needs
+    (plateaus need only their first ties) is skipped. The program of span 0 also pads the row (the tie
+    path writes exactly k ids). Returns the row's flag (2, or 1: nothing written, the whole-row radix
+    select's)."""
+    te, need, flag, above, ties = _plan_tie_path(work_row, k, C, C_PAD)
+    if flag == 2:
+        c = tl.arange(0, C_PAD)
+        busy = (above > 0) | ((tl.cumsum(ties, axis=0) - ties < need) & (ties > 0))  # chunks with work
+        lo = tl.maximum(f * SPAN, tl.min(tl.where(busy, c, C_PAD), axis=0) * CHUNK)
+        hi = tl.minimum(tl.minimum((f + 1) * SPAN, length), (tl.max(tl.where(busy, c, -1), axis=0) + 1) * CHUNK)
+        counts = (above.to(tl.int64) << 32) | ties  # keys > T | keys == T, per chunk: one sum per tile
+        for t0 in range(lo, hi, TILE):
+            before = tl.sum(tl.where(c * CHUNK < t0, counts, 0), axis=0)
+            above_before = (before >> 32).to(tl.int32)
+            ties_before = (before & 0xFFFFFFFF).to(tl.int32)
+            offs = t0 + tl.arange(0, TILE)
+            key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
+            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
+                                  above_before + tl.minimum(ties_before, need), W)
+        if f == 0:
+            _pad(out_row, k, W, BLOCK)
+    return flag
 
 
 @triton.jit

@@ -162,12 +162,13 @@ def test_long_rows_packed_in_a_narrow_range(monkeypatch):
         assert torch.equal(topk(x, 100, order=order).cpu(), topk_reference(x.cpu(), 100, order=order))
 
 
-@pytest.mark.parametrize("span", [64, 256, 4096])
-def test_tie_path_across_chunks(monkeypatch, span):
+@pytest.mark.parametrize("tile, programs", [(64, 256), (256, 4), (4096, 1)])
+def test_tie_path_across_chunks(monkeypatch, tile, programs):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
-    chunk programs by their counts: the lowest ids win, also with lengths and per-row k. The finish
-    programs write one chunk each (span 64 = the chunk, the GPU default's shape), several, or the row."""
-    for name, value in {**PATHS["long"], "finish_span": span}.items():
+    chunks by their counts: the lowest ids win, also with lengths and per-row k. The select programs of
+    a flagged row each write a span: one tile of one chunk (64), several tiles of several chunks, or the
+    whole row in one tile; tiles with nothing to write are skipped."""
+    for name, value in {**PATHS["long"], "tie_tile": tile, "select_programs": programs}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     monkeypatch.setitem(topk_module.TUNING, "slots", 32)
     x = make_scores(4, 700, seed=4, ties=True)  # 7 distinct values: ~100 copies of each
@@ -178,6 +179,16 @@ def test_tie_path_across_chunks(monkeypatch, span):
     flags = topk_module.launch_topk(x, 0, k.int(), lengths, out)
     assert flags.tolist() == [2, 2, 2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), k.cpu(), lengths.cpu(), order="index", width=150))
+    assert not topk_module._SYNC[str(x.device)].any()  # the rows' last programs zeroed their slot counters
+    x = torch.full((2, 700), 2.0, device=DEVICE)  # plateaus with one key above them, in the last or first tile:
+    x[0, 690] = x[1, 5] = 3.0  # a tile whose only work is that key, and tiles with nothing to write
+    out = torch.empty(2, 100, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 100, None, None, out).tolist() == [2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 100, order="index"))
+    x[1, 5] = 2.0  # a plateau alone: k = 65 needs one tie of the second chunk (64 columns each), its first
+    out = torch.empty(2, 65, dtype=torch.int32, device=DEVICE)
+    assert topk_module.launch_topk(x, 65, None, None, out).tolist() == [2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 65, order="index"))
     # chunks of 1024 are counted 8 per step: 9 chunks = a full step and a partial one
     monkeypatch.setitem(topk_module.TUNING, "chunk", 1024)
     x = make_scores(2, 9000, seed=5, ties=True)
@@ -217,12 +228,13 @@ def long_path_rows(N, k, seed=0):
     return torch.stack(rows).to(DEVICE)
 
 
-@pytest.mark.parametrize("pair_rank", [16, 128])
-def test_long_path_histogram_select(monkeypatch, pair_rank):
+@pytest.mark.parametrize("pair_rank, reverse", [(16, True), (128, True), (128, False)])
+def test_long_path_histogram_select(monkeypatch, pair_rank, reverse):
     """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
     to the row's, the select program ranks the crossing bin's keys (pairwise when at most pair_rank share
-    it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call."""
-    for name, value in {**PATHS["long"], "pair_rank": pair_rank}.items():
+    it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call.
+    The candidates launch takes the rows in either order (``reverse_rows``)."""
+    for name, value in {**PATHS["long"], "pair_rank": pair_rank, "reverse_rows": reverse}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = long_path_rows(1500, 20)
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
@@ -262,7 +274,7 @@ def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats: dict = {}
     steps = topk_module.launches(x, 20, None, None, out, stats)
-    assert [name for name, _ in steps] == ["delegates", "candidates", "select", "finish"]
+    assert [name for name, _ in steps] == ["delegates", "candidates", "select"]
     for _, fn in steps[:2]:
         fn()
     slots, starts, counts = stats["slots"], stats["run_starts"], stats["counts"]
@@ -461,10 +473,10 @@ def test_gpu_cuda_graph_capture_and_replay(N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [dict(sort_run=512), dict(sort_run=256, sort_run_warps=2), dict(sort_run=0),
-                                   dict(chunk=8192, candidate_warps=16, finish_warps=8)])
+                                   dict(chunk=8192, candidate_warps=16, tie_tile=16384, select_programs=64)])
 def test_gpu_knob_variants(monkeypatch, knobs):
     """Knob variants compiled at realistic sizes (adversarial rows take the tie path and the radix select):
-    the two-step sort of order="score" or one sort per row, and larger chunks with heavier programs."""
+    the two-step sort of order="score" or one sort per row, and larger chunks and tie spans with heavier programs."""
     for name, value in knobs.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     for N, k in ((65536, 2048), (131072, 2048), (20_000, 1000)):

@@ -36,15 +36,16 @@ helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-ro
 ``kernels/topk_common.py``.
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
-keeps it in registers (one launch; the tie path runs in registers too). Longer rows use four
-launches: delegates (many programs per row; the last one to finish computes ``T``), candidates (a
-light program per chunk, no serial tail), select (a program per row: ``t`` and the winners, or the
-flag and the plan of the fallback) and finish (every chunk of a flagged row writes its share of the
-fallback; the programs of the other rows return at once). The selection is a launch of its own so
-that the wide per-chunk passes run with few warps and the one serial step per row with many. "Last
-program of the row" is an atomic counter that the last program resets, and the select program resets
-the row's slot counter, so nothing is read back to the host and the call can be
-captured in a CUDA graph.
+keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
+launches: delegates (a few programs per row; the last one to finish computes ``T``), candidates (a
+light program per chunk, no serial tail) and select (a few programs per row, ``select_programs`` in
+all: the first writes the row's answer from its slots while the others return at once; on a flagged
+row every program writes its span of the fallback). The selection is a launch of its own so that the
+wide per-chunk pass runs with few warps and the one serial step per row with many; the fallback
+shares the select launch because a launch of its own cost 3-10 µs even when no row needed it.
+"Last program of the row" is an atomic counter that the last program resets, and the select launch
+resets the row's slot counter, so nothing is read back to the host and the call can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations

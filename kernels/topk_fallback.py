@@ -3,12 +3,14 @@ clusters of equal values, a period of G, more than half the row wanted), chosen 
 
 Most such rows overflow because many keys EQUAL the threshold ``T``. At least k keys are >= T, so if
 fewer than k are > T, ``T`` is the k-th key and the answer is "every key > T, plus the lowest-id keys
-== T". The candidates programs of ``kernels/topk.py`` count both in every chunk; an overflowing row's
-select program turns the counts into offsets (``_plan_tie_path``), then every chunk program of the
-finish launch writes its share at those offsets in parallel (the *tie path*, ``_tie_path_span``).
-(``T`` is the k-th delegate cut to 16 bits, or exact when many delegates share those bits, so that
-plateaus at any value have their ties at ``T``.) Rows with k or more keys above ``T`` (e.g. a period of
-G) take the whole-row radix select (``_radix_select_row``). Used by ``kernels/topk.py``."""
+== T". The candidates programs of ``kernels/topk.py`` count both in every chunk; every select program
+of an overflowing row turns the counts into its span's offsets (``_plan_tie_path``) and writes its
+share (the *tie path*, ``_tie_path_span``), reading only the chunks that hold something to write (a
+plateau's answer is its first k ties: the rest of the row is never read again). (``T`` is the k-th
+delegate cut to 16 bits, or exact when many delegates share those bits, so that plateaus at any value
+have their ties at ``T``.) Rows with k or more keys above ``T`` (e.g. a period of G, or scores of a
+few distinct values whose top two values hold more keys than the slots) take the whole-row radix
+select (``_radix_select_row``: one program per row, slow). Used by ``kernels/topk.py``."""
 
 from __future__ import annotations
 

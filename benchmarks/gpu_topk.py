@@ -83,7 +83,7 @@ def candidate_stats(x, k):
     p = stats["plan"]
     if "counts" in stats:
         counts = stats["counts"].sum(1)
-        flags = stats["flags"]  # 0: done by the candidates kernel, 2: tie path, 1: whole-row radix select
+        flags = stats["flags"]  # 0: in the slots, 2: tie path, 3: the keys > T reselected, 1: whole-row radix select
         return counts, f"{int((flags != 0).sum())}/{R} r{int((flags == 1).sum())}"
     # register rows: the kernel's rule in torch (keys, strided delegates, k-th delegate cut to 16 bits)
     f = x.float() + 0.0
@@ -96,7 +96,7 @@ def candidate_stats(x, k):
     t = dele.topk(min(k, p["G"]), dim=1).values[:, -1]
     t = ((t.long() + 2**31) >> 16 << 16) - 2**31  # the two-round (16-bit) prefix of the k-th delegate
     counts = (key.long() >= t[:, None]).sum(1)
-    flags = stats["flags"]  # 0: in the slots, 2: tie path, 1: whole-row radix select
+    flags = stats["flags"]  # 0: in the slots, 2: tie path, 3: the keys > T reselected, 1: whole-row radix select
     return counts, f"{int((flags != 0).sum())}/{R} r{int((flags == 1).sum())}"
 
 

@@ -29,7 +29,8 @@ The design, in five steps:
    more keys through than the slots hold: values packed within a few percent share their top 16 bits).
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
-   fallback (``kernels/topk_fallback.py``): the tie path, or at worst a whole-row radix select.
+   fallback (``kernels/topk_fallback.py``): the tie path; or, when k or more keys are above ``T`` and
+   they fit the slots, the selection again on those keys only; or at worst a whole-row radix select.
 
 ``order="score"`` then sorts the <= k winners of each row (``kernels/topk_sort.py``). The device
 helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-row state) are in
@@ -72,6 +73,7 @@ from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
     CNT,
+    CNT2,
     DHIST,
     FLAG,
     HEAD,
@@ -95,7 +97,7 @@ from sparse_ref.kernels.topk_common import (
     aot_variant,
     work_width,
 )
-from sparse_ref.kernels.topk_fallback import _radix_select_row, _tie_path_span
+from sparse_ref.kernels.topk_fallback import _above_to_slots, _plan_tie_path, _radix_select_row, _tie_path_span
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -213,11 +215,12 @@ def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G:
     sum (packed in one integer) wherever they can."""
     s = tl.arange(0, SLOTS)
     ci = tl.arange(0, C_PAD)
-    packed = tl.load(cand_row + s)  # every slot (not masked by total: the loads go out together)
-    T = tl.load(work_row + T_)
-    shift = tl.load(work_row + SHIFT)
-    n = tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
-    first = tl.minimum(tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0), SLOTS - 1)
+    # Every load goes out together, past L1 (.cg): on a flag-3 row other programs of this launch wrote them.
+    packed = tl.load(cand_row + s, cache_modifier=".cg")  # every slot (not masked by total)
+    T = tl.load(work_row + T_, cache_modifier=".cg")
+    shift = tl.load(work_row + SHIFT, cache_modifier=".cg")
+    n = tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
+    first = tl.minimum(tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg"), SLOTS - 1)
     ok = s < total
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
     bins = _bins(key, T, shift)
@@ -316,7 +319,8 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
     """One program = one SPAN of a row's columns (whole chunks). When the row's candidates all found a
     slot, the program of span 0 writes the row's whole answer from the slots (``_select_from_slots``)
     and the others return at once. When they did not (the row is flagged), every program writes its
-    span's share of the tie path, or the program of span 0 runs the whole-row radix select.
+    span's share of the tie path, or copies its span's keys > T into the slots for the row's last program
+    to select among, or the program of span 0 runs the whole-row radix select (the plan decides).
 
     The row's slot counter says which case it is, and must be zero again for the next call. In the
     first case the program of span 0 resets it: the others read either the count or zero, and both say
@@ -330,25 +334,36 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
     out_row = out + r.to(tl.int64) * W
+    cand_row = cand + r.to(tl.int64) * SLOTS
     total = tl.load(sync_row + CNT)
-    if total <= SLOTS:
-        if f == 0:
-            tl.store(work_row + FLAG, 0)
-            _select_from_slots(cand + r.to(tl.int64) * SLOTS, work_row, sync_row, out_row, total, k, C, W, G, CHUNK,
-                               SLOTS, C_PAD, PAIR, BLOCK)
-            tl.debug_barrier()  # every thread has read the count
-            tl.store(sync_row + CNT, 0)
-    else:
+    select = (total <= SLOTS) & (f == 0)  # this program selects the row's answer from its slots
+    if select:
+        tl.store(work_row + FLAG, 0)
+    if total > SLOTS:  # the candidates overflowed the slots: the fallback, spread over the row's programs
         row = scores + r.to(tl.int64) * stride_r
-        flag = _tie_path_span(row, length, k, work_row, out_row, f, C, W, SPAN, TILE, CHUNK, C_PAD, BLOCK)
+        te, need, flag, above, ties = _plan_tie_path(work_row, k, C, SLOTS, C_PAD)
+        if flag == 2:
+            _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN, TILE, CHUNK, C_PAD)
+        elif flag == 3:
+            _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPAN, TILE, CHUNK, C_PAD)
+        elif f == 0:
+            _radix_select_row(row, length, k, out_row, W, BLOCK)
         if f == 0:
             tl.store(work_row + FLAG, flag)
-            if flag == 1:
-                _radix_select_row(row, length, k, out_row, W, BLOCK)
-        tl.debug_barrier()  # every thread has read the count
+            if flag == 2:
+                _pad(out_row, k, W, BLOCK)  # (the tie path writes exactly k ids)
+        tl.debug_barrier()  # every thread's reads of the counts and writes to the slots are done
         if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
             tl.store(sync_row, 0)
             tl.store(sync_row + CNT, 0)
+            tl.store(sync_row + CNT2, 0)
+            if flag == 3:  # every key > T is in the slots now: select among them (the threshold T + 1)
+                select = flag == 3
+                total = k - need
+    if select:
+        _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
+        tl.debug_barrier()  # every thread has read the count
+        tl.store(sync_row + CNT, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,7 +418,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
 
     ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
-    2 = tie path, 1 = whole-row radix select) and on the long-row path the per-chunk candidate
+    2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
+    select) and on the long-row path the per-chunk candidate
     ``counts``, the thresholds, the candidate ``slots`` and each chunk's first slot (``run_starts``),
     valid after the launches ran.
     """

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
-#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 1 whole-row radix;
+#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 3 the keys > T in
+#   the slots / 1 whole-row radix;
 #   then from HEAD, with C_PAD = 2**LOG_C: candidates per chunk | each chunk's first slot | keys > T per
 #   chunk | keys == T per chunk (C_PAD each; the last two plan the tie path of a row whose candidates do
 #   not fit) | the G delegates | PAIR_SCRATCH ints for the pairwise rank.
@@ -20,9 +21,10 @@ import triton.language as tl
 #   [0] the row's program counter ("last program of the row": the delegates launch, then the select
 #   launch on a row that overflowed), [MEMBERS] the select program's counter of the keys in its crossing
 #   bin, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates (then of the select
-#   program's slots), [CNT] the row's candidates (the slot allocator).
+#   program's slots), [CNT] the row's candidates (the slot allocator), [CNT2] the slot allocator of an
+#   overflowing row's keys above T (its fallback when they fit the slots).
 T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
-MEMBERS, DHIST, CNT, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 260))
+MEMBERS, DHIST, CNT, CNT2, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260))
 PAIR_SCRATCH = tl.constexpr(256)
 
 

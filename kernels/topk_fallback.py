@@ -8,9 +8,11 @@ of an overflowing row turns the counts into its span's offsets (``_plan_tie_path
 share (the *tie path*, ``_tie_path_span``), reading only the chunks that hold something to write (a
 plateau's answer is its first k ties: the rest of the row is never read again). (``T`` is the k-th
 delegate cut to 16 bits, or exact when many delegates share those bits, so that plateaus at any value
-have their ties at ``T``.) Rows with k or more keys above ``T`` (e.g. a period of G, or scores of a
-few distinct values whose top two values hold more keys than the slots) take the whole-row radix
-select (``_radix_select_row``: one program per row, slow). Used by ``kernels/topk.py``."""
+have their ties at ``T``.) Rows with k or more keys above ``T`` (scores of a few distinct values, whose
+top value has more keys than delegates) copy those keys into the slots when they fit, and the row's
+last select program selects among them (``_above_to_slots``); when they do not (e.g. a period of G),
+the row takes the whole-row radix select (``_radix_select_row``: one program per row, slow). Used by
+``kernels/topk.py``."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import triton.language as tl
 from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
+    CNT2,
     HEAD,
     T_,
     _keys,
@@ -32,21 +35,31 @@ from sparse_ref.kernels.topk_common import (
 
 
 @triton.jit
-def _plan_tie_path(work_row, k, C, C_PAD: tl.constexpr):
+def _plan_tie_path(work_row, k, C, SLOTS: tl.constexpr, C_PAD: tl.constexpr):
     """The plan of an overflowing row, from the counts every chunk program of the candidates launch
     stored: its keys > T (``above``) and == T (``ties``), per chunk. At least k keys are >= T, so if
     fewer than k are > T, the k-th key IS T and the answer is every key > T plus the ``need`` lowest-id
     keys == T: sums over the chunks give any tile's offsets, no pass over the row. Every program of the
     row computes the plan itself (nothing is written, so no program waits for another). Returns (T, need,
-    flag, above, ties): flag 2 = the tie path, 1 = the whole-row radix select (k or more keys > T, or
-    T = NONE: fewer than k delegates)."""
+    flag, above, ties). flag 2 = the tie path; 3 = k or more keys > T (or T = NONE: fewer than k
+    delegates), but they fit the slots: copy them there and select again with the threshold T + 1;
+    1 = the whole-row radix select (too many keys > T)."""
     te = tl.load(work_row + T_)
     ci = tl.arange(0, C_PAD)
     above = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0)
     ties = tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0)
     n_above = tl.sum(above, axis=0)
-    flag = tl.where((te != -2147483648) & (k > 0) & (n_above < k), 2, 1)
+    flag = tl.where((te != -2147483648) & (k > 0) & (n_above < k), 2, tl.where(n_above <= SLOTS, 3, 1))
     return te, k - n_above, flag, above, ties
+
+
+@triton.jit
+def _busy_columns(busy, f, length, SPAN: tl.constexpr, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """The columns [lo, hi) of span f between its first and last chunk flagged ``busy`` (chunk-aligned)."""
+    c = tl.arange(0, C_PAD)
+    lo = tl.maximum(f * SPAN, tl.min(tl.where(busy, c, C_PAD), axis=0) * CHUNK)
+    hi = tl.minimum(tl.minimum((f + 1) * SPAN, length), (tl.max(tl.where(busy, c, -1), axis=0) + 1) * CHUNK)
+    return lo, hi
 
 
 @triton.jit
@@ -97,33 +110,49 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tie_path_span(row, length, k, work_row, out_row, f, C, W, SPAN: tl.constexpr, TILE: tl.constexpr,
-                   CHUNK: tl.constexpr, C_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Span f (SPAN columns, whole chunks) of an overflowing row: if it takes the tie path, store, tile
-    by tile, its keys > T and its share of the lowest-id keys == T at the offsets the plan gives (every
-    tile independent of the others, ids ascending). Only the columns between the row's first and last
-    chunk with something to store are read: a chunk with no key > T and no tie the row still needs
-    (plateaus need only their first ties) is skipped. The program of span 0 also pads the row (the tie
-    path writes exactly k ids). Returns the row's flag (2, or 1: nothing written, the whole-row radix
-    select's)."""
-    te, need, flag, above, ties = _plan_tie_path(work_row, k, C, C_PAD)
-    if flag == 2:
-        c = tl.arange(0, C_PAD)
-        busy = (above > 0) | ((tl.cumsum(ties, axis=0) - ties < need) & (ties > 0))  # chunks with work
-        lo = tl.maximum(f * SPAN, tl.min(tl.where(busy, c, C_PAD), axis=0) * CHUNK)
-        hi = tl.minimum(tl.minimum((f + 1) * SPAN, length), (tl.max(tl.where(busy, c, -1), axis=0) + 1) * CHUNK)
-        counts = (above.to(tl.int64) << 32) | ties  # keys > T | keys == T, per chunk: one sum per tile
-        for t0 in range(lo, hi, TILE):
-            before = tl.sum(tl.where(c * CHUNK < t0, counts, 0), axis=0)
-            above_before = (before >> 32).to(tl.int32)
-            ties_before = (before & 0xFFFFFFFF).to(tl.int32)
-            offs = t0 + tl.arange(0, TILE)
-            key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
-            _write_above_and_ties(key, offs, te, need, ties_before, out_row,
-                                  above_before + tl.minimum(ties_before, need), W)
-        if f == 0:
-            _pad(out_row, k, W, BLOCK)
-    return flag
+def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.constexpr, TILE: tl.constexpr,
+                   CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """Span f (SPAN columns, whole chunks) of a tie-path row: store, tile by tile, its keys > T and its
+    share of the lowest-id keys == T at the offsets the plan gives (every tile independent of the others,
+    ids ascending). Only the columns between the row's first and last chunk with something to store are
+    read: a chunk with no key > T and no tie the row still needs (plateaus need only their first ties)
+    is skipped."""
+    c = tl.arange(0, C_PAD)
+    lo, hi = _busy_columns((above > 0) | ((tl.cumsum(ties, axis=0) - ties < need) & (ties > 0)), f, length, SPAN,
+                           CHUNK, C_PAD)
+    counts = (above.to(tl.int64) << 32) | ties  # keys > T | keys == T, per chunk: one sum per tile
+    for t0 in range(lo, hi, TILE):
+        before = tl.sum(tl.where(c * CHUNK < t0, counts, 0), axis=0)
+        above_before = (before >> 32).to(tl.int32)
+        ties_before = (before & 0xFFFFFFFF).to(tl.int32)
+        offs = t0 + tl.arange(0, TILE)
+        key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
+        _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
+                              W)
+
+
+@triton.jit
+def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPAN: tl.constexpr, TILE: tl.constexpr,
+                    CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """Span f of an overflowing row whose keys > T fit the slots (flag 3): copy them into the slots as the
+    candidates launch copies its candidates (each tile a run of slots from the row's second slot
+    counter, ascending ids; every chunk's count and first slot), so that the row's last program can
+    select among them. Chunks without keys > T get empty runs and are not read."""
+    c = tl.arange(0, C_PAD)
+    start = c * CHUNK  # each chunk's first column
+    tl.store(work_row + HEAD + c, 0, mask=(start >= f * SPAN) & (start < (f + 1) * SPAN))
+    tl.debug_barrier()  # (the tiles below overwrite some of these zeros)
+    lo, hi = _busy_columns(above > 0, f, length, SPAN, CHUNK, C_PAD)
+    for t0 in range(lo, hi, TILE):
+        offs = t0 + tl.arange(0, TILE)
+        key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
+        is_above = key > te
+        n_in = tl.where((start >= t0) & (start < t0 + TILE) & (start < hi), above, 0)  # the tile's chunks
+        base = tl.atomic_add(sync_row + CNT2, tl.sum(n_in, axis=0), sem="relaxed")
+        tl.store(work_row + HEAD + c, n_in, mask=n_in > 0)
+        tl.store(work_row + HEAD + C_PAD + c, base + tl.cumsum(n_in, axis=0) - n_in, mask=n_in > 0)
+        tl.store(cand_row + base + tl.cumsum(is_above.to(tl.int32), axis=0) - 1,
+                 (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_above)
 
 
 @triton.jit

@@ -198,6 +198,34 @@ def test_tie_path_across_chunks(monkeypatch, tile, programs):
 
 
 
+@pytest.mark.parametrize("tile, programs", [(64, 256), (256, 8)])  # 4 rows: 2 spans of 1024 (4 tiles) per row
+def test_keys_above_threshold_selected_again(monkeypatch, tile, programs):
+    """Rows of a few distinct values can overflow the slots with k or more keys above T (the top value
+    holds more keys than delegates). When those keys fit the slots (flag 3), the row's select programs
+    copy them there and its last program selects among them with the threshold T + 1; when they do not,
+    the whole-row radix select (flag 1)."""
+    for name, value in {**PATHS["long"], "slots": 128, "tie_tile": tile, "select_programs": programs}.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 2000, generator=g).clamp(max=1.0)  # G = 256 delegates: 8 strided rows of 256 columns
+    x[:, 256:1000] = 8.0  # the second value: 744 keys, in every delegate column
+    top = torch.arange(70, 130)  # the top value in 60 delegate columns only (60 delegates), 2 keys each,
+    x[:, top] = x[:, top + 5 * 256] = 9.0  # and 7 more at the start of the second span (2 programs): 127 keys
+    x[:, 1024:1031] = 9.0  # above T: every one a winner (k = 127), fewer than the 128 slots
+    for i in range(8):  # row 1: the top value in all 8 strided rows of those columns: 480 keys, more than the slots
+        x[1, top + i * 256] = 9.0
+    x[2, 1999] = 9.5  # row 2: one key above them all, at the end (128 keys above T: the slots exactly)
+    x = x.to(DEVICE)
+    lengths = torch.tensor([2000, 2000, 2000, 1900], device=DEVICE)
+    out = torch.empty(4, 127, dtype=torch.int32, device=DEVICE)
+    flags = topk_module.launch_topk(x, 127, None, lengths, out)
+    assert flags.tolist() == [3, 1, 3, 3]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 127, lengths.cpu(), order="index"))
+    assert not topk_module._SYNC[str(x.device)].any()  # every counter zeroed for the next call
+    check(x, 127, lengths)
+    check(x, torch.tensor([127, 3, 100, 0], device=DEVICE), lengths, width=127, order="index")
+
+
 @pytest.mark.parametrize("pair_rank", [0, 32])
 @pytest.mark.parametrize("knobs", [PATHS["register"], PATHS["long"]])
 def test_pairwise_rank(monkeypatch, knobs, pair_rank):

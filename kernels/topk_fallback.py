@@ -41,9 +41,9 @@ def _plan_tie_path(work_row, k, C, SLOTS: tl.constexpr, C_PAD: tl.constexpr):
     fewer than k are > T, the k-th key IS T and the answer is every key > T plus the ``need`` lowest-id
     keys == T: sums over the chunks give any tile's offsets, no pass over the row. Every program of the
     row computes the plan itself (nothing is written, so no program waits for another). Returns (T, need,
-    flag, above, ties). flag 2 = the tie path; 3 = k or more keys > T (or T = NONE: fewer than k
-    delegates), but they fit the slots: copy them there and select again with the threshold T + 1;
-    1 = the whole-row radix select (too many keys > T)."""
+    flag, above, ties). flag 2 = the tie path; 3 = k or more keys > T, and they fit the slots: copy them
+    there and select among them (the candidates of the threshold T + 1); 1 = the whole-row radix select
+    (more keys > T than slots, or T = NONE: fewer than k delegates)."""
     te = tl.load(work_row + T_)
     ci = tl.arange(0, C_PAD)
     above = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0)

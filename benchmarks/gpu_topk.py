@@ -47,7 +47,7 @@ from sparse_ref.selection import select_pages, topk_reference
 SHAPES = [(64, 65536, 2048), (64, 131072, 2048), (128, 131072, 2048), (1, 131072, 2048), (32, 8192, 128)]
 DISTS = ["randn", "indexer", "clustered", "sorted", "plateau"]
 SWEEP = {"pair_rank": [0], "chunk": [1024], "delegate_warps": [4], "num_warps": [16], "delegate_cols": [512],
-         "tie_tile": [4096]}
+         "reverse_rows": [False]}
 SORT_SWEEP = {"sort_run": [0, 256, 1024]}  # order="score" at SORT_SHAPE
 SORT_SHAPE = (64, 65536, 2048)
 # order="score" variants, always run (exactness + time over index order): one tl.sort per row with its warps,
@@ -57,7 +57,7 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
 INDEX_VARIANTS = [dict(pdl=False), dict(chunk=1024), dict(select_warps=32), dict(pair_rank=64),
-                  dict(select_programs=512)]
+                  dict(reverse_rows=False)]
 # also on clustered rows (their runs are uneven; some take the tie path)
 CLUSTERED_VARIANTS = [dict(chunk=4096), dict(tie_tile=4096), dict(select_programs=512)]
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048)]

@@ -113,6 +113,7 @@ TUNING = {
     "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
+    "reverse_rows": True,  # the candidates launch takes the rows last-first (the delegates launch read them last)
     "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
     "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
     "tie_tile": 2048,  # columns per load of a flagged row's select program (a power of two; at least one chunk)
@@ -276,15 +277,19 @@ def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G:
 @triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, REVERSE: tl.constexpr, PDL: tl.constexpr):
     """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
     counter), copy its elements >= T there (key << 32 | id, ascending id) and store its counts of keys > T
     and == T (the tie path's plan if the row overflows). No tail and no histogram (the selection is the
-    next launch's), so this one runs with light programs."""
+    next launch's), so this one runs with light programs. Row-major order, the last rows first when
+    REVERSE: the delegates launch read those last, so more of them are still in L2 when the rows do not
+    all fit."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     C = tl.cdiv(N, CHUNK)
-    r = tl.program_id(0) // C  # row-major order, as the delegates launch
+    r = tl.program_id(0) // C
+    if REVERSE:
+        r = tl.num_programs(0) // C - 1 - r
     c = tl.program_id(0) % C
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
@@ -352,8 +357,9 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
             tl.store(sync_row, 0)
             tl.store(sync_row + CNT, 0)
             tl.store(sync_row + CNT2, 0)
-            select = flag == 3  # every key > T is in the slots now: select among them (the threshold T + 1)
-            total = tl.where(flag == 3, k - need, total)
+            if flag == 3:  # every key > T is in the slots now: select among them (the threshold T + 1)
+                select = flag == 3
+                total = k - need
     if select:
         _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
         tl.debug_barrier()  # every thread has read the count
@@ -463,7 +469,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
             **pdl)),
         ("candidates", lambda: _candidates_kernel[(R * C,)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, num_warps=warps("candidate_warps"), **pdl)),
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, REVERSE=TUNING["reverse_rows"],
+            num_warps=warps("candidate_warps"), **pdl)),
         ("select", lambda: _select_kernel[(R, triton.cdiv(N, span))](
             scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], SPAN=span, TILE=tile,
             BLOCK=block, num_warps=warps("select_warps"), **pdl)),
@@ -575,10 +582,10 @@ AOT_VARIANTS = [
     *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw},
                   work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c), {"num_warps": nw},
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, REVERSE=rv), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
-                                 (4, 8, 16, 8), strict=True)],
+      for f, g, ch, c, nw, rv in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
+                                     (4, 8, 16, 8), (True, False, True, False), strict=True)],
     *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, SPAN=sp, TILE=tl_,
                                        BLOCK=1024), {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32",
                   **AOT_PTRS)

@@ -256,12 +256,13 @@ def long_path_rows(N, k, seed=0):
     return torch.stack(rows).to(DEVICE)
 
 
-@pytest.mark.parametrize("pair_rank", [16, 128])
-def test_long_path_histogram_select(monkeypatch, pair_rank):
+@pytest.mark.parametrize("pair_rank, reverse", [(16, True), (128, True), (128, False)])
+def test_long_path_histogram_select(monkeypatch, pair_rank, reverse):
     """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
     to the row's, the select program ranks the crossing bin's keys (pairwise when at most pair_rank share
-    it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call."""
-    for name, value in {**PATHS["long"], "pair_rank": pair_rank}.items():
+    it, radix rounds otherwise). The per-row counters and histograms are left zeroed for the next call.
+    The candidates launch takes the rows in either order (``reverse_rows``)."""
+    for name, value in {**PATHS["long"], "pair_rank": pair_rank, "reverse_rows": reverse}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = long_path_rows(1500, 20)
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)

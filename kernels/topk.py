@@ -82,6 +82,8 @@ from sparse_ref.kernels.topk_common import (
     SHIFT,
     SYNC,
     T_,
+    TLOW,
+    TMAX,
     _after_previous_launch,
     _delegates_of,
     _exact_delegate,
@@ -117,6 +119,7 @@ TUNING = {
     "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
     "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
     "tie_tile": 2048,  # columns per load of a flagged row's select program (a power of two; at least one chunk)
+    "local_threshold": 8,  # up to this many delegates programs per row: T = the lowest of their own thresholds
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
@@ -157,7 +160,7 @@ def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, 
 @triton.jit
 def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
-                      ROWS: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr):
+                      ROWS: tl.constexpr, LOG_C: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
     Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
     row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
@@ -180,6 +183,46 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
     tl.store(delegates + cols, acc)
     sync_row = sync + r.to(tl.int64) * SYNC
+    if LOCAL:  # T = the lowest of the programs' own thresholds: no walk over the G delegates at the end
+        _local_threshold(acc, k, sync_row, work_row, S)
+    else:
+        _row_threshold(acc, k, sync_row, work_row, delegates, G, S)
+
+
+@triton.jit
+def _local_threshold(acc, k, sync_row, work_row, S: tl.constexpr):
+    """T from the programs' own delegates (LOCAL): each program finds T_c, the ceil(k / S)-th largest of its
+    delegates cut to 16 bits (exact when many share those bits), so it holds ceil(k / S) delegates >= T_c;
+    then T = min over the S programs of T_c is reached by at least S * ceil(k / S) >= k delegates, each a
+    row element: a valid threshold, found with no serial step over the G delegates. The min and the row
+    max go through two atomic maxima (``TLOW``, ``TMAX``); the row's last program stores T and SHIFT."""
+    k_c = tl.cdiv(k, S)
+    n_c = tl.sum((acc != -2147483648).to(tl.int32), axis=0)
+    ut, k_rem = _radix_rounds(acc, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k_c, n_c), 1), 0, 2)
+    if tl.sum((acc >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k_c + k_c // 8:  # many share its 16 bits
+        ut = _exact_delegate(acc, ut, k_rem)
+    ut = tl.where(n_c >= k_c, ut, 0)  # (0: NONE, fewer than k_c delegates here)
+    tl.atomic_max((sync_row + TLOW).to(tl.pointer_type(tl.uint32)), (~ut).to(tl.uint32, bitcast=True),
+                  sem="relaxed")
+    tl.atomic_max((sync_row + TMAX).to(tl.pointer_type(tl.uint32)),
+                  (tl.max(acc, axis=0) ^ -2147483648).to(tl.uint32, bitcast=True), sem="relaxed")
+    tl.debug_barrier()  # every thread's atomics happen before the counter says "done"
+    if tl.atomic_add(sync_row, 1, sem="acq_rel") == S - 1:
+        tl.store(sync_row, 0)  # reset the counter and the two cells for the next call (CUDA-graph replays)
+        low = tl.load(sync_row + TLOW, cache_modifier=".cg")
+        top = tl.load(sync_row + TMAX, cache_modifier=".cg")
+        tl.store(sync_row + TLOW, 0)
+        tl.store(sync_row + TMAX, 0)
+        T = tl.where(k > 0, ~low ^ -2147483648, 2147483647)  # k = 0: no candidates at all
+        span = (top ^ -2147483648).to(tl.int64) - T  # row max - T
+        tl.store(work_row + T_, T)
+        tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
+    """T from all G delegates of the row: each program adds its delegates' radix round 1 to the row's
+    histogram, and the row's last program finishes (see ``_delegates_kernel``)."""
     h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
     tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
@@ -466,8 +509,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     span = triton.cdiv(triton.cdiv(N, spans), tile) * tile  # (whole tiles)
     return [
         ("delegates", lambda: _delegates_kernel[(R * (G // cols),)](
-            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c, num_warps=nw,
-            **pdl)),
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
+            LOCAL=G // cols <= TUNING["local_threshold"], num_warps=nw, **pdl)),
         ("candidates", lambda: _candidates_kernel[(R * C,)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, REVERSE=TUNING["reverse_rows"],
             num_warps=warps("candidate_warps"), **pdl)),
@@ -579,9 +622,10 @@ AOT_VARIANTS = [
     *[aot_variant(_register_row_kernel, dict(**f, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
                   flags="*i32", **AOT_PTRS)
       for f, g, b, pr in zip(AOT_FLAGS, (4096, 256), (1024, 128), (0, 128), strict=True)],
-    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c), {"num_warps": nw},
+    *[aot_variant(_delegates_kernel, dict(**f, G=g, COLS=1024, ROWS=8, LOG_C=c, LOCAL=lc), {"num_warps": nw},
                   work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, c, nw in zip(AOT_FLAGS, (4096, 8192), (4, 7), (16, 8), strict=True)],
+      for f, g, c, nw, lc in zip(AOT_FLAGS * 2, (4096, 8192) * 2, (4, 7) * 2, (16, 8) * 2, (True, True, False, False),
+                                 strict=True)],
     *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, REVERSE=rv), {"num_warps": nw},
                   cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw, rv in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),

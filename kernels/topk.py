@@ -119,7 +119,7 @@ TUNING = {
     "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
     "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
     "tie_tile": 2048,  # columns per load of a flagged row's select program (a power of two; at least one chunk)
-    "local_threshold": 8,  # up to this many delegates programs per row: T = the lowest of their own thresholds
+    "local_threshold": 4,  # up to this many delegates programs per row: T = the lowest of their own thresholds
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
@@ -184,18 +184,23 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
     tl.store(delegates + cols, acc)
     sync_row = sync + r.to(tl.int64) * SYNC
     if LOCAL:  # T = the lowest of the programs' own thresholds: no walk over the G delegates at the end
-        _local_threshold(acc, k, sync_row, work_row, S)
+        _local_threshold(acc, k, sync_row, work_row, delegates, G, S)
     else:
         _row_threshold(acc, k, sync_row, work_row, delegates, G, S)
 
 
 @triton.jit
-def _local_threshold(acc, k, sync_row, work_row, S: tl.constexpr):
+def _local_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
     """T from the programs' own delegates (LOCAL): each program finds T_c, the ceil(k / S)-th largest of its
     delegates cut to 16 bits (exact when many share those bits), so it holds ceil(k / S) delegates >= T_c;
-    then T = min over the S programs of T_c is reached by at least S * ceil(k / S) >= k delegates, each a
-    row element: a valid threshold, found with no serial step over the G delegates. The min and the row
-    max go through two atomic maxima (``TLOW``, ``TMAX``); the row's last program stores T and SHIFT."""
+    T = min over the S programs of T_c is then reached by at least S * ceil(k / S) >= k delegates, each a
+    row element: a valid threshold, found without a histogram round over the G delegates at the end. The
+    min and the row max go through two atomic maxima (``TLOW``, ``TMAX``). The row's last program checks
+    T against all G delegates: when more than k + k/4 reach it and k or more are above it (T fell below a
+    cluster of equal values that some program saw little of, or below most of a sorted row), it takes the
+    k-th delegate as ``_row_threshold`` does, so that such rows keep their ties at T. (Random rows at
+    k = 2048 and 4 programs: T_c is about the median of 1024 delegates, the lowest of four ~1.6% of the
+    delegates lower, so about 1.03 k delegates reach T.)"""
     k_c = tl.cdiv(k, S)
     n_c = tl.sum((acc != -2147483648).to(tl.int32), axis=0)
     ut, k_rem = _radix_rounds(acc, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k_c, n_c), 1), 0, 2)
@@ -206,23 +211,27 @@ def _local_threshold(acc, k, sync_row, work_row, S: tl.constexpr):
                   sem="relaxed")
     tl.atomic_max((sync_row + TMAX).to(tl.pointer_type(tl.uint32)),
                   (tl.max(acc, axis=0) ^ -2147483648).to(tl.uint32, bitcast=True), sem="relaxed")
-    tl.debug_barrier()  # every thread's atomics happen before the counter says "done"
+    tl.debug_barrier()  # every thread's stores and atomics happen before the counter says "done"
     if tl.atomic_add(sync_row, 1, sem="acq_rel") == S - 1:
         tl.store(sync_row, 0)  # reset the counter and the two cells for the next call (CUDA-graph replays)
         low = tl.load(sync_row + TLOW, cache_modifier=".cg")
         top = tl.load(sync_row + TMAX, cache_modifier=".cg")
+        dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
         tl.store(sync_row + TLOW, 0)
         tl.store(sync_row + TMAX, 0)
-        T = tl.where(k > 0, ~low ^ -2147483648, 2147483647)  # k = 0: no candidates at all
-        span = (top ^ -2147483648).to(tl.int64) - T  # row max - T
-        tl.store(work_row + T_, T)
-        tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))
+        T = ~low ^ -2147483648
+        reach = tl.sum((dkey >= T).to(tl.int32) + ((dkey > T).to(tl.int32) << 16), axis=0)  # (G < 2**16)
+        if ((reach & 0xFFFF) > k + k // 4) & ((reach >> 16) >= k):
+            T = _kth_delegate(tl.histogram(((dkey ^ -2147483648) >> 24) & 0xFF, 256, mask=dkey != -2147483648),
+                              dkey, k)
+        T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
+        _store_threshold(work_row, T, top ^ -2147483648)
 
 
 @triton.jit
 def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
-    """T from all G delegates of the row: each program adds its delegates' radix round 1 to the row's
-    histogram, and the row's last program finishes (see ``_delegates_kernel``)."""
+    """T from all G delegates of the row: each program adds its delegates' histogram of radix round 1 to
+    the row's; the row's last program walks it and finishes (``_kth_delegate``)."""
     h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
     tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
@@ -231,15 +240,29 @@ def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl
         h = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
         tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
-        n = tl.sum(h, axis=0)  # valid delegates
-        d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))  # then round 2 on the delegates: 16 bits
-        ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
-        if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
-            ut = _exact_delegate(dkey, ut, k_rem)  # T = the exact k-th delegate
-        T = tl.where(k > 0, tl.where(n >= k, ut ^ -2147483648, -2147483648), 2147483647)  # k = 0: no candidates at all
-        span = tl.max(dkey, axis=0).to(tl.int64) - T  # row max - T (the row max is the largest delegate)
-        tl.store(work_row + T_, T)
-        tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))
+        T = tl.where(k > 0, _kth_delegate(h, dkey, k), 2147483647)  # k = 0: no candidates at all
+        _store_threshold(work_row, T, tl.max(dkey, axis=0))  # (the row max is the largest delegate)
+
+
+@triton.jit
+def _kth_delegate(h, dkey, k):
+    """T from the G delegates ``dkey`` and the histogram ``h`` of their top 8 bits: the k-th delegate
+    cut to 16 bits (radix round 2), exact (``_exact_delegate``) when more than k + k/8 delegates reach the
+    cut; NONE when there are fewer than k delegates."""
+    n = tl.sum(h, axis=0)  # valid delegates
+    d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))
+    ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
+    if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
+        ut = _exact_delegate(dkey, ut, k_rem)  # T = the exact k-th delegate
+    return tl.where(n >= k, ut ^ -2147483648, -2147483648)
+
+
+@triton.jit
+def _store_threshold(work_row, T, row_max):
+    """Store T and the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
+    span = row_max.to(tl.int64) - T
+    tl.store(work_row + T_, T)
+    tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))
 
 
 @triton.jit

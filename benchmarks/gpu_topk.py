@@ -57,7 +57,7 @@ SORT_VARIANTS = [dict(sort_run=0, sort_warps=16), dict(sort_run=0, sort_warps=32
 SORT_VARIANT_SHAPES = [(64, 65536, 2048), (1, 131072, 2048)]
 # index-order knob variants, always run (exactness + time against the defaults), randn
 INDEX_VARIANTS = [dict(pdl=False), dict(chunk=1024), dict(select_warps=32), dict(pair_rank=64),
-                  dict(reverse_rows=False)]
+                  dict(reverse_rows=False), dict(local_threshold=0)]
 # also on clustered rows (their runs are uneven; some take the tie path)
 CLUSTERED_VARIANTS = [dict(chunk=4096), dict(tie_tile=4096), dict(select_programs=512)]
 INDEX_VARIANT_SHAPES = [(64, 65536, 2048), (128, 131072, 2048), (1, 131072, 2048)]

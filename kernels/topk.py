@@ -161,11 +161,13 @@ def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k_scalar, 
 def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                       HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, COLS: tl.constexpr,
                       ROWS: tl.constexpr, LOG_C: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
-    """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice).
-    Each program adds the histogram of its delegates' top 8 bits (radix round 1 of T) to the row's; the
-    row's last program walks it, runs round 2 over the G delegates (T = the k-th delegate cut to 16 bits,
-    NONE if fewer than k delegates; T exact, ``_exact_delegate``, when more than k + k/8 delegates reach
-    the cut T) and sets the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
+    """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice); then T.
+    LOCAL (at most ``TUNING["local_threshold"]`` programs per row): each program finds its own threshold
+    and T is the lowest of them (``_local_threshold``). Else each program adds the histogram of its
+    delegates' top 8 bits to the row's and the row's last program finds the k-th delegate
+    (``_row_threshold``). Either way T is NONE if fewer than k delegates, exact when many delegates share
+    its 16-bit cut, and the row's last program sets the width 2**SHIFT of the select program's histogram
+    bins (256 bins cover [T, row max])."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     S: tl.constexpr = G // COLS  # programs per row

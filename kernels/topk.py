@@ -82,7 +82,6 @@ from sparse_ref.kernels.topk_common import (
     SHIFT,
     SYNC,
     T_,
-    TLOW,
     TMAX,
     _after_previous_launch,
     _delegates_of,
@@ -119,7 +118,7 @@ TUNING = {
     "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
     "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
     "tie_tile": 2048,  # columns per load of a flagged row's select program (a power of two; at least one chunk)
-    "local_threshold": 4,  # up to this many delegates programs per row: T = the lowest of their own thresholds
+    "local_threshold": 4,  # up to this many delegates programs per row: T from their own thresholds
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the -1 padding and of the fallback's tile loops
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
@@ -163,11 +162,11 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
                       ROWS: tl.constexpr, LOG_C: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
     """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice); then T.
     LOCAL (at most ``TUNING["local_threshold"]`` programs per row): each program finds its own threshold
-    and T is the lowest of them (``_local_threshold``). Else each program adds the histogram of its
-    delegates' top 8 bits to the row's and the row's last program finds the k-th delegate
-    (``_row_threshold``). Either way T is NONE if fewer than k delegates, exact when many delegates share
-    its 16-bit cut, and the row's last program sets the width 2**SHIFT of the select program's histogram
-    bins (256 bins cover [T, row max])."""
+    and T is the highest of them that k delegates reach (``_local_threshold``). Else each program adds
+    the histogram of its delegates' top 8 bits to the row's and the row's last program finds the k-th
+    delegate (``_row_threshold``). Either way at least k delegates reach T (NONE if the row has fewer than
+    k), and the row's last program sets the width 2**SHIFT of the select program's histogram bins (256
+    bins cover [T, row max])."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     S: tl.constexpr = G // COLS  # programs per row
@@ -186,48 +185,41 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
     tl.store(delegates + cols, acc)
     sync_row = sync + r.to(tl.int64) * SYNC
     if LOCAL:  # T = the lowest of the programs' own thresholds: no walk over the G delegates at the end
-        _local_threshold(acc, k, sync_row, work_row, delegates, G, S)
+        _local_threshold(acc, k, c, sync_row, work_row, delegates, G, S)
     else:
         _row_threshold(acc, k, sync_row, work_row, delegates, G, S)
 
 
 @triton.jit
-def _local_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
-    """T from the programs' own delegates (LOCAL): each program finds T_c, the ceil(k / S)-th largest of its
-    delegates cut to 16 bits (exact when many share those bits), so it holds ceil(k / S) delegates >= T_c;
-    T = min over the S programs of T_c is then reached by at least S * ceil(k / S) >= k delegates, each a
-    row element: a valid threshold, found without a histogram round over the G delegates at the end. The
-    min and the row max go through two atomic maxima (``TLOW``, ``TMAX``). The row's last program checks
-    T against all G delegates: when more than k + k/4 reach it and k or more are above it (T fell below a
-    cluster of equal values that some program saw little of, or below most of a sorted row), it takes the
-    k-th delegate as ``_row_threshold`` does, so that such rows keep their ties at T. (Random rows at
-    k = 2048 and 4 programs: T_c is about the median of 1024 delegates, the lowest of four ~1.6% of the
-    delegates lower, so about 1.03 k delegates reach T.)"""
+def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
+    """T from the programs' own delegates (LOCAL), with no histogram round over the G delegates at the end.
+    Program c finds T_c, the ceil(k / S)-th largest of its delegates cut to 16 bits (exact when many share
+    those bits), and so holds ceil(k / S) delegates >= T_c; the lowest T_c is then reached by at least
+    S * ceil(k / S) >= k delegates, each a row element, so T = the lowest T_c would do. The row's last
+    program takes the highest T_c that k delegates reach instead (one count over the G delegates per T_c):
+    on a sorted row the programs' T_c differ widely and the lowest lets far more keys through; on a row
+    with a cluster of equal values that one program's T_c sits on, T is the cluster's value, so the row
+    keeps its ties at T (the tie path). T_c goes through the row's pair scratch, the row max through an
+    atomic maximum (``TMAX``)."""
     k_c = tl.cdiv(k, S)
     n_c = tl.sum((acc != -2147483648).to(tl.int32), axis=0)
     ut, k_rem = _radix_rounds(acc, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k_c, n_c), 1), 0, 2)
     if tl.sum((acc >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k_c + k_c // 8:  # many share its 16 bits
         ut = _exact_delegate(acc, ut, k_rem)
-    ut = tl.where(n_c >= k_c, ut, 0)  # (0: NONE, fewer than k_c delegates here)
-    tl.atomic_max((sync_row + TLOW).to(tl.pointer_type(tl.uint32)), (~ut).to(tl.uint32, bitcast=True),
-                  sem="relaxed")
+    scratch = delegates + G  # (the pair scratch: free until the select launch)
+    tl.store(scratch + c, tl.where(n_c >= k_c, ut ^ -2147483648, -2147483648))  # (NONE: fewer than k_c here)
     tl.atomic_max((sync_row + TMAX).to(tl.pointer_type(tl.uint32)),
                   (tl.max(acc, axis=0) ^ -2147483648).to(tl.uint32, bitcast=True), sem="relaxed")
     tl.debug_barrier()  # every thread's stores and atomics happen before the counter says "done"
     if tl.atomic_add(sync_row, 1, sem="acq_rel") == S - 1:
-        tl.store(sync_row, 0)  # reset the counter and the two cells for the next call (CUDA-graph replays)
-        low = tl.load(sync_row + TLOW, cache_modifier=".cg")
+        tl.store(sync_row, 0)  # reset the counter and the row max for the next call (CUDA-graph replays)
         top = tl.load(sync_row + TMAX, cache_modifier=".cg")
+        tc = tl.load(scratch + tl.arange(0, S), cache_modifier=".cg")
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
-        tl.store(sync_row + TLOW, 0)
         tl.store(sync_row + TMAX, 0)
-        T = ~low ^ -2147483648
-        reach = tl.sum((dkey >= T).to(tl.int32) + ((dkey > T).to(tl.int32) << 16), axis=0)  # (G < 2**16)
-        if ((reach & 0xFFFF) > k + k // 4) & ((reach >> 16) >= k):
-            T = _kth_delegate(tl.histogram(((dkey ^ -2147483648) >> 24) & 0xFF, 256, mask=dkey != -2147483648),
-                              dkey, k)
-        T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
-        _store_threshold(work_row, T, top ^ -2147483648)
+        reach = tl.sum((dkey[:, None] >= tc[None, :]).to(tl.int32), axis=0)  # delegates >= each T_c
+        T = tl.max(tl.where(reach >= k, tc, -2147483648), axis=0)  # (the lowest T_c always qualifies)
+        _store_threshold(work_row, tl.where(k > 0, T, 2147483647), top ^ -2147483648)  # k = 0: no candidates
 
 
 @triton.jit

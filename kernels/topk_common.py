@@ -22,11 +22,10 @@ import triton.language as tl
 #   launch on a row that overflowed), [MEMBERS] the select program's counter of the keys in its crossing
 #   bin, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates (then of the select
 #   program's slots), [CNT] the row's candidates (the slot allocator), [CNT2] the slot allocator of an
-#   overflowing row's keys above T (its fallback when they fit the slots); [TLOW] the lowest of the delegates
-#   programs' thresholds and [TMAX] the row max, as unsigned maxima of ~(unsigned-order key) and of the
-#   unsigned-order key (zero is the identity of both: the buffer stays zeroed).
+#   overflowing row's keys above T (its fallback when they fit the slots); [TMAX] the row max as the unsigned
+#   maximum of the unsigned-order keys (zero is its identity: the buffer stays zeroed).
 T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
-MEMBERS, DHIST, CNT, CNT2, TLOW, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261, 262))
+MEMBERS, DHIST, CNT, CNT2, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261))
 PAIR_SCRATCH = tl.constexpr(256)
 
 

@@ -163,21 +163,21 @@ def test_long_rows_packed_in_a_narrow_range(monkeypatch):
 
 
 def test_local_threshold(monkeypatch):
-    """With at most ``local_threshold`` delegates programs per row, T is the lowest of the programs' own
-    thresholds: never above the row-wide threshold, so the answers stay exact. When T falls below a
-    cluster of equal values that one program saw little of (or below most of a sorted row), the row's
-    last program takes the row-wide threshold instead: the same T as with ``local_threshold=0``."""
-    for name, value in PATHS["long"].items():  # G = 128 delegates in 2 programs of 64 columns (k = 5)
+    """With at most ``local_threshold`` delegates programs per row, each program finds its own threshold
+    T_c and T is the highest T_c that k delegates reach: never above the row-wide threshold, so the
+    answers stay exact. On a cluster of equal values that one program sits on, T is the cluster's value
+    (its ties at T: the tie path), as the row-wide threshold; on a sorted row, not the lowest T_c."""
+    for name, value in {**PATHS["long"], "delegate_cols": 32}.items():  # G = 128 delegates, 4 programs (k = 5)
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = make_scores(8, 1000, seed=21)  # rows 4-7: random
     x[0] = x[0] / 10
-    x[0, torch.tensor([1, 2, 3, 65, 66, 67])] = torch.tensor([10.0, 9, 8, 7, 6, 5])  # delegates 1-3 in program 0,
-    # 4-6 in program 1 (columns 64-127): T = min(8, 5) = 5.0, below the 5th delegate (6.0); 6 delegates reach it
-    program_0 = (torch.arange(0, 1000, 128)[:, None] + torch.arange(0, 64)[None, :]).flatten()
-    x[1, program_0[:200]] = 5.0  # a cluster above the rest, more keys than the 128 slots, in program 0's
-    x[2] = torch.arange(1000, device=DEVICE).float()  # delegate columns only. Row 2: program 0 holds the
-    x[3, program_0[:200]] = 5.0  # smaller delegates
-    x[3, 129] = 6.0  # (program 1 sees one key above the cluster)
+    x[0, torch.tensor([1, 2, 3, 4, 33, 34])] = torch.tensor([10.0, 9, 8, 7, 6, 5.5])  # program 0's delegates
+    # 1-4, program 1's 5-6: T_c = 9.0 and 5.5; 2 delegates reach 9.0, 6 reach 5.5: T = 5.5, below the 5th (6.0)
+    program_0_1 = (torch.arange(0, 1000, 128)[:, None] + torch.arange(0, 64)[None, :]).flatten()
+    x[1, program_0_1[:200]] = 5.0  # a cluster above the rest, more keys than the 128 slots, in the delegate
+    x[2] = torch.arange(1000, device=DEVICE).float()  # columns of programs 0 and 1 only. Row 2: sorted
+    x[3, program_0_1[:200]] = 5.0
+    x[3, 129] = 6.0  # (one key above the cluster)
     thresholds, flags = {}, {}
     for local in (4, 0):
         monkeypatch.setitem(topk_module.TUNING, "local_threshold", local)
@@ -186,9 +186,16 @@ def test_local_threshold(monkeypatch):
         topk_module.launch_topk(x, 5, None, None, out, stats)
         assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
         thresholds[local], flags[local] = stats["threshold"].tolist(), stats["flags"].tolist()
-        assert not topk_module._SYNC[str(x.device)].any()  # the last programs reset TLOW and TMAX
-    assert thresholds[4][0] < thresholds[0][0]  # the lowest of the programs' thresholds: 5.0, not 6.0
-    assert thresholds[4][1:4] == thresholds[0][1:4]  # the guard: the row-wide threshold
+        assert not topk_module._SYNC[str(x.device)].any()  # the last programs reset the counters and TMAX
+
+    def key(v):  # the key of a positive float is its bits
+        return torch.tensor(v).view(torch.int32).item()
+
+    assert thresholds[4][0] == key(5.5) and thresholds[0][0] == key(6.0)
+    assert thresholds[4][1] == thresholds[0][1] == thresholds[4][3] == thresholds[0][3] == key(5.0)  # the clusters
+    # the sorted row: T_c = 926.0, 958.0, 990.0, 998.0 (programs 0-3); 2 delegates reach 998.0, 10 reach 990.0:
+    # T = 990.0 (not the lowest, 926.0); the row-wide T is the 5th delegate, 995.0
+    assert thresholds[4][2] == key(990.0) and thresholds[0][2] == key(995.0)
     assert all(a <= b for a, b in zip(thresholds[4][4:], thresholds[0][4:], strict=True))  # random rows
     # the clusters take the tie path either way (below them, more keys than slots would be above T)
     assert flags[4] == flags[0] == [0, 2, 0, 2, 0, 0, 0, 0]

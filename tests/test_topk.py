@@ -123,8 +123,15 @@ def test_long_path_flags(monkeypatch):
     out = out.new_empty(5, 5)
     # with 2 slots all overflow. The periodic row has many keys above its k-th delegate, and the descending
     # row's T (its 5th delegate cut to 16 bits, not refined: only 5 delegates reach it) sits below its 5th
-    # key, so 5 keys are > T: both take the whole-row radix (flag 1); the others the tie path
-    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == [2, 1, 1, 2, 2]
+    # key, so 5 keys are > T: both take the whole-row radix (flag 1); the plateaus the tie path. So does the
+    # ascending row, as the row-wide threshold (its exact 5th delegate) leaves fewer than 5 keys above T;
+    # with 2 delegates programs per row T is the threshold of the program holding the smaller delegates
+    # (``local_threshold``), far below: flag 1
+    flags = [2, 1, 1, 2, 2]
+    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == [1, 1, 1, 2, 2]
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
+    monkeypatch.setitem(topk_module.TUNING, "local_threshold", 0)
+    assert topk_module.launch_topk(x, 5, None, None, out).tolist() == flags
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 

@@ -15,7 +15,10 @@ The design, in five steps:
    256-bin histogram rounds over the G delegates; two more make it exact when many delegates share
    that prefix, as on plateaus of equal values). The k delegates at or above ``T`` are row
    elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
-   that set holds ``~0.7 G`` candidates (a few percent of a long row).
+   that set holds ``~0.7 G`` candidates (a few percent of a long row). With at most
+   ``TUNING["local_threshold"]`` delegates programs per row, each program finds that threshold for its
+   own delegates and its share ``ceil(k / S)`` of k instead, and T is the highest of those that k
+   delegates reach: no histogram round over the G delegates waits at the end.
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
    k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
    copies its candidates there (key and id, ascending id) and stores how many of its keys are > T

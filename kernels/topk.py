@@ -187,7 +187,7 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
         acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
     tl.store(delegates + cols, acc)
     sync_row = sync + r.to(tl.int64) * SYNC
-    if LOCAL:  # T = the lowest of the programs' own thresholds: no walk over the G delegates at the end
+    if LOCAL:  # T from the programs' own thresholds: no histogram round over the G delegates at the end
         _local_threshold(acc, k, c, sync_row, work_row, delegates, G, S)
     else:
         _row_threshold(acc, k, sync_row, work_row, delegates, G, S)

@@ -16,7 +16,8 @@ import triton.language as tl
 #   the slots / 1 whole-row radix;
 #   then from HEAD, with C_PAD = 2**LOG_C: candidates per chunk | each chunk's first slot | keys > T per
 #   chunk | keys == T per chunk (C_PAD each; the last two plan the tie path of a row whose candidates do
-#   not fit) | the G delegates | PAIR_SCRATCH ints for the pairwise rank.
+#   not fit) | the G delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs'
+#   own thresholds: ``_local_threshold``).
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
 #   [0] the row's program counter ("last program of the row": the delegates launch, then the select
 #   launch on a row that overflowed), [MEMBERS] the select program's counter of the keys in its crossing

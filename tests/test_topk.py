@@ -209,6 +209,44 @@ def test_local_threshold(monkeypatch):
     check(x, 5, order="score")
 
 
+def local_threshold_model(row: torch.Tensor, k: int, G: int, S: int) -> int:
+    """The T of ``_local_threshold`` in torch, on int32 keys: each of S programs takes the ceil(k/S)-th
+    largest of its G/S delegate columns cut to 16 bits (exact when more than ceil(k/S) * 9/8 of its
+    delegates reach the cut; NONE with fewer delegates than that), then the highest one k delegates reach."""
+    none = -(2**31)
+    bits = torch.where(row == 0, torch.zeros_like(row), row).view(torch.int32)
+    key = torch.where(torch.isnan(row) | (row == float("-inf")), none, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    key = torch.cat([key, torch.full((-len(row) % G,), none, dtype=torch.int32)])
+    delegates = key.view(-1, G).amax(0).long()
+    k_c = -(-k // S)
+    thresholds = []
+    for own in delegates.view(S, G // S):
+        valid = own[own != none]
+        if len(valid) < k_c:
+            thresholds.append(none)
+            continue
+        kth = int(valid.sort(descending=True).values[k_c - 1])
+        cut = (((kth + 2**31) >> 16) << 16) - 2**31  # the low 16 bits of its unsigned-order bits cleared
+        thresholds.append(kth if int((own >= cut).sum()) > k_c + k_c // 8 else cut)
+    return max(t for t in thresholds if int((delegates >= t).sum()) >= k)
+
+
+def test_local_threshold_matches_its_model(monkeypatch):
+    """The kernel's T under local thresholds, key for key, against ``local_threshold_model``: random rows
+    of awkward lengths, rows of few distinct values, a sorted row, -inf and NaN mixed in."""
+    for name, value in {**PATHS["long"], "delegate_cols": 32}.items():  # G = 128, 4 delegates programs
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = torch.cat([make_scores(4, 997, seed=31), make_scores(3, 997, seed=32, ties=True),
+                   make_scores(2, 997, seed=33, specials=True)])
+    x[6] = torch.arange(997).float()
+    for k in (20, 33, 64):
+        out = torch.empty(9, k, dtype=torch.int32, device=DEVICE)
+        stats = {}
+        topk_module.launch_topk(x.to(DEVICE), k, None, None, out, stats)
+        assert torch.equal(out.cpu(), topk_reference(x, k, order="index"))
+        assert stats["threshold"].tolist() == [local_threshold_model(r, k, 128, 4) for r in x], k
+
+
 @pytest.mark.parametrize("tile, programs", [(64, 256), (256, 4), (4096, 1)])
 def test_tie_path_across_chunks(monkeypatch, tile, programs):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between

@@ -233,18 +233,21 @@ def local_threshold_model(row: torch.Tensor, k: int, G: int, S: int) -> int:
 
 def test_local_threshold_matches_its_model(monkeypatch):
     """The kernel's T under local thresholds, key for key, against ``local_threshold_model``: random rows
-    of awkward lengths, rows of few distinct values, a sorted row, -inf and NaN mixed in."""
+    of awkward lengths (one too short for a program's share), rows of few distinct values, a sorted row,
+    -inf and NaN mixed in."""
     for name, value in {**PATHS["long"], "delegate_cols": 32}.items():  # G = 128, 4 delegates programs
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = torch.cat([make_scores(4, 997, seed=31), make_scores(3, 997, seed=32, ties=True),
                    make_scores(2, 997, seed=33, specials=True)])
     x[6] = torch.arange(997).float()
+    lengths = torch.tensor([997, 500, 997, 100, 997, 640, 997, 997, 300])  # (100: program 3 has 4 delegates)
     for k in (20, 33, 64):
         out = torch.empty(9, k, dtype=torch.int32, device=DEVICE)
         stats = {}
-        topk_module.launch_topk(x.to(DEVICE), k, None, None, out, stats)
-        assert torch.equal(out.cpu(), topk_reference(x, k, order="index"))
-        assert stats["threshold"].tolist() == [local_threshold_model(r, k, 128, 4) for r in x], k
+        topk_module.launch_topk(x.to(DEVICE), k, None, lengths.to(DEVICE), out, stats)
+        assert torch.equal(out.cpu(), topk_reference(x, k, lengths, order="index"))
+        want = [local_threshold_model(r[:n], k, 128, 4) for r, n in zip(x, lengths.tolist(), strict=True)]
+        assert stats["threshold"].tolist() == want, k
 
 
 @pytest.mark.parametrize("tile, programs", [(64, 256), (256, 4), (4096, 1)])

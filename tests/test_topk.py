@@ -237,8 +237,8 @@ def test_local_threshold_matches_its_model(monkeypatch):
     -inf and NaN mixed in."""
     for name, value in {**PATHS["long"], "delegate_cols": 32}.items():  # G = 128, 4 delegates programs
         monkeypatch.setitem(topk_module.TUNING, name, value)
-    x = torch.cat([make_scores(4, 997, seed=31), make_scores(3, 997, seed=32, ties=True),
-                   make_scores(2, 997, seed=33, specials=True)])
+    x = torch.cat([make_scores(4, 997, seed=31, device="cpu"), make_scores(3, 997, seed=32, ties=True, device="cpu"),
+                   make_scores(2, 997, seed=33, specials=True, device="cpu")])
     x[6] = torch.arange(997).float()
     lengths = torch.tensor([997, 500, 997, 100, 997, 640, 997, 997, 300])  # (100: program 3 has 4 delegates)
     for k in (20, 33, 64):

@@ -195,8 +195,8 @@ def test_local_threshold(monkeypatch):
         thresholds[local], flags[local] = stats["threshold"].tolist(), stats["flags"].tolist()
         assert not topk_module._SYNC[str(x.device)].any()  # the last programs reset the counters and TMAX
 
-    def key(v):  # the key of a positive float is its bits
-        return torch.tensor(v).view(torch.int32).item()
+    def key(v):
+        return int(float_keys(torch.tensor([v]))[0])
 
     assert thresholds[4][0] == key(5.5) and thresholds[0][0] == key(6.0)
     assert thresholds[4][1] == thresholds[0][1] == thresholds[4][3] == thresholds[0][3] == key(5.0)  # the clusters
@@ -209,14 +209,18 @@ def test_local_threshold(monkeypatch):
     check(x, 5, order="score")
 
 
+def float_keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' int32 keys in torch: signed order == float order, -0.0 == +0.0, NaN and -inf -> NONE."""
+    bits = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32)
+    return torch.where(torch.isnan(x) | (x == float("-inf")), -(2**31), bits ^ ((bits >> 31) & 0x7FFFFFFF))
+
+
 def local_threshold_model(row: torch.Tensor, k: int, G: int, S: int) -> int:
     """The T of ``_local_threshold`` in torch, on int32 keys: each of S programs takes the ceil(k/S)-th
     largest of its G/S delegate columns cut to 16 bits (exact when more than ceil(k/S) * 9/8 of its
     delegates reach the cut; NONE with fewer delegates than that), then the highest one k delegates reach."""
     none = -(2**31)
-    bits = torch.where(row == 0, torch.zeros_like(row), row).view(torch.int32)
-    key = torch.where(torch.isnan(row) | (row == float("-inf")), none, bits ^ ((bits >> 31) & 0x7FFFFFFF))
-    key = torch.cat([key, torch.full((-len(row) % G,), none, dtype=torch.int32)])
+    key = torch.cat([float_keys(row), torch.full((-len(row) % G,), none, dtype=torch.int32)])
     delegates = key.view(-1, G).amax(0).long()
     k_c = -(-k // S)
     thresholds = []

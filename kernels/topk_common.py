@@ -14,19 +14,20 @@ import triton.language as tl
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
 #   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 3 the keys > T in
 #   the slots / 1 whole-row radix;
-#   then from HEAD, with C_PAD = 2**LOG_C: candidates per chunk | each chunk's first slot | keys > T per
-#   chunk | keys == T per chunk (C_PAD each; the last two plan the tie path of a row whose candidates do
-#   not fit) | the G delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs'
-#   own thresholds: ``_local_threshold``).
+#   then from HEAD, with C_PAD = 2**LOG_C: keys > T per chunk | keys == T per chunk (C_PAD each: the
+#   candidates per chunk are their sum; they plan the tie path of a row whose candidates do not fit) |
+#   the G delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs' own
+#   thresholds: ``_local_threshold``).
+# ``bits`` (int32, fresh each call): the row's candidates as a bitmask, bit j % 32 of word j // 32 for
+#   column j (``_bitmask_words``), C * CHUNK / 32 words per row.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
 #   [0] the row's program counter ("last program of the row": the delegates launch, then the select
 #   launch on a row that overflowed), [MEMBERS] the select program's counter of the keys in its crossing
 #   bin, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates (then of the select
-#   program's slots), [CNT] the row's candidates (the slot allocator), [CNT2] the slot allocator of an
-#   overflowing row's keys above T (its fallback when they fit the slots); [TMAX] the row max as the unsigned
-#   maximum of the unsigned-order keys (zero is its identity: the buffer stays zeroed).
+#   program's slots), [CNT] the row's candidates; [TMAX] the row max as the unsigned maximum of the
+#   unsigned-order keys (zero is its identity: the buffer stays zeroed).
 T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
-MEMBERS, DHIST, CNT, CNT2, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261))
+MEMBERS, DHIST, CNT, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260))
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -157,6 +158,59 @@ def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
 
 
 @triton.jit
+def _bitmask_words(hit, WORDS: tl.constexpr):
+    """A [WORDS * 32] mask as WORDS int32 words, bit i of word w = hit[32 w + i] (the sum of distinct bits is
+    their OR). A dense store, unlike a compaction: it costs nothing over the read that computed ``hit``."""
+    return tl.sum(tl.reshape(hit.to(tl.int32), [WORDS, 32]) << tl.arange(0, 32)[None, :], axis=1)
+
+
+@triton.jit
+def _popcount(word):
+    """Set bits of each int32 word: counts per 2, 4 and 8 bits side by side, then one multiply adds the bytes."""
+    u = word.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _nth_set_bit(word, n):
+    """Position of the n-th set bit (0-based, from bit 0) of each int32 word, for n < its popcount: five
+    halvings, each keeping the low half if it holds more than n set bits, else skipping it."""
+    u = word.to(tl.uint32, bitcast=True)
+    pos = tl.zeros_like(n)
+    for i in tl.static_range(5):
+        low = _popcount((u & ((1 << (16 >> i)) - 1)).to(tl.int32, bitcast=True))
+        up = n >= low
+        n = tl.where(up, n - low, n)
+        u = tl.where(up, u >> (16 >> i), u)
+        pos = tl.where(up, pos + (16 >> i), pos)
+    return pos
+
+
+@triton.jit
+def _ids_from_bitmask(bits_row, n_words, SLOTS: tl.constexpr, NW_PAD: tl.constexpr):
+    """The columns of a row's first SLOTS set bits (its bitmask: ``n_words`` <= NW_PAD words at ``bits_row``),
+    ascending, as a [SLOTS] tensor (past the last set bit: some column, for the caller to mask). Slot s
+    belongs to the word whose set bits start at or before s and end after it: a binary search on the
+    words' running counts (one register gather per halving), then s's rank inside that word picks the bit.
+    The loads go past L1 (.cg): other programs of the same launch may have written the words."""
+    w = tl.arange(0, NW_PAD)
+    word = tl.load(bits_row + w, mask=w < n_words, other=0, cache_modifier=".cg")
+    count = _popcount(word)
+    upto = tl.cumsum(count, axis=0)  # set bits in words 0..w
+    s = tl.arange(0, SLOTS)
+    at = tl.zeros([SLOTS], tl.int32)  # how many words end at or before slot s: the word holding it
+    for i in tl.static_range(26):  # (NW_PAD <= 2**26: rows shorter than 2**31)
+        if (NW_PAD >> (i + 1)) > 0:
+            probe = at + (NW_PAD >> (i + 1))
+            at = tl.where(tl.gather(upto, probe - 1, 0) <= s, probe, at)
+    at = tl.minimum(at, NW_PAD - 1)
+    return at * 32 + _nth_set_bit(tl.gather(word, at, 0), s - tl.gather(upto - count, at, 0))
+
+
+@triton.jit
 def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
                          N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
     """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
@@ -231,18 +285,18 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
 def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
     """Row r of the ``work`` buffer (layout above)."""
     C_PAD: tl.constexpr = 1 << LOG_C
-    return work + r.to(tl.int64) * (HEAD + 4 * C_PAD + G + PAIR_SCRATCH)
+    return work + r.to(tl.int64) * (HEAD + 2 * C_PAD + G + PAIR_SCRATCH)
 
 
 @triton.jit
 def _delegates_of(work_row, C_PAD: tl.constexpr):
     """Where a row's G delegates sit in its ``work`` row."""
-    return work_row + HEAD + 4 * C_PAD
+    return work_row + HEAD + 2 * C_PAD
 
 
 def work_width(c_pad: int, G: int) -> int:
     """Ints per row of the ``work`` buffer (layout above; as ``_work_row``)."""
-    return HEAD.value + 4 * c_pad + G + PAIR_SCRATCH.value
+    return HEAD.value + 2 * c_pad + G + PAIR_SCRATCH.value
 
 
 def aot_variant(kernel, constexprs, options=None, **types):

@@ -179,15 +179,16 @@ def test_local_threshold(monkeypatch):
     (its ties at T: the tie path), as the row-wide threshold; on a sorted row, not the lowest T_c."""
     for name, value in {**PATHS["long"], "delegate_cols": 32}.items():  # G = 128 delegates, 4 programs (k = 5)
         monkeypatch.setitem(topk_module.TUNING, name, value)
-    x = make_scores(8, 1000, seed=21)  # rows 4-7: random
+    x = make_scores(8, 1000, seed=21, device="cpu")  # rows 4-7: random (built on the CPU, then moved)
     x[0] = x[0] / 10
     x[0, torch.tensor([1, 2, 3, 4, 33, 34])] = torch.tensor([10.0, 9, 8, 7, 6, 5.5])  # program 0's delegates
     # 1-4, program 1's 5-6: T_c = 9.0 and 5.5; 2 delegates reach 9.0, 6 reach 5.5: T = 5.5, below the 5th (6.0)
     program_0_1 = (torch.arange(0, 1000, 128)[:, None] + torch.arange(0, 64)[None, :]).flatten()
     x[1, program_0_1[:200]] = 5.0  # a cluster above the rest, more keys than the 128 slots, in the delegate
-    x[2] = torch.arange(1000, device=DEVICE).float()  # columns of programs 0 and 1 only. Row 2: sorted
+    x[2] = torch.arange(1000).float()  # columns of programs 0 and 1 only. Row 2: sorted
     x[3, program_0_1[:200]] = 5.0
     x[3, 129] = 6.0  # (one key above the cluster)
+    x = x.to(DEVICE)
     thresholds, flags = {}, {}
     for local in (4, 0):
         monkeypatch.setitem(topk_module.TUNING, "local_threshold", local)

@@ -9,10 +9,10 @@ share (the *tie path*, ``_tie_path_span``), reading only the chunks that hold so
 plateau's answer is its first k ties: the rest of the row is never read again). (``T`` is the k-th
 delegate cut to 16 bits, or exact when many delegates share those bits, so that plateaus at any value
 have their ties at ``T``.) Rows with k or more keys above ``T`` (scores of a few distinct values, whose
-top value has more keys than delegates) mark only those keys in the row's bitmask when they fit the
-slots, and the row's last select program selects among them (``_above_to_bitmask``); when they do not
-(e.g. a period of G), the row takes the whole-row radix select (``_radix_select_row``: one program per
-row, slow). Used by ``kernels/topk.py``."""
+top value has more keys than delegates) copy those keys into the slots when they fit, and the row's
+last select program selects among them (``_above_to_slots``); when they do not (e.g. a period of G),
+the row takes the whole-row radix select (``_radix_select_row``: one program per row, slow). Used by
+``kernels/topk.py``."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import triton.language as tl
 from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
+    CNT2,
     HEAD,
     T_,
-    _bitmask_words,
     _keys,
     _pad,
     _row_k_len,
@@ -41,13 +41,13 @@ def _plan_tie_path(work_row, k, C, SLOTS: tl.constexpr, C_PAD: tl.constexpr):
     fewer than k are > T, the k-th key IS T and the answer is every key > T plus the ``need`` lowest-id
     keys == T: sums over the chunks give any tile's offsets, no pass over the row. Every program of the
     row computes the plan itself (nothing is written, so no program waits for another). Returns (T, need,
-    flag, above, ties). flag 2 = the tie path; 3 = k or more keys > T, and they fit the slots: mark only
-    them in the bitmask and select among them (the candidates of the threshold T + 1); 1 = the whole-row radix select
+    flag, above, ties). flag 2 = the tie path; 3 = k or more keys > T, and they fit the slots: copy them
+    there and select among them (the candidates of the threshold T + 1); 1 = the whole-row radix select
     (more keys > T than slots, or T = NONE: fewer than k delegates)."""
     te = tl.load(work_row + T_)
     ci = tl.arange(0, C_PAD)
-    above = tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
-    ties = tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0)
+    above = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0)
+    ties = tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0)
     n_above = tl.sum(above, axis=0)
     flag = tl.where((te != -2147483648) & (k > 0) & (n_above < k), 2, tl.where(n_above <= SLOTS, 3, 1))
     return te, k - n_above, flag, above, ties
@@ -132,19 +132,27 @@ def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.c
 
 
 @triton.jit
-def _above_to_bitmask(row, length, te, above, bits_row, n_words, f, SPAN: tl.constexpr, TILE: tl.constexpr,
-                      CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Span f of an overflowing row whose keys > T fit the slots (flag 3): rewrite its words of the row's
-    bitmask to mark the keys > T instead of >= T, so that the row's last program selects among them as
-    among candidates. Only the chunks between the span's first and last one with keys > T are read; the
-    other words are zeroed."""
+def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPAN: tl.constexpr, TILE: tl.constexpr,
+                    CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """Span f of an overflowing row whose keys > T fit the slots (flag 3): copy them into the slots as the
+    candidates launch copies its candidates (each tile a run of slots from the row's second slot
+    counter, ascending ids; every chunk's count and first slot), so that the row's last program can
+    select among them. Chunks without keys > T get empty runs and are not read."""
+    c = tl.arange(0, C_PAD)
+    start = c * CHUNK  # each chunk's first column
+    tl.store(work_row + HEAD + c, 0, mask=(start >= f * SPAN) & (start < (f + 1) * SPAN))
+    tl.debug_barrier()  # (the tiles below overwrite some of these zeros)
     lo, hi = _busy_columns(above > 0, f, length, SPAN, CHUNK, C_PAD)
-    for t0 in range(f * SPAN, tl.minimum((f + 1) * SPAN, n_words * 32), TILE):
+    for t0 in range(lo, hi, TILE):
         offs = t0 + tl.arange(0, TILE)
-        inside = (offs >= lo) & (offs < hi)
-        key = _keys(tl.load(row + offs, mask=inside, other=0.0), inside)
-        w = t0 // 32 + tl.arange(0, TILE // 32)
-        tl.store(bits_row + w, _bitmask_words(key > te, TILE // 32), mask=w < n_words)
+        key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
+        is_above = key > te
+        n_in = tl.where((start >= t0) & (start < t0 + TILE) & (start < hi), above, 0)  # the tile's chunks
+        base = tl.atomic_add(sync_row + CNT2, tl.sum(n_in, axis=0), sem="relaxed")
+        tl.store(work_row + HEAD + c, n_in, mask=n_in > 0)
+        tl.store(work_row + HEAD + C_PAD + c, base + tl.cumsum(n_in, axis=0) - n_in, mask=n_in > 0)
+        tl.store(cand_row + base + tl.cumsum(is_above.to(tl.int32), axis=0) - 1,
+                 (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_above)
 
 
 @triton.jit

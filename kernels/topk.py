@@ -76,7 +76,6 @@ from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
     CNT,
-    CNT2,
     DHIST,
     FLAG,
     HEAD,
@@ -87,6 +86,8 @@ from sparse_ref.kernels.topk_common import (
     T_,
     TMAX,
     _after_previous_launch,
+    _bitmask_words,
+    _bits_to_slots,
     _delegates_of,
     _exact_delegate,
     _keys,
@@ -96,13 +97,12 @@ from sparse_ref.kernels.topk_common import (
     _rank_members,
     _row_k_len,
     _select_in_registers,
-    _sparse_positions,
     _walk,
     _work_row,
     aot_variant,
     work_width,
 )
-from sparse_ref.kernels.topk_fallback import _above_to_slots, _plan_tie_path, _radix_select_row, _tie_path_span
+from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _tie_path_span
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -130,8 +130,6 @@ TUNING = {
     "sort_run_warps": 4,
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
-    "chunk_slots": 128,  # a chunk with at most this many candidates (a power of two >= 16) copies them by
-    # expanding its bitmask words; more (sorted rows' top chunks), by a prefix sum over the whole chunk
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -266,29 +264,21 @@ def _store_threshold(work_row, T, row_max):
 
 
 @triton.jit
-def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
+def _select_from_slots(row, slots_row, work_row, sync_row, out_row, total, k, W, G: tl.constexpr,
                        SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """The whole exact selection of a row whose ``total`` candidates all sit in its slots (runs of
-    ascending ids, the runs in any order): bin them (256 bins over [T, row max]), walk the histogram to
-    the bin of the k-th key, rank that bin's keys -> ``t`` and how many keys == t the row takes
-    (``need``); then store every winner at its place in the ascending output.
-
-    A slot's place is its rank in id order among the keys > t, plus its rank among the keys == t
-    (capped at ``need``). Both ranks are "the same keys in the chunks before mine" plus "the same keys
-    before me in my run": one prefix sum over the slots gives both, read at the first and last slot of
-    every run (``tl.gather``; the runs landed in any order). One program runs this alone, so its time is
-    its chain of block-wide steps: every load is issued first, and counts of two kinds share one prefix
-    sum (packed in one integer) wherever they can."""
+    """The whole exact selection of a row whose ``total`` <= SLOTS candidates' columns sit in its slots,
+    ascending: gather their keys from the row (in L2: the candidates launch just read it); bin them (256
+    bins over [T, row max]), walk the histogram to the bin of the k-th key, rank that bin's keys -> ``t``
+    and how many keys == t the row takes (``need``); then store every winner at its place in the
+    ascending output: the keys > t before it, plus the keys == t before it up to ``need`` (one prefix sum
+    over the slots: they are in column order). One program runs this alone, so its time is its chain of
+    block-wide steps."""
     s = tl.arange(0, SLOTS)
-    ci = tl.arange(0, C_PAD)
-    # Every load goes out together, past L1 (.cg: on a flag-3 row other programs of this launch wrote the slots).
-    packed = tl.load(cand_row + s, cache_modifier=".cg")  # every slot (not masked by total)
+    ok = s < total
+    ids = tl.load(slots_row + s, mask=ok, other=0, cache_modifier=".cg")  # (other programs wrote them)
     T = tl.load(work_row + T_, cache_modifier=".cg")
     shift = tl.load(work_row + SHIFT, cache_modifier=".cg")
-    n = tl.load(work_row + HEAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
-    first = tl.minimum(tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg"), SLOTS - 1)
-    ok = s < total
-    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
+    key = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
     bins = _bins(key, T, shift)
     k_eff = tl.minimum(k, total)
     # The histogram: L2 atomic adds into the row's zeroed one in memory (tl.histogram, a ballot per key bit
@@ -315,44 +305,30 @@ def _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G:
         t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
     t = tl.where(k_eff > 0, t, 2147483647)
     need = tl.where(k_eff > 0, need, 0)
-    ids = packed.to(tl.int32)  # the low 32 bits
     above = ok & (key > t)
     tie = ok & (key == t)
-    # One prefix sum over the slots counts both kinds (keys > t in the high 16 bits, == t in the low;
-    # SLOTS < 2**15): for each slot, those stored before it.
+    # One prefix sum counts both kinds (keys > t in the high 16 bits, == t in the low; SLOTS < 2**15).
     flags = (above.to(tl.int32) << 16) | tie.to(tl.int32)
     before = tl.cumsum(flags, axis=0) - flags
-    # Per chunk, from its run [first, first + n): its own counts (the prefix sum after its last slot minus
-    # before its first), then its offset: the keys of the chunks before it minus those stored before its
-    # run. The offsets go through one prefix sum and one gather as int64 (kind 1 << 32 | kind 2); their
-    # fields may be negative, but each slot's sum with its own "before" is not.
-    last = tl.minimum(tl.maximum(first + n - 1, 0), SLOTS - 1)
-    at_first = tl.gather(before, first, 0)
-    in_run = tl.where(n > 0, tl.gather(before + flags, last, 0) - at_first, 0)
-    run2 = ((in_run >> 16).to(tl.int64) << 32) + (in_run & 0xFFFF)
-    off2 = tl.cumsum(run2, axis=0) - run2 - (((at_first >> 16).to(tl.int64) << 32) + (at_first & 0xFFFF))
-    rank2 = tl.gather(off2, tl.where(ok, ids // CHUNK, 0), 0) + (((before >> 16).to(tl.int64) << 32)
-                                                                 + (before & 0xFFFF))
-    above_rank = (rank2 >> 32).to(tl.int32)
-    tie_rank = (rank2 & 0xFFFFFFFF).to(tl.int32)
-    pos = above_rank + tl.minimum(tie_rank, need)
-    tl.store(out_row + pos, ids, mask=(above | (tie & (tie_rank < need))) & (pos < W))
+    ties_before = before & 0xFFFF
+    pos = (before >> 16) + tl.minimum(ties_before, need)
+    tl.store(out_row + pos, ids, mask=(above | (tie & (ties_before < need))) & (pos < W))
     _pad(out_row, k_eff, W, BLOCK)
 
 
 @triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, CS: tl.constexpr, REVERSE: tl.constexpr,
-                       PDL: tl.constexpr):
-    """One program = one CHUNK of a row: take a run of the row's slots (one atomic add on the row's slot
-    counter), copy its elements >= T there (key << 32 | id, ascending id) and store its counts of keys > T
-    and == T (the tie path's plan if the row overflows). No tail and no histogram (the selection is the
-    next launch's), so this one runs with light programs. Row-major order, the last rows first when
-    REVERSE: the delegates launch read those last, so more of them are still in L2 when the rows do not
-    all fit."""
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, REVERSE: tl.constexpr, PDL: tl.constexpr):
+    """One program = one CHUNK of a row: mark its elements >= T in the row's bitmask (CHUNK / 32 words, a
+    dense store), add their count to the row's (one atomic add) and store its counts of keys > T and == T
+    (the select launch's offsets, and the tie path's plan if the row overflows). No compaction here (a
+    prefix sum over the chunk and a store per candidate cost more than the read), no tail and no
+    histogram, so this one runs with light programs. Row-major order, the last rows first when REVERSE:
+    the delegates launch read those last, so more of them are still in L2 when the rows do not all fit."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
+    WORDS: tl.constexpr = CHUNK // 32
     C = tl.cdiv(N, CHUNK)
     r = tl.program_id(0) // C
     if REVERSE:
@@ -360,29 +336,17 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
     c = tl.program_id(0) % C
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
-    sync_row = sync + r.to(tl.int64) * SYNC
     T = tl.load(work_row + T_)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    row = scores + r.to(tl.int64) * stride_r
-    key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+    key = _keys(tl.load(scores + r.to(tl.int64) * stride_r + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
     both = tl.sum(is_cand.to(tl.int32) + ((key > T).to(tl.int32) << 16), axis=0)  # two counts (CHUNK < 2**16)
     n_c = both & 0xFFFF
-    tl.store(work_row + HEAD + 2 * C_PAD + c, both >> 16)  # keys > T and == T: the tie path's counts,
-    tl.store(work_row + HEAD + 3 * C_PAD + c, n_c - (both >> 16))  # used only if the row overflows
-    base = tl.atomic_add(sync_row + CNT, n_c, sem="relaxed")  # this chunk's run of slots: [base, base + n_c)
-    tl.store(work_row + HEAD + c, n_c)
-    tl.store(work_row + HEAD + C_PAD + c, base)
-    if base + n_c <= SLOTS:
-        run = cand + r.to(tl.int64) * SLOTS + base
-        if n_c <= CS:  # few (random rows: ~CHUNK / 24): expand the chunk's bitmask words into its run
-            s = tl.arange(0, CS)
-            at = c * CHUNK + _sparse_positions(is_cand, CS, CHUNK // 32)
-            x = tl.load(row + at, mask=s < n_c, other=0.0)  # (in L1: this program just read them)
-            tl.store(run + s, (_keys(x, s < n_c).to(tl.int64) << 32) | at.to(tl.int64), mask=s < n_c)
-        else:  # many (the top chunks of a sorted row): a prefix sum over the chunk and a store per candidate
-            tl.store(run + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1,
-                     (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_cand)
+    tl.store(work_row + HEAD + c, both >> 16)  # keys > T
+    tl.store(work_row + HEAD + C_PAD + c, n_c - (both >> 16))  # keys == T
+    tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")
+    tl.store(cand + r.to(tl.int64) * (C * WORDS + SLOTS) + c * WORDS + tl.arange(0, WORDS),
+             _bitmask_words(is_cand, WORDS))
 
 
 @triton.jit
@@ -390,54 +354,57 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, SPAN: tl.constexpr,
                    TILE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program = one SPAN of a row's columns (whole chunks). When the row's candidates all found a
-    slot, the program of span 0 writes the row's whole answer from the slots (``_select_from_slots``)
-    and the others return at once. When they did not (the row is flagged), every program writes its
-    span's share of the tie path, or copies its span's keys > T into the slots for the row's last program
-    to select among, or the program of span 0 runs the whole-row radix select (the plan decides).
-
-    The row's slot counter says which case it is, and must be zero again for the next call. In the
-    first case the program of span 0 resets it: the others read either the count or zero, and both say
-    "the slots". In the second the row's last program to finish resets it (an atomic counter)."""
+    """One program = one SPAN of a row's columns (whole chunks); the row's last program to finish (an
+    atomic counter) selects. When the row's candidates fit the slots, every program copies its span's
+    candidate columns from the bitmask into the slots, at the offset the chunks before it give
+    (``_bits_to_slots``), and the last one selects among them (``_select_from_slots``). When they do not
+    (the row is flagged), every program writes its span's share of the tie path, or copies its span's keys
+    > T into the slots for the last one to select among (the tie path's code with no ties wanted), or the
+    program of span 0 runs the whole-row radix select (the plan decides). Every program reads the row's
+    candidate count first; the last one resets it and the counter for the next call."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
+    WB: tl.constexpr = SPAN // 32 if SPAN // 32 < 2048 else 2048  # bitmask words per block of _bits_to_slots
     r = tl.program_id(0)
     f = tl.program_id(1)
     C = tl.cdiv(N, CHUNK)
+    n_words = C * (CHUNK // 32)
     k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
     out_row = out + r.to(tl.int64) * W
-    cand_row = cand + r.to(tl.int64) * SLOTS
+    bits_row = cand + r.to(tl.int64) * (n_words + SLOTS)
+    slots_row = bits_row + n_words
+    row = scores + r.to(tl.int64) * stride_r
     total = tl.load(sync_row + CNT)
-    select = (total <= SLOTS) & (f == 0)  # this program selects the row's answer from its slots
-    if select:
-        tl.store(work_row + FLAG, 0)
-    if total > SLOTS:  # the candidates overflowed the slots: the fallback, spread over the row's programs
-        row = scores + r.to(tl.int64) * stride_r
+    flag = tl.zeros([], tl.int32)
+    if total <= SLOTS:  # this span's candidates into the slots, after those of the chunks before it
+        ci = tl.arange(0, C_PAD)
+        n = (tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
+             + tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0))
+        first = f * (SPAN // CHUNK)  # the span's first chunk
+        if tl.sum(tl.where((ci >= first) & (ci < first + SPAN // CHUNK), n, 0), axis=0) > 0:
+            _bits_to_slots(bits_row + f * (SPAN // 32), tl.minimum(n_words - f * (SPAN // 32), SPAN // 32),
+                           slots_row + tl.sum(tl.where(ci < first, n, 0), axis=0), f * SPAN, WB, 1024)
+    else:  # the candidates overflowed the slots: the fallback, spread over the row's programs
         te, need, flag, above, ties = _plan_tie_path(work_row, k, C, SLOTS, C_PAD)
         if flag == 2:
             _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN, TILE, CHUNK, C_PAD)
-        elif flag == 3:
-            _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPAN, TILE, CHUNK, C_PAD)
+        elif flag == 3:  # every key > T, none == T: into the slots, for the last program
+            _tie_path_span(row, length, te, 0, above, ties, slots_row, f, SLOTS, SPAN, TILE, CHUNK, C_PAD)
+            total = k - need  # (the keys > T)
         elif f == 0:
             _radix_select_row(row, length, k, out_row, W, BLOCK)
-        if f == 0:
-            tl.store(work_row + FLAG, flag)
-            if flag == 2:
-                _pad(out_row, k, W, BLOCK)  # (the tie path writes exactly k ids)
-        tl.debug_barrier()  # every thread's reads of the counts and writes to the slots are done
-        if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
-            tl.store(sync_row, 0)
-            tl.store(sync_row + CNT, 0)
-            tl.store(sync_row + CNT2, 0)
-            if flag == 3:  # every key > T is in the slots now: select among them (the threshold T + 1)
-                select = flag == 3
-                total = k - need
-    if select:
-        _select_from_slots(cand_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS, C_PAD, PAIR, BLOCK)
-        tl.debug_barrier()  # every thread has read the count
+        if (f == 0) & (flag == 2):
+            _pad(out_row, k, W, BLOCK)  # (the tie path writes exactly k ids)
+    tl.debug_barrier()  # every thread's reads of the counts and writes to the slots are done
+    if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
+        tl.store(sync_row, 0)
         tl.store(sync_row + CNT, 0)
+        tl.store(work_row + FLAG, flag)
+        if (flag == 0) | (flag == 3):
+            _select_from_slots(row, slots_row, work_row, sync_row, out_row, total, k, W, G, SLOTS, C_PAD, PAIR,
+                               BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,7 +442,8 @@ def plan(R: int, N: int, width: int) -> dict:
     if register:
         G = min(G, n_pad)
     slots = TUNING["slots"] or TUNING["slots_per_delegate"] * G
-    chunk, cols = min(TUNING["chunk"], n_pad, 1 << 15), min(TUNING["delegate_cols"], G)  # (chunk < 2**16: packed)
+    chunk, cols = max(32, min(TUNING["chunk"], n_pad, 1 << 15)), min(TUNING["delegate_cols"], G)  # (chunk: whole
+    # bitmask words; < 2**16: two counts packed in one int32)
     while R * triton.cdiv(N, chunk) < TUNING["min_programs"] and chunk > 1024:  # few rows: more, smaller
         chunk //= 2  # programs per row
     while R * (G // cols) < TUNING["min_programs"] and cols > 64:
@@ -492,10 +460,10 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
 
     ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
-    2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
-    select) and on the long-row path the per-chunk candidate
-    ``counts``, the thresholds, the candidate ``slots`` and each chunk's first slot (``run_starts``),
-    valid after the launches ran.
+    2 = tie path, 3 = exact select on the keys above the threshold, marked again, 1 = whole-row radix
+    select) and on the long-row path the per-chunk counts of keys ``above`` the threshold and equal to it
+    (``ties``; their sum is the chunk's candidates), the ``threshold`` keys and the candidates' bitmask
+    (``bits``), valid after the launches ran.
     """
     R, N = scores.shape
     W = out.shape[1]
@@ -530,9 +498,12 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
 
     sync = _sync_buffer(device, R)
     work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
-    cand = torch.empty((R, p["slots"]), dtype=torch.int64, device=device)
-    stats.update(counts=work[:, HEAD.value:HEAD.value + C], threshold=work[:, T_.value], flags=work[:, FLAG.value],
-                 slots=cand, run_starts=work[:, HEAD.value + (1 << log_c):HEAD.value + (1 << log_c) + C])
+    n_words = C * (chunk // 32)
+    cand = torch.empty((R, n_words + p["slots"]), dtype=torch.int32, device=device)
+    c_pad = 1 << log_c
+    stats.update(above=work[:, HEAD.value:HEAD.value + C], ties=work[:, HEAD.value + c_pad:HEAD.value + c_pad + C],
+                 threshold=work[:, T_.value], flags=work[:, FLAG.value], bits=cand[:, :n_words],
+                 slots=cand[:, n_words:])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
     tile = min(max(chunk, TUNING["tie_tile"]), p["n_pad"])  # a flagged row: its select programs' loads
@@ -544,7 +515,6 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             LOCAL=G // cols <= TUNING["local_threshold"], num_warps=nw, **pdl)),
         ("candidates", lambda: _candidates_kernel[(R * C,)](
             scores, stride, cand, work, sync, N, W, **row_args, **shape, REVERSE=TUNING["reverse_rows"],
-            CS=min(TUNING["chunk_slots"], chunk),
             num_warps=warps("candidate_warps"), **pdl)),
         ("select", lambda: _select_kernel[(R, triton.cdiv(N, span))](
             scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], SPAN=span, TILE=tile,
@@ -658,12 +628,12 @@ AOT_VARIANTS = [
                   work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, c, nw, lc in zip(AOT_FLAGS * 2, (4096, 8192) * 2, (4, 7) * 2, (16, 8) * 2, (True, True, False, False),
                                  strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, CS=128, REVERSE=rv), {"num_warps": nw},
-                  cand="*i64", work="*i32", sync="*i32", **AOT_PTRS)
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, REVERSE=rv), {"num_warps": nw},
+                  cand="*i32", work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, ch, c, nw, rv in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
                                      (4, 8, 16, 8), (True, False, True, False), strict=True)],
     *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, SPAN=sp, TILE=tl_,
-                                       BLOCK=1024), {"num_warps": nw}, cand="*i64", work="*i32", sync="*i32",
+                                       BLOCK=1024), {"num_warps": nw}, cand="*i32", work="*i32", sync="*i32",
                   **AOT_PTRS)
       for f, g, ch, c, nw, pr, sp, tl_ in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
                                               (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128),

@@ -14,19 +14,21 @@ import triton.language as tl
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
 #   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 3 the keys > T in
 #   the slots / 1 whole-row radix;
-#   then from HEAD, with C_PAD = 2**LOG_C: candidates per chunk | each chunk's first slot | keys > T per
-#   chunk | keys == T per chunk (C_PAD each; the last two plan the tie path of a row whose candidates do
-#   not fit) | the G delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs'
-#   own thresholds: ``_local_threshold``).
+#   then from HEAD, with C_PAD = 2**LOG_C: keys > T per chunk | keys == T per chunk (C_PAD each: the
+#   candidates per chunk are their sum; they plan the tie path of a row whose candidates do not fit) |
+#   the G delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs' own
+#   thresholds: ``_local_threshold``).
+# ``cand`` (int32, fresh each call), one row per score row: the row's candidates as a bitmask, bit j % 32
+#   of word j // 32 for column j (``_bitmask_words``; C * CHUNK / 32 words), then SLOTS slots for the
+#   candidates' columns.
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
 #   [0] the row's program counter ("last program of the row": the delegates launch, then the select
 #   launch on a row that overflowed), [MEMBERS] the select program's counter of the keys in its crossing
 #   bin, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates (then of the select
-#   program's slots), [CNT] the row's candidates (the slot allocator), [CNT2] the slot allocator of an
-#   overflowing row's keys above T (its fallback when they fit the slots); [TMAX] the row max as the unsigned
-#   maximum of the unsigned-order keys (zero is its identity: the buffer stays zeroed).
+#   program's slots), [CNT] the row's candidates; [TMAX] the row max as the unsigned maximum of the
+#   unsigned-order keys (zero is its identity: the buffer stays zeroed).
 T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
-MEMBERS, DHIST, CNT, CNT2, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261))
+MEMBERS, DHIST, CNT, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260))
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -159,7 +161,7 @@ def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
 @triton.jit
 def _bitmask_words(hit, WORDS: tl.constexpr):
     """A [WORDS * 32] mask as WORDS int32 words, bit i of word w = hit[32 w + i] (the sum of distinct bits is
-    their OR): one reduction, no data-dependent store."""
+    their OR). A dense store, unlike a compaction: it costs nothing over the read that computed ``hit``."""
     return tl.sum(tl.reshape(hit.to(tl.int32), [WORDS, 32]) << tl.arange(0, 32)[None, :], axis=1)
 
 
@@ -189,22 +191,31 @@ def _nth_set_bit(word, n):
 
 
 @triton.jit
-def _sparse_positions(hit, S: tl.constexpr, WORDS: tl.constexpr):
-    """The positions of the first S set entries of a [WORDS * 32] mask, ascending, as an [S] tensor (past the
-    last set entry: some position, for the caller to mask). For a sparse mask this is cheaper than a prefix
-    sum over the whole mask followed by a store per entry: the mask becomes WORDS bitmask words, the prefix
-    sum runs over the words only, slot s finds its word by comparing s with every word's range of slots
-    (an [S, WORDS] compare in which one word matches), and its bit by its rank inside that word."""
-    word = _bitmask_words(hit, WORDS)
-    count = _popcount(word)
-    first = tl.cumsum(count, axis=0) - count  # the slot of each word's first set bit
-    s = tl.arange(0, S)
-    mine = (first[None, :] <= s[:, None]) & (s[:, None] < (first + count)[None, :])  # [S, WORDS]: slot s's word
-    packed = ((tl.arange(0, WORDS).to(tl.int64) << 48) | (first.to(tl.int64) << 32)
-              | word.to(tl.uint32, bitcast=True).to(tl.int64))  # word index | first slot | bits
-    pick = tl.sum(tl.where(mine, packed[None, :], 0), axis=1)
-    bit = _nth_set_bit((pick & 0xFFFFFFFF).to(tl.int32), s - ((pick >> 32) & 0xFFFF).to(tl.int32))
-    return (pick >> 48).to(tl.int32) * 32 + bit
+def _bits_to_slots(words, n_words, dst, col0, WB: tl.constexpr, SB: tl.constexpr):
+    """Store the columns of the set bits of ``n_words`` bitmask words (bit 0 of the first word is column
+    ``col0``) at dst[0:], ascending, with no store per column: blocks of WB words, each with one prefix sum
+    over its words' bit counts; then, SB slots at a time, slot s finds its word by a binary search on those
+    running counts (a register gather per halving) and its bit by its rank inside that word. The loads go
+    past L1 (.cg): the previous launch wrote the words."""
+    done = tl.zeros([], tl.int32)
+    for w0 in range(0, n_words, WB):
+        w = tl.arange(0, WB)
+        word = tl.load(words + w0 + w, mask=w0 + w < n_words, other=0, cache_modifier=".cg")
+        count = _popcount(word)
+        upto = tl.cumsum(count, axis=0)  # set bits in the block's words 0..w
+        m = tl.sum(count, axis=0)
+        for s0 in range(0, m, SB):
+            s = s0 + tl.arange(0, SB)
+            at = tl.zeros([SB], tl.int32)  # how many words end at or before slot s: the word holding it
+            for i in tl.static_range(16):  # (WB <= 2**16 words)
+                if (WB >> (i + 1)) > 0:
+                    probe = at + (WB >> (i + 1))
+                    at = tl.where(tl.gather(upto, probe - 1, 0) <= s, probe, at)
+            at = tl.minimum(at, WB - 1)
+            bit = _nth_set_bit(tl.gather(word, at, 0), s - tl.gather(upto - count, at, 0))
+            tl.store(dst + done + s, col0 + (w0 + at) * 32 + bit, mask=s < m)
+        done += m
+    return done
 
 
 @triton.jit
@@ -282,18 +293,18 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
 def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
     """Row r of the ``work`` buffer (layout above)."""
     C_PAD: tl.constexpr = 1 << LOG_C
-    return work + r.to(tl.int64) * (HEAD + 4 * C_PAD + G + PAIR_SCRATCH)
+    return work + r.to(tl.int64) * (HEAD + 2 * C_PAD + G + PAIR_SCRATCH)
 
 
 @triton.jit
 def _delegates_of(work_row, C_PAD: tl.constexpr):
     """Where a row's G delegates sit in its ``work`` row."""
-    return work_row + HEAD + 4 * C_PAD
+    return work_row + HEAD + 2 * C_PAD
 
 
 def work_width(c_pad: int, G: int) -> int:
     """Ints per row of the ``work`` buffer (layout above; as ``_work_row``)."""
-    return HEAD.value + 4 * c_pad + G + PAIR_SCRATCH.value
+    return HEAD.value + 2 * c_pad + G + PAIR_SCRATCH.value
 
 
 def aot_variant(kernel, constexprs, options=None, **types):

@@ -20,7 +20,7 @@ from sparse_ref import checks
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
-from sparse_ref.kernels.topk_common import _sparse_positions
+from sparse_ref.kernels.topk_common import _bits_to_slots
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -385,108 +385,73 @@ def test_long_path_runs_wider_than_a_tile(monkeypatch):
     check(x, 50, torch.tensor([1000, 950, 37], device=DEVICE), order="score")
 
 
-@pytest.mark.parametrize("shuffle", [None, 1, 2])
-def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
-    """On a GPU the chunks of a row take their runs of slots in whatever order their atomic adds land; the
-    interpreter runs programs in order. Reorder the runs between the candidates and the select launch
-    (slots and run starts; reversed, or a random order per row): the select launch must still place every
-    winner exactly."""
+def bitmask_columns(words: torch.Tensor) -> torch.Tensor:
+    """The columns whose bits are set in int32 words (bit j % 32 of word j // 32), ascending."""
+    bits = (words.long()[:, None] >> torch.arange(32)) & 1
+    return torch.nonzero(bits.flatten()).flatten()
+
+
+def test_candidates_bitmask(monkeypatch):
+    """The candidates launch marks exactly the keys >= T of every row (NaN, -inf and columns past the
+    length never), and its per-chunk counts of keys > T and == T match the row."""
     for name, value in PATHS["long"].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
-    g = torch.Generator().manual_seed(shuffle or 0)
-    x = long_path_rows(1500, 20, seed=shuffle or 0)
+    x = long_path_rows(1500, 20, seed=3).cpu()
+    x[4, 1000:1300] = x[4, 17]  # a plateau straddling chunks
+    lengths = torch.tensor([1500, 1499, 700, 1, 1500, 64, 0])
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats: dict = {}
-    steps = topk_module.launches(x, 20, None, None, out, stats)
-    assert [name for name, _ in steps] == ["delegates", "candidates", "select"]
-    for _, fn in steps[:2]:
-        fn()
-    slots, starts, counts = stats["slots"], stats["run_starts"], stats["counts"]
-    before = starts.clone()
-    for r in range(x.shape[0]):
-        runs = [slots[r, int(b):int(b) + int(n)].clone() for b, n in zip(starts[r], counts[r], strict=True)]
-        if sum(int(n) for n in counts[r]) > slots.shape[1]:
-            continue  # (an overflowing row keeps its runs: it takes the fallback)
-        pos = 0
-        order = reversed(range(len(runs))) if shuffle is None else torch.randperm(len(runs), generator=g).tolist()
-        for c in order:  # reversed: the last chunk's run first
-            slots[r, pos:pos + runs[c].numel()] = runs[c]
-            starts[r, c] = pos
-            pos += runs[c].numel()
-    assert (starts != before).any(dim=1).sum() >= 5  # most rows now hold their runs in another order
-    for _, fn in steps[2:]:
-        fn()
-    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
-    assert not topk_module._SYNC[str(x.device)].any()
-
-
-@pytest.mark.parametrize("chunk_slots", [16, 64])
-def test_sparse_and_dense_chunks(monkeypatch, chunk_slots):
-    """A chunk with at most ``chunk_slots`` candidates copies them by expanding its bitmask words, one with
-    more by a prefix sum over the chunk: rows mixing both kinds of chunks (a sorted tail, a plateau, NaN)
-    fill every run exactly (keys and ids, ascending) and the answers stay exact."""
-    for name, value in {**PATHS["long"], "chunk_slots": chunk_slots}.items():
-        monkeypatch.setitem(topk_module.TUNING, name, value)
-    x = long_path_rows(1500, 40, seed=5).cpu()
-    x[0, 1400:] = torch.arange(100).float() + 10  # a sorted tail: dense last chunks
-    x[4, 1000:1040] = 5.0  # a small plateau at the top
-    lengths = torch.tensor([1500, 1499, 700, 1, 1500, 64, 1337])
-    out = torch.empty(7, 40, dtype=torch.int32, device=DEVICE)
-    stats: dict = {}
-    steps = topk_module.launches(x.to(DEVICE), 40, None, lengths.to(DEVICE), out, stats)
+    steps = topk_module.launches(x.to(DEVICE), 20, None, lengths.to(DEVICE), out, stats)
     for _, fn in steps[:2]:
         fn()
     chunk = stats["plan"]["chunk"]
-    dense = 0
     for r in range(7):
         key = float_keys(x[r, :int(lengths[r])])
         T = int(stats["threshold"][r])
-        counts, starts = stats["counts"][r].cpu(), stats["run_starts"][r].cpu()
-        if int(counts.sum()) > stats["slots"].shape[1]:
-            continue  # (an overflowing row takes the fallback: its runs are not filled)
-        for c in range(counts.numel()):
-            ids = torch.arange(min(c * chunk, len(key)), min((c + 1) * chunk, len(key)))
-            ids = ids[(key[ids] >= T) & (key[ids] != -(2**31))]
-            assert int(counts[c]) == len(ids), (r, c)
-            dense += len(ids) > chunk_slots
-            run = stats["slots"][r, int(starts[c]):int(starts[c]) + len(ids)].cpu()
-            assert torch.equal(run & 0xFFFFFFFF, ids), (r, c)
-            assert torch.equal(run >> 32, key[ids].long()), (r, c)
-    assert (dense > 0) == (chunk_slots == 16)  # both kinds of chunks ran
+        want = torch.nonzero((key >= T) & (key != -(2**31))).flatten()
+        assert torch.equal(bitmask_columns(stats["bits"][r].cpu()), want), r
+        per_chunk = torch.cat([key, torch.full((chunk * stats["above"].shape[1] - len(key),), -(2**31),
+                                               dtype=torch.int32)]).view(-1, chunk)
+        assert torch.equal(stats["above"][r].cpu(), (per_chunk > T).sum(1).int()), r
+        assert torch.equal(stats["ties"][r].cpu(), ((per_chunk == T) & (per_chunk != -(2**31))).sum(1).int()), r
     for _, fn in steps[2:]:
         fn()
-    assert torch.equal(out.cpu(), topk_reference(x, 40, lengths, order="index"))
+    assert torch.equal(out.cpu(), topk_reference(x, 20, lengths, order="index"))
     assert not topk_module._SYNC[str(out.device)].any()
 
 
 @triton.jit
-def _positions_kernel(hit, out, S: tl.constexpr, WORDS: tl.constexpr):
-    tl.store(out + tl.arange(0, S), _sparse_positions(tl.load(hit + tl.arange(0, WORDS * 32)) != 0, S, WORDS))
+def _bits_to_slots_kernel(words, n_words, dst, col0, WB: tl.constexpr, SB: tl.constexpr):
+    tl.store(dst + 1000, _bits_to_slots(words, n_words, dst, col0, WB, SB))
 
 
-@pytest.mark.parametrize("case", ["sparse", "dense", "edges", "full", "overfull", "empty"])
-def test_sparse_positions(case):
-    """The candidates programs' expansion of a mask through its bitmask words: every set entry, ascending,
-    up to S of them; words with bit 31 (a negative int32), all 32 bits, none."""
-    g = torch.Generator().manual_seed(len(case))
-    words, slots = 16, 64
-    hit = torch.zeros(words * 32, dtype=torch.int32)
+@pytest.mark.parametrize("case", ["sparse", "dense", "edges", "empty", "one"])
+@pytest.mark.parametrize("WB, SB", [(4, 16), (16, 64), (64, 16)])
+def test_bits_to_slots(case, WB, SB):
+    """The select programs' copy of a span's candidates from the bitmask into the slots: every set bit's
+    column (from ``col0``), ascending, nothing past them; several blocks of words (a last partial one) and
+    of slots; words with bit 31 (a negative int32), all 32 bits, none."""
+    g = torch.Generator().manual_seed(len(case) + WB)
+    n_words, col0 = 13, 4096
+    bits = torch.zeros(n_words * 32, dtype=torch.bool)
     if case == "sparse":
-        hit[torch.randperm(words * 32, generator=g)[:40]] = 1
+        bits[torch.randperm(n_words * 32, generator=g)[:40]] = True
     elif case == "dense":
-        hit[32:96] = 1  # two whole words
+        bits[32:200] = True  # whole words, and more set bits than a block of slots
     elif case == "edges":
-        hit[31::32] = 1  # bit 31 of every word, and bit 0
-        hit[0::32] = 1
-    elif case == "full":
-        hit[torch.randperm(words * 32, generator=g)[:slots]] = 1  # exactly S
-    elif case == "overfull":
-        hit[100:300] = 1  # more than S: the first S come back
-    out = torch.full((slots,), -7, dtype=torch.int32, device=DEVICE)
-    _positions_kernel[(1,)](hit.to(DEVICE), out, S=slots, WORDS=words)
-    want = torch.nonzero(hit).flatten()[:slots]
-    assert torch.equal(out.cpu()[:len(want)].long(), want), case
-    assert ((out >= 0) & (out < words * 32)).all()  # past the set entries: still inside the mask
+        bits[31::32] = True  # bit 31 and bit 0 of every word
+        bits[0::32] = True
+    elif case == "one":
+        bits[n_words * 32 - 1] = True  # the last column only
+    words = (bits.view(n_words, 32).long() << torch.arange(32)).sum(1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert torch.equal(bitmask_columns(words), torch.nonzero(bits).flatten())
+    dst = torch.full((1001,), -7, dtype=torch.int32, device=DEVICE)
+    _bits_to_slots_kernel[(1,)](words.to(DEVICE), n_words, dst, col0, WB=WB, SB=SB)
+    want = torch.nonzero(bits).flatten() + col0
+    assert int(dst[1000]) == len(want)  # the count it returns
+    assert torch.equal(dst.cpu()[:len(want)].long(), want), case
+    assert (dst.cpu()[len(want):1000] == -7).all()  # nothing stored past them
 
 
 @pytest.mark.parametrize("run", [16, 64])

@@ -81,8 +81,8 @@ def candidate_stats(x, k):
     stats: dict = {}
     launch_topk(x, k, None, None, out, stats)
     p = stats["plan"]
-    if "counts" in stats:
-        counts = stats["counts"].sum(1)
+    if "above" in stats:
+        counts = (stats["above"] + stats["ties"]).sum(1)  # keys > T plus keys == T: the candidates
         flags = stats["flags"]  # 0: in the slots, 2: tie path, 3: the keys > T reselected, 1: whole-row radix select
         return counts, f"{int((flags != 0).sum())}/{R} r{int((flags == 1).sum())}"
     # register rows: the kernel's rule in torch (keys, strided delegates, k-th delegate cut to 16 bits)

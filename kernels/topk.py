@@ -385,7 +385,7 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
         first = f * (SPAN // CHUNK)  # the span's first chunk
         if tl.sum(tl.where((ci >= first) & (ci < first + SPAN // CHUNK), n, 0), axis=0) > 0:
             _bits_to_slots(bits_row + f * (SPAN // 32), tl.minimum(n_words - f * (SPAN // 32), SPAN // 32),
-                           slots_row + tl.sum(tl.where(ci < first, n, 0), axis=0), f * SPAN, WB, 1024)
+                           slots_row + tl.sum(tl.where(ci < first, n, 0), axis=0), f * SPAN, WB)
     else:  # the candidates overflowed the slots: the fallback, spread over the row's programs
         te, need, flag, above, ties = _plan_tie_path(work_row, k, C, SLOTS, C_PAD)
         if flag == 2:
@@ -506,9 +506,10 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
                  slots=cand[:, n_words:])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
-    tile = min(max(chunk, TUNING["tie_tile"]), p["n_pad"])  # a flagged row: its select programs' loads
+    tile = max(chunk, min(TUNING["tie_tile"], p["n_pad"]))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
-    span = triton.cdiv(triton.cdiv(N, spans), tile) * tile  # (whole tiles)
+    span = triton.cdiv(triton.cdiv(N, spans), tile) * tile  # (whole tiles, so whole chunks and bitmask words)
+    assert span % chunk == 0 and chunk % 32 == 0
     return [
         ("delegates", lambda: _delegates_kernel[(R * (G // cols),)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,

@@ -191,30 +191,24 @@ def _nth_set_bit(word, n):
 
 
 @triton.jit
-def _bits_to_slots(words, n_words, dst, col0, WB: tl.constexpr, SB: tl.constexpr):
+def _bits_to_slots(words, n_words, dst, col0, WB: tl.constexpr):
     """Store the columns of the set bits of ``n_words`` bitmask words (bit 0 of the first word is column
-    ``col0``) at dst[0:], ascending, with no store per column: blocks of WB words, each with one prefix sum
-    over its words' bit counts; then, SB slots at a time, slot s finds its word by a binary search on those
-    running counts (a register gather per halving) and its bit by its rank inside that word. The loads go
-    past L1 (.cg): the previous launch wrote the words."""
+    ``col0``) at dst[0:], ascending; returns how many. Blocks of WB words: one prefix sum over the words'
+    bit counts gives each word its first slot; then round j stores every word's j-th set bit (its lowest
+    one, which the round then clears) at that slot + j, for as many rounds as the block's fullest word
+    has bits (a few on random rows). No prefix sum over the columns and no search: a store per set bit.
+    The loads go past L1 (.cg): the previous launch wrote the words."""
     done = tl.zeros([], tl.int32)
     for w0 in range(0, n_words, WB):
-        w = tl.arange(0, WB)
-        word = tl.load(words + w0 + w, mask=w0 + w < n_words, other=0, cache_modifier=".cg")
+        w = w0 + tl.arange(0, WB)
+        word = tl.load(words + w, mask=w < n_words, other=0, cache_modifier=".cg")
         count = _popcount(word)
-        upto = tl.cumsum(count, axis=0)  # set bits in the block's words 0..w
-        m = tl.sum(count, axis=0)
-        for s0 in range(0, m, SB):
-            s = s0 + tl.arange(0, SB)
-            at = tl.zeros([SB], tl.int32)  # how many words end at or before slot s: the word holding it
-            for i in tl.static_range(16):  # (WB <= 2**16 words)
-                if (WB >> (i + 1)) > 0:
-                    probe = at + (WB >> (i + 1))
-                    at = tl.where(tl.gather(upto, probe - 1, 0) <= s, probe, at)
-            at = tl.minimum(at, WB - 1)
-            bit = _nth_set_bit(tl.gather(word, at, 0), s - tl.gather(upto - count, at, 0))
-            tl.store(dst + done + s, col0 + (w0 + at) * 32 + bit, mask=s < m)
-        done += m
+        first = done + tl.cumsum(count, axis=0) - count  # the slot of each word's lowest set bit
+        for j in range(0, tl.max(count, axis=0)):
+            low = word & -word  # the lowest set bit (two's complement; bit 31 is -2**31, and -(-2**31) wraps to it)
+            tl.store(dst + first + j, col0 + w * 32 + _popcount(low - 1), mask=j < count)  # (bits below it)
+            word = word ^ low
+        done += tl.sum(count, axis=0)
     return done
 
 

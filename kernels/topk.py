@@ -76,6 +76,7 @@ from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
     CNT,
+    CNT2,
     DHIST,
     FLAG,
     HEAD,
@@ -102,7 +103,7 @@ from sparse_ref.kernels.topk_common import (
     aot_variant,
     work_width,
 )
-from sparse_ref.kernels.topk_fallback import _plan_tie_path, _radix_select_row, _tie_path_span
+from sparse_ref.kernels.topk_fallback import _above_to_slots, _plan_tie_path, _radix_select_row, _tie_path_span
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -113,6 +114,7 @@ TUNING = {
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
     "chunk": 2048,  # columns per candidate program
+    "bitmask_programs": 1024,  # at least this many candidates programs (rows x chunks): the bitmask mode
     "delegate_cols": 1024,  # delegate columns per delegate program
     "num_warps": 8,  # register rows (one program per row) and the fused page selection
     "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
@@ -264,25 +266,13 @@ def _store_threshold(work_row, T, row_max):
 
 
 @triton.jit
-def _select_from_slots(row, slots_row, work_row, sync_row, out_row, total, k, W, G: tl.constexpr,
-                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """The whole exact selection of a row whose ``total`` <= SLOTS candidates' columns sit in its slots,
-    ascending: gather their keys from the row (in L2: the candidates launch just read it); bin them (256
-    bins over [T, row max]), walk the histogram to the bin of the k-th key, rank that bin's keys -> ``t``
-    and how many keys == t the row takes (``need``); then store every winner at its place in the
-    ascending output: the keys > t before it, plus the keys == t before it up to ``need`` (one prefix sum
-    over the slots: they are in column order). One program runs this alone, so its time is its chain of
-    block-wide steps."""
-    s = tl.arange(0, SLOTS)
-    ok = s < total
-    ids = tl.load(slots_row + s, mask=ok, other=0, cache_modifier=".cg")  # (other programs wrote them)
-    T = tl.load(work_row + T_, cache_modifier=".cg")
-    shift = tl.load(work_row + SHIFT, cache_modifier=".cg")
-    key = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
-    bins = _bins(key, T, shift)
-    k_eff = tl.minimum(k, total)
-    # The histogram: L2 atomic adds into the row's zeroed one in memory (tl.histogram, a ballot per key bit
-    # and a loop over the bins per key, was the program's largest step).
+def _kth_candidate(key, ok, k_eff, work_row, sync_row, G: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr):
+    """``(t, need)``: the k_eff-th largest of the candidate keys ``key`` (``ok``: a real slot) and how many
+    keys == t the row takes. Bin them (256 bins over [T, row max]: L2 atomic adds into the row's zeroed
+    histogram in memory; ``tl.histogram``, a ballot per key bit and a loop over the bins per key, was the
+    select program's largest step), walk the histogram to the bin of the k-th key, and rank that bin's
+    keys: pairwise when they are few (random rows: a few dozen), else radix rounds (ties, clusters)."""
+    bins = _bins(key, tl.load(work_row + T_, cache_modifier=".cg"), tl.load(work_row + SHIFT, cache_modifier=".cg"))
     tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
     tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
     b = tl.arange(0, 256)
@@ -294,17 +284,31 @@ def _select_from_slots(row, slots_row, work_row, sync_row, out_row, total, k, W,
     m = tl.sum(tl.where(b == d, hist, 0), axis=0)  # keys in bin d
     if PAIR > 0:
         if m <= PAIR:  # copy them to the scratch, at places an atomic counter hands out (no prefix sum); rank
-            at = tl.atomic_add(sync_row + MEMBERS + tl.zeros_like(s), 1, mask=member, sem="relaxed")
+            at = tl.atomic_add(sync_row + MEMBERS + tl.zeros_like(key), 1, mask=member, sem="relaxed")
             tl.store(scratch + at, key, mask=member)
             tl.debug_barrier()
             t, need = _pairwise_kth(scratch, m, k_rem, PAIR)
             tl.store(sync_row + MEMBERS, 0)  # zero again for the next call
-        else:  # many (ties, clusters): radix rounds on them
+        else:
             t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
     else:
         t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
-    t = tl.where(k_eff > 0, t, 2147483647)
-    need = tl.where(k_eff > 0, need, 0)
+    return tl.where(k_eff > 0, t, 2147483647), tl.where(k_eff > 0, need, 0)
+
+
+@triton.jit
+def _select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G: tl.constexpr,
+                     SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+    """The exact selection of a row whose ``total`` <= SLOTS candidates' columns sit in its slots in
+    ascending order (the bitmask mode): gather their keys from the row (in L2), find ``t`` and ``need``
+    (``_kth_candidate``), then store every winner at its place in the ascending output: the keys > t
+    before it, plus the keys == t before it up to ``need`` (one prefix sum over the slots)."""
+    s = tl.arange(0, SLOTS)
+    ok = s < total
+    ids = tl.load(slots_row + s, mask=ok, other=0, cache_modifier=".cg")  # (other programs wrote them)
+    key = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
+    k_eff = tl.minimum(k, total)
+    t, need = _kth_candidate(key, ok, k_eff, work_row, sync_row, G, C_PAD, PAIR)
     above = ok & (key > t)
     tie = ok & (key == t)
     # One prefix sum counts both kinds (keys > t in the high 16 bits, == t in the low; SLOTS < 2**15).
@@ -317,15 +321,64 @@ def _select_from_slots(row, slots_row, work_row, sync_row, out_row, total, k, W,
 
 
 @triton.jit
+def _select_from_runs(cand_row, work_row, sync_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
+                      SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+    """The exact selection of a row whose ``total`` <= SLOTS candidates sit in its slots as ``key << 32 |
+    id`` in runs, one per chunk, ascending ids inside a run, the runs in any order (the runs mode): find
+    ``t`` and ``need`` (``_kth_candidate``), then store every winner at its place in the ascending output.
+    A slot's place is its rank in id order among the keys > t, plus its rank among the keys == t (capped
+    at ``need``). Both ranks are "the same keys in the chunks before mine" plus "the same keys before me
+    in my run": one prefix sum over the slots gives both, read at the first and last slot of every run
+    (``tl.gather``; the runs landed in any order)."""
+    s = tl.arange(0, SLOTS)
+    ci = tl.arange(0, C_PAD)
+    # Every load goes out together, past L1 (.cg: on a flag-3 row other programs of this launch wrote the slots).
+    packed = tl.load(cand_row + s, cache_modifier=".cg")  # every slot (not masked by total)
+    n = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
+    first = tl.minimum(tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg"),
+                       SLOTS - 1)
+    ok = s < total
+    key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
+    k_eff = tl.minimum(k, total)
+    t, need = _kth_candidate(key, ok, k_eff, work_row, sync_row, G, C_PAD, PAIR)
+    ids = packed.to(tl.int32)  # the low 32 bits
+    above = ok & (key > t)
+    tie = ok & (key == t)
+    # One prefix sum over the slots counts both kinds (keys > t in the high 16 bits, == t in the low;
+    # SLOTS < 2**15): for each slot, those stored before it.
+    flags = (above.to(tl.int32) << 16) | tie.to(tl.int32)
+    before = tl.cumsum(flags, axis=0) - flags
+    # Per chunk, from its run [first, first + n): its own counts (the prefix sum after its last slot minus
+    # before its first), then its offset: the keys of the chunks before it minus those stored before its
+    # run. The offsets go through one prefix sum and one gather as int64 (kind 1 << 32 | kind 2); their
+    # fields may be negative, but each slot's sum with its own "before" is not.
+    last = tl.minimum(tl.maximum(first + n - 1, 0), SLOTS - 1)
+    at_first = tl.gather(before, first, 0)
+    in_run = tl.where(n > 0, tl.gather(before + flags, last, 0) - at_first, 0)
+    run2 = ((in_run >> 16).to(tl.int64) << 32) + (in_run & 0xFFFF)
+    off2 = tl.cumsum(run2, axis=0) - run2 - (((at_first >> 16).to(tl.int64) << 32) + (at_first & 0xFFFF))
+    rank2 = tl.gather(off2, tl.where(ok, ids // CHUNK, 0), 0) + (((before >> 16).to(tl.int64) << 32)
+                                                                 + (before & 0xFFFF))
+    above_rank = (rank2 >> 32).to(tl.int32)
+    tie_rank = (rank2 & 0xFFFFFFFF).to(tl.int32)
+    pos = above_rank + tl.minimum(tie_rank, need)
+    tl.store(out_row + pos, ids, mask=(above | (tie & (tie_rank < need))) & (pos < W))
+    _pad(out_row, k_eff, W, BLOCK)
+
+
+@triton.jit
 def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                        HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, REVERSE: tl.constexpr, PDL: tl.constexpr):
-    """One program = one CHUNK of a row: mark its elements >= T in the row's bitmask (CHUNK / 32 words, a
-    dense store), add their count to the row's (one atomic add) and store its counts of keys > T and == T
-    (the select launch's offsets, and the tie path's plan if the row overflows). No compaction here (a
-    prefix sum over the chunk and a store per candidate cost more than the read), no tail and no
-    histogram, so this one runs with light programs. Row-major order, the last rows first when REVERSE:
-    the delegates launch read those last, so more of them are still in L2 when the rows do not all fit."""
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, BITMASK: tl.constexpr, REVERSE: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One program = one CHUNK of a row: its elements >= T are the candidates. It adds their count to the
+    row's (one atomic add) and stores its counts of keys > T and == T (the select launch's offsets, and the
+    tie path's plan if the row overflows). Then, BITMASK: it marks them in the row's bitmask (CHUNK / 32
+    words, a dense store: nothing over the read); else it copies them (``key << 32 | id``, ascending id)
+    to the run of the row's slots that its atomic add returned (a prefix sum over the chunk and a store
+    per candidate: with few rows there are few programs and this costs little; with many, several µs).
+    No tail and no histogram, so this one runs with light programs. Row-major order, the last rows first
+    when REVERSE: the delegates launch read those last, so more of them are still in L2."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     WORDS: tl.constexpr = CHUNK // 32
@@ -344,24 +397,34 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k_scalar, k_ptr
     n_c = both & 0xFFFF
     tl.store(work_row + HEAD + c, both >> 16)  # keys > T
     tl.store(work_row + HEAD + C_PAD + c, n_c - (both >> 16))  # keys == T
-    tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")
-    tl.store(cand + r.to(tl.int64) * (C * WORDS + SLOTS) + c * WORDS + tl.arange(0, WORDS),
-             _bitmask_words(is_cand, WORDS))
+    base = tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")  # (runs: [base, base + n_c))
+    if BITMASK:
+        tl.store(cand + r.to(tl.int64) * (C * WORDS + SLOTS) + c * WORDS + tl.arange(0, WORDS),
+                 _bitmask_words(is_cand, WORDS))
+    else:
+        tl.store(work_row + HEAD + 2 * C_PAD + c, n_c)
+        tl.store(work_row + HEAD + 3 * C_PAD + c, base)
+        if base + n_c <= SLOTS:
+            tl.store(cand + r.to(tl.int64) * SLOTS + base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1,
+                     (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_cand)
 
 
 @triton.jit
 def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_ptr, len_ptr,
                    HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, PAIR: tl.constexpr, SPAN: tl.constexpr,
-                   TILE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program = one SPAN of a row's columns (whole chunks); the row's last program to finish (an
-    atomic counter) selects. When the row's candidates fit the slots, every program copies its span's
-    candidate columns from the bitmask into the slots, at the offset the chunks before it give
-    (``_bits_to_slots``), and the last one selects among them (``_select_from_slots``). When they do not
-    (the row is flagged), every program writes its span's share of the tie path, or copies its span's keys
-    > T into the slots for the last one to select among (the tie path's code with no ties wanted), or the
-    program of span 0 runs the whole-row radix select (the plan decides). Every program reads the row's
-    candidate count first; the last one resets it and the counter for the next call."""
+                   SLOTS: tl.constexpr, LOG_C: tl.constexpr, BITMASK: tl.constexpr, PAIR: tl.constexpr,
+                   SPAN: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program = one SPAN of a row's columns (whole chunks). Every program reads the row's candidate
+    count first.
+
+    When the candidates fit the slots: BITMASK, every program copies its span's candidate columns from
+    the bitmask into the slots, at the offset the chunks before it give (``_bits_to_slots``), and the
+    row's last program to finish (an atomic counter) selects among them (``_select_from_ids``); else the
+    program of span 0 selects among the runs at once (``_select_from_runs``) and the others return.
+    When they do not (the row is flagged), every program writes its span's share of the tie path, or
+    copies its span's keys > T into the slots for the row's last program to select among (flag 3), or
+    the program of span 0 runs the whole-row radix select (the plan decides). The program that selects
+    last resets the row's candidate count (and the counter) for the next call: the others have read it."""
     _after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     WB: tl.constexpr = SPAN // 32 if SPAN // 32 < 2048 else 2048  # bitmask words per block of _bits_to_slots
@@ -373,38 +436,55 @@ def _select_kernel(scores, stride_r, out, cand, work, sync, N, W, k_scalar, k_pt
     work_row = _work_row(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
     out_row = out + r.to(tl.int64) * W
-    bits_row = cand + r.to(tl.int64) * (n_words + SLOTS)
-    slots_row = bits_row + n_words
     row = scores + r.to(tl.int64) * stride_r
+    if BITMASK:
+        bits_row = cand + r.to(tl.int64) * (n_words + SLOTS)
+        slots_row = bits_row + n_words
+    else:
+        slots_row = cand + r.to(tl.int64) * SLOTS
     total = tl.load(sync_row + CNT)
     flag = tl.zeros([], tl.int32)
-    if total <= SLOTS:  # this span's candidates into the slots, after those of the chunks before it
-        ci = tl.arange(0, C_PAD)
-        n = (tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
-             + tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0))
-        first = f * (SPAN // CHUNK)  # the span's first chunk
-        if tl.sum(tl.where((ci >= first) & (ci < first + SPAN // CHUNK), n, 0), axis=0) > 0:
+    if total <= SLOTS:
+        if BITMASK:  # this span's candidates into the slots, after those of the chunks before it
+            ci = tl.arange(0, C_PAD)
+            n = (tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
+                 + tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0))
             _bits_to_slots(bits_row + f * (SPAN // 32), tl.minimum(n_words - f * (SPAN // 32), SPAN // 32),
-                           slots_row + tl.sum(tl.where(ci < first, n, 0), axis=0), f * SPAN, WB)
+                           slots_row + tl.sum(tl.where(ci < f * (SPAN // CHUNK), n, 0), axis=0), f * SPAN, WB)
+        elif f == 0:  # the runs: select at once, no waiting for the others
+            tl.store(work_row + FLAG, 0)
+            _select_from_runs(slots_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS, C_PAD, PAIR,
+                              BLOCK)
+            tl.debug_barrier()  # every thread has read the count
+            tl.store(sync_row + CNT, 0)
     else:  # the candidates overflowed the slots: the fallback, spread over the row's programs
         te, need, flag, above, ties = _plan_tie_path(work_row, k, C, SLOTS, C_PAD)
         if flag == 2:
             _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN, TILE, CHUNK, C_PAD)
-        elif flag == 3:  # every key > T, none == T: into the slots, for the last program
-            _tie_path_span(row, length, te, 0, above, ties, slots_row, f, SLOTS, SPAN, TILE, CHUNK, C_PAD)
-            total = k - need  # (the keys > T)
+        elif flag == 3:  # every key > T into the slots, for the row's last program
+            total = k - need
+            if BITMASK:  # (the tie path's code with no ties wanted: ascending ids)
+                _tie_path_span(row, length, te, 0, above, ties, slots_row, f, SLOTS, SPAN, TILE, CHUNK, C_PAD)
+            else:
+                _above_to_slots(row, length, te, above, slots_row, work_row, sync_row, f, SPAN, TILE, CHUNK, C_PAD)
         elif f == 0:
             _radix_select_row(row, length, k, out_row, W, BLOCK)
         if (f == 0) & (flag == 2):
             _pad(out_row, k, W, BLOCK)  # (the tie path writes exactly k ids)
-    tl.debug_barrier()  # every thread's reads of the counts and writes to the slots are done
-    if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
-        tl.store(sync_row, 0)
-        tl.store(sync_row + CNT, 0)
-        tl.store(work_row + FLAG, flag)
-        if (flag == 0) | (flag == 3):
-            _select_from_slots(row, slots_row, work_row, sync_row, out_row, total, k, W, G, SLOTS, C_PAD, PAIR,
-                               BLOCK)
+    if BITMASK | (total > SLOTS) | (flag == 3):  # (flag 3: total is now the keys > T)
+        tl.debug_barrier()  # every thread's reads of the counts and writes to the slots are done
+        if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
+            tl.store(sync_row, 0)
+            tl.store(sync_row + CNT, 0)
+            tl.store(sync_row + CNT2, 0)
+            tl.store(work_row + FLAG, flag)
+            if (flag == 0) | (flag == 3):
+                if BITMASK:
+                    _select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G, SLOTS, C_PAD,
+                                     PAIR, BLOCK)
+                else:
+                    _select_from_runs(slots_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS,
+                                      C_PAD, PAIR, BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,10 +540,11 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
 
     ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
-    2 = tie path, 3 = exact select on the keys above the threshold, marked again, 1 = whole-row radix
-    select) and on the long-row path the per-chunk counts of keys ``above`` the threshold and equal to it
-    (``ties``; their sum is the chunk's candidates), the ``threshold`` keys and the candidates' bitmask
-    (``bits``), valid after the launches ran.
+    2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
+    select) and on the long-row path the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
+    equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
+    ``slots``, and the bitmask (``bits``) or each chunk's run (``counts``, ``run_starts``), valid after
+    the launches ran.
     """
     R, N = scores.shape
     W = out.shape[1]
@@ -498,14 +579,18 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
 
     sync = _sync_buffer(device, R)
     work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
-    n_words = C * (chunk // 32)
-    cand = torch.empty((R, n_words + p["slots"]), dtype=torch.int32, device=device)
-    c_pad = 1 << log_c
-    stats.update(above=work[:, HEAD.value:HEAD.value + C], ties=work[:, HEAD.value + c_pad:HEAD.value + c_pad + C],
-                 threshold=work[:, T_.value], flags=work[:, FLAG.value], bits=cand[:, :n_words],
-                 slots=cand[:, n_words:])
+    bitmask = R * C >= TUNING["bitmask_programs"]
+    n_words = C * (chunk // 32) if bitmask else 0
+    cand = torch.empty((R, n_words + p["slots"]), dtype=torch.int32 if bitmask else torch.int64, device=device)
+    head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: kernels/topk_common.py)
+    stats.update(above=work[:, head[0]:head[0] + C], ties=work[:, head[1]:head[1] + C], threshold=work[:, T_.value],
+                 flags=work[:, FLAG.value], bitmask=bitmask, slots=cand[:, n_words:])
+    if bitmask:
+        stats["bits"] = cand[:, :n_words]
+    else:
+        stats.update(counts=work[:, head[2]:head[2] + C], run_starts=work[:, head[3]:head[3] + C])
     rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
-    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c)
+    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BITMASK=bitmask)
     tile = max(chunk, min(TUNING["tie_tile"], p["n_pad"]))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
     span = triton.cdiv(triton.cdiv(N, spans), tile) * tile  # (whole tiles, so whole chunks and bitmask words)
@@ -629,16 +714,18 @@ AOT_VARIANTS = [
                   work="*i32", sync="*i32", **AOT_PTRS)
       for f, g, c, nw, lc in zip(AOT_FLAGS * 2, (4096, 8192) * 2, (4, 7) * 2, (16, 8) * 2, (True, True, False, False),
                                  strict=True)],
-    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, REVERSE=rv), {"num_warps": nw},
-                  cand="*i32", work="*i32", sync="*i32", **AOT_PTRS)
-      for f, g, ch, c, nw, rv in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096), (5, 7, 3, 5),
-                                     (4, 8, 16, 8), (True, False, True, False), strict=True)],
-    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, PAIR=pr, SPAN=sp, TILE=tl_,
-                                       BLOCK=1024), {"num_warps": nw}, cand="*i32", work="*i32", sync="*i32",
-                  **AOT_PTRS)
-      for f, g, ch, c, nw, pr, sp, tl_ in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
-                                              (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128),
-                                              (16384, 2048, 65536, 8192), (8192, 2048, 8192, 8192), strict=True)],
+    *[aot_variant(_candidates_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BITMASK=bm, REVERSE=rv),
+                  {"num_warps": nw}, cand="*i32" if bm else "*i64", work="*i32", sync="*i32", **AOT_PTRS)
+      for f, g, ch, c, nw, rv, bm in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                         (5, 7, 3, 5), (4, 8, 16, 8), (True, False, True, False),
+                                         (True, False, False, True), strict=True)],
+    *[aot_variant(_select_kernel, dict(**f, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BITMASK=bm, PAIR=pr, SPAN=sp, TILE=tl_,
+                                       BLOCK=1024), {"num_warps": nw}, cand="*i32" if bm else "*i64", work="*i32",
+                  sync="*i32", **AOT_PTRS)
+      for f, g, ch, c, nw, pr, sp, tl_, bm in zip(AOT_FLAGS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                                  (5, 7, 3, 5), (16, 8, 16, 16), (0, 128, 128, 128),
+                                                  (16384, 2048, 65536, 8192), (8192, 2048, 8192, 8192),
+                                                  (True, False, True, False), strict=True)],
     aot_variant(_register_row_kernel, dict(HAS_K=False, HAS_LEN=False, N_PAD=1024, G=256, SLOTS=256, PAIR=0,
                                            BLOCK_OUT=16), {"num_warps": 4}, scratch="*i32", flags="*i32",
                 **{**AOT_PTRS, "scores": "*bf16"}),

@@ -14,21 +14,23 @@ import triton.language as tl
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
 #   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 3 the keys > T in
 #   the slots / 1 whole-row radix;
-#   then from HEAD, with C_PAD = 2**LOG_C: keys > T per chunk | keys == T per chunk (C_PAD each: the
-#   candidates per chunk are their sum; they plan the tie path of a row whose candidates do not fit) |
-#   the G delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs' own
-#   thresholds: ``_local_threshold``).
-# ``cand`` (int32, fresh each call), one row per score row: the row's candidates as a bitmask, bit j % 32
-#   of word j // 32 for column j (``_bitmask_words``; C * CHUNK / 32 words), then SLOTS slots for the
-#   candidates' columns.
+#   then from HEAD, with C_PAD = 2**LOG_C: keys > T per chunk | keys == T per chunk (their sum: the chunk's
+#   candidates; they give the bitmask mode's offsets and plan the tie path of a row whose candidates do
+#   not fit) | the runs mode's candidates per chunk | and each chunk's first slot (C_PAD each) | the G
+#   delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs' own thresholds:
+#   ``_local_threshold``).
+# ``cand``, fresh each call, one row per score row: the runs mode's SLOTS slots (int64, ``key << 32 | id``
+#   in runs), or the bitmask mode's bitmask (bit j % 32 of word j // 32 for column j: C * CHUNK / 32 int32
+#   words, ``_bitmask_words``) then its SLOTS slots (int32 columns, ascending).
 # ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
 #   [0] the row's program counter ("last program of the row": the delegates launch, then the select
-#   launch on a row that overflowed), [MEMBERS] the select program's counter of the keys in its crossing
-#   bin, [DHIST, DHIST + 256) the histogram of the top 8 bits of the row's delegates (then of the select
-#   program's slots), [CNT] the row's candidates; [TMAX] the row max as the unsigned maximum of the
-#   unsigned-order keys (zero is its identity: the buffer stays zeroed).
+#   launch), [MEMBERS] the select program's counter of the keys in its crossing bin, [DHIST, DHIST + 256)
+#   the histogram of the top 8 bits of the row's delegates (then of the select program's slots), [CNT] the
+#   row's candidates (the runs mode's slot allocator), [CNT2] the slot allocator of an overflowing row's
+#   keys above T (runs mode, flag 3); [TMAX] the row max as the unsigned maximum of the unsigned-order
+#   keys (zero is its identity: the buffer stays zeroed).
 T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
-MEMBERS, DHIST, CNT, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260))
+MEMBERS, DHIST, CNT, CNT2, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261))
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -287,18 +289,18 @@ def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: 
 def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
     """Row r of the ``work`` buffer (layout above)."""
     C_PAD: tl.constexpr = 1 << LOG_C
-    return work + r.to(tl.int64) * (HEAD + 2 * C_PAD + G + PAIR_SCRATCH)
+    return work + r.to(tl.int64) * (HEAD + 4 * C_PAD + G + PAIR_SCRATCH)
 
 
 @triton.jit
 def _delegates_of(work_row, C_PAD: tl.constexpr):
     """Where a row's G delegates sit in its ``work`` row."""
-    return work_row + HEAD + 2 * C_PAD
+    return work_row + HEAD + 4 * C_PAD
 
 
 def work_width(c_pad: int, G: int) -> int:
     """Ints per row of the ``work`` buffer (layout above; as ``_work_row``)."""
-    return HEAD.value + 2 * c_pad + G + PAIR_SCRATCH.value
+    return HEAD.value + 4 * c_pad + G + PAIR_SCRATCH.value
 
 
 def aot_variant(kernel, constexprs, options=None, **types):

@@ -9,8 +9,9 @@ share (the *tie path*, ``_tie_path_span``), reading only the chunks that hold so
 plateau's answer is its first k ties: the rest of the row is never read again). (``T`` is the k-th
 delegate cut to 16 bits, or exact when many delegates share those bits, so that plateaus at any value
 have their ties at ``T``.) Rows with k or more keys above ``T`` (scores of a few distinct values, whose
-top value has more keys than delegates) copy those keys into the slots when they fit (the tie path's
-code with no ties wanted), and the row's last select program selects among them; when they do not
+top value has more keys than delegates) copy those keys into the slots when they fit (the runs mode:
+``_above_to_slots``; the bitmask mode: the tie path's code with no ties wanted), and the row's last
+select program selects among them; when they do not
 (e.g. a period of G), the row takes the whole-row radix select (``_radix_select_row``: one program per
 row, slow). Used by ``kernels/topk.py``."""
 
@@ -22,6 +23,7 @@ import triton.language as tl
 from sparse_ref.kernels.topk_common import (
     AOT_FLAGS,
     AOT_PTRS,
+    CNT2,
     HEAD,
     T_,
     _keys,
@@ -128,6 +130,30 @@ def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.c
         key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
         _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
                               W)
+
+
+@triton.jit
+def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPAN: tl.constexpr, TILE: tl.constexpr,
+                    CHUNK: tl.constexpr, C_PAD: tl.constexpr):
+    """Span f of an overflowing row whose keys > T fit the slots (flag 3, runs mode): copy them into the slots
+    as the candidates launch copies its candidates (each tile a run of slots from the row's second slot
+    counter, ascending ids; every chunk's count and first slot), so that the row's last program can
+    select among them. Chunks without keys > T get empty runs and are not read."""
+    c = tl.arange(0, C_PAD)
+    start = c * CHUNK  # each chunk's first column
+    tl.store(work_row + HEAD + 2 * C_PAD + c, 0, mask=(start >= f * SPAN) & (start < (f + 1) * SPAN))
+    tl.debug_barrier()  # (the tiles below overwrite some of these zeros)
+    lo, hi = _busy_columns(above > 0, f, length, SPAN, CHUNK, C_PAD)
+    for t0 in range(lo, hi, TILE):
+        offs = t0 + tl.arange(0, TILE)
+        key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
+        is_above = key > te
+        n_in = tl.where((start >= t0) & (start < t0 + TILE) & (start < hi), above, 0)  # the tile's chunks
+        base = tl.atomic_add(sync_row + CNT2, tl.sum(n_in, axis=0), sem="relaxed")
+        tl.store(work_row + HEAD + 2 * C_PAD + c, n_in, mask=n_in > 0)
+        tl.store(work_row + HEAD + 3 * C_PAD + c, base + tl.cumsum(n_in, axis=0) - n_in, mask=n_in > 0)
+        tl.store(cand_row + base + tl.cumsum(is_above.to(tl.int32), axis=0) - 1,
+                 (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_above)
 
 
 @triton.jit

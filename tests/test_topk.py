@@ -1,10 +1,12 @@
 """The Triton top-k (kernels/topk.py) against ``topk_reference`` on awkward and adversarial inputs.
 
 The paths are tested separately, forced at interpreter sizes through ``TUNING``:
-``register`` (one program per row, row in registers), ``long`` (delegates -> candidates copied to the
-row's slots -> one program per row selects among them; several programs per row in the first two launches),
-``fallback`` (the slot tensor shrunk so that every row overflows and the device-side fallback runs:
-the tie path or the exact radix select over the whole row) and ``register_fallback``. The ``gpu``
+``register`` (one program per row, row in registers), ``long`` (delegates -> candidates copied to runs of
+the row's slots -> the program of span 0 selects among them), ``bitmask`` (the same with the candidates
+marked in a bitmask that the select programs copy into the slots, for the row's last one to select),
+``fallback`` and ``bitmask_fallback`` (the slot tensor shrunk so that every row overflows and the
+device-side fallback runs: the tie path or the exact radix select over the whole row) and
+``register_fallback``. The ``gpu``
 tests run realistic sizes and CUDA-graph replays.
 """
 
@@ -30,6 +32,9 @@ PATHS = {
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
     "register_fallback": {"slots": 2},
+    "bitmask": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "bitmask_programs": 0},
+    "bitmask_fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
+                         "bitmask_programs": 0},
 }
 
 
@@ -294,13 +299,15 @@ def test_tie_path_across_chunks(monkeypatch, tile, programs):
 
 
 
+@pytest.mark.parametrize("bitmask", [0, 10**9])  # bitmask_programs: the bitmask mode, the runs mode
 @pytest.mark.parametrize("tile, programs", [(64, 256), (256, 8)])  # 4 rows: 2 spans of 1024 (4 tiles) per row
-def test_keys_above_threshold_selected_again(monkeypatch, tile, programs):
+def test_keys_above_threshold_selected_again(monkeypatch, tile, programs, bitmask):
     """Rows of a few distinct values can overflow the slots with k or more keys above T (the top value
     holds more keys than delegates). When those keys fit the slots (flag 3), the row's select programs
     copy them there and its last program selects among them with the threshold T + 1; when they do not,
     the whole-row radix select (flag 1)."""
-    for name, value in {**PATHS["long"], "slots": 128, "tie_tile": tile, "select_programs": programs}.items():
+    for name, value in {**PATHS["long"], "slots": 128, "tie_tile": tile, "select_programs": programs,
+                        "bitmask_programs": bitmask}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     g = torch.Generator().manual_seed(21)
     x = torch.randn(4, 2000, generator=g).clamp(max=1.0)  # G = 256 delegates: 8 strided rows of 256 columns
@@ -323,7 +330,7 @@ def test_keys_above_threshold_selected_again(monkeypatch, tile, programs):
 
 
 @pytest.mark.parametrize("pair_rank", [0, 32])
-@pytest.mark.parametrize("knobs", [PATHS["register"], PATHS["long"]])
+@pytest.mark.parametrize("knobs", [PATHS["register"], PATHS["long"], PATHS["bitmask"]])
 def test_pairwise_rank(monkeypatch, knobs, pair_rank):
     """TUNING["pair_rank"]: the exact k-th key by a pairwise rank after two radix rounds (few keys share
     its top 16 bits), or by the last two rounds when too many do (ties); 0: four radix rounds."""
@@ -385,6 +392,41 @@ def test_long_path_runs_wider_than_a_tile(monkeypatch):
     check(x, 50, torch.tensor([1000, 950, 37], device=DEVICE), order="score")
 
 
+@pytest.mark.parametrize("shuffle", [None, 1, 2])
+def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
+    """On a GPU the chunks of a row take their runs of slots in whatever order their atomic adds land; the
+    interpreter runs programs in order. Reorder the runs between the candidates and the select launch
+    (slots and run starts; reversed, or a random order per row): the select launch must still place every
+    winner exactly."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    g = torch.Generator().manual_seed(shuffle or 0)
+    x = long_path_rows(1500, 20, seed=shuffle or 0)
+    out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
+    stats: dict = {}
+    steps = topk_module.launches(x, 20, None, None, out, stats)
+    assert [name for name, _ in steps] == ["delegates", "candidates", "select"]
+    for _, fn in steps[:2]:
+        fn()
+    slots, starts, counts = stats["slots"], stats["run_starts"], stats["counts"]
+    before = starts.clone()
+    for r in range(x.shape[0]):
+        runs = [slots[r, int(b):int(b) + int(n)].clone() for b, n in zip(starts[r], counts[r], strict=True)]
+        if sum(int(n) for n in counts[r]) > slots.shape[1]:
+            continue  # (an overflowing row keeps its runs: it takes the fallback)
+        pos = 0
+        order = reversed(range(len(runs))) if shuffle is None else torch.randperm(len(runs), generator=g).tolist()
+        for c in order:  # reversed: the last chunk's run first
+            slots[r, pos:pos + runs[c].numel()] = runs[c]
+            starts[r, c] = pos
+            pos += runs[c].numel()
+    assert (starts != before).any(dim=1).sum() >= 5  # most rows now hold their runs in another order
+    for _, fn in steps[2:]:
+        fn()
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
+    assert not topk_module._SYNC[str(x.device)].any()
+
+
 def bitmask_columns(words: torch.Tensor) -> torch.Tensor:
     """The columns whose bits are set in int32 words (bit j % 32 of word j // 32), ascending."""
     bits = (words.long()[:, None] >> torch.arange(32)) & 1
@@ -394,7 +436,7 @@ def bitmask_columns(words: torch.Tensor) -> torch.Tensor:
 def test_candidates_bitmask(monkeypatch):
     """The candidates launch marks exactly the keys >= T of every row (NaN, -inf and columns past the
     length never), and its per-chunk counts of keys > T and == T match the row."""
-    for name, value in PATHS["long"].items():
+    for name, value in PATHS["bitmask"].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = long_path_rows(1500, 20, seed=3).cpu()
     x[4, 1000:1300] = x[4, 17]  # a plateau straddling chunks

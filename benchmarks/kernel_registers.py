@@ -23,12 +23,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from sparse_ref.kernels import topk  # noqa: E402
 
 POINTERS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64", cand="*i32", work="*i32", sync="*i32")
-SHAPE = dict(HAS_K=False, HAS_LEN=False, G=4096, LOG_C=5, BITMASK=True)  # 64 x 65536, k=2048: 32 chunks of 2048
+SHAPE = dict(HAS_K=False, HAS_LEN=False, G=4096, LOG_C=5)  # 64 x 65536, k=2048: G = 4096, 32 chunks of 2048
 KERNELS = [  # (kernel, its other constexprs, num_warps as the launcher's defaults)
     (topk._delegates_kernel, dict(COLS=1024, ROWS=8, LOCAL=True), topk.TUNING["delegate_warps"]),
-    (topk._candidates_kernel, dict(CHUNK=2048, SLOTS=4096, REVERSE=True), topk.TUNING["candidate_warps"]),
-    (topk._select_kernel, dict(CHUNK=2048, SLOTS=4096, PAIR=128, SPAN=16384, TILE=topk.TUNING["tie_tile"], BLOCK=1024),
-     topk.TUNING["select_warps"]),
+    (topk._candidates_kernel, dict(CHUNK=2048, SLOTS=4096, BITMASK=True, REVERSE=True), topk.TUNING["candidate_warps"]),
+    (topk._select_kernel, dict(CHUNK=2048, SLOTS=4096, BITMASK=True, PAIR=128, SPAN=16384,
+                               TILE=topk.TUNING["tie_tile"], BLOCK=1024), topk.TUNING["select_warps"]),
 ]
 
 

@@ -20,16 +20,23 @@ The design, in five steps:
    own delegates and its share ``ceil(k / S)`` of k instead, and T is the highest of those that k
    delegates reach: no histogram round over the G delegates waits at the end.
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
-   k-th key ``t``. Long rows: every chunk program takes a run of the row's slots (one atomic add),
-   copies its candidates there (key and id, ascending id) and stores how many of its keys are > T
-   and == T (for the fallback). Then one program per row loads the slots, bins them in a 256-bin
-   histogram over ``[T, row max]`` (atomic adds into a zeroed histogram in memory), walks it to the
-   bin holding the k-th key, ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get
-   ``t``, and stores every ``key > t`` plus the first ``key == t`` (ties to the lower id) at its place
-   in id order: the winners of the chunks before its chunk plus
-   those before it in its run (one prefix sum over the slots). Ascending ids, no sort. Register
-   rows run radix rounds on their slots instead (and make ``T`` exact when their 16-bit ``T`` lets
-   more keys through than the slots hold: values packed within a few percent share their top 16 bits).
+   k-th key ``t``. Long rows: every chunk program counts its keys > T and == T and adds its candidates
+   to the row's count (one atomic add). Then the candidates reach the row's slots in one of two modes,
+   chosen by the number of chunk programs (``TUNING["bitmask_programs"]``). **Runs** (few rows: the
+   chunk programs are few, and whatever they do costs little): each chunk copies its candidates (key
+   and id, ascending id) to the run of slots its atomic add returned, and the select launch's first
+   program per row selects among them at once. **Bitmask** (many rows, where the per-chunk prefix sum and
+   scattered stores cost 7-28 µs): each chunk only marks them in the row's bitmask (a dense store), the
+   select launch's programs each copy their span's set bits into the slots at the offset the chunk counts
+   give (``_bits_to_slots``: ascending ids, a store per candidate, no prefix sum over the columns), and
+   the row's last program selects. Either way the selecting program bins the slots' keys in a 256-bin
+   histogram over ``[T, row max]`` (atomic adds into a zeroed histogram in memory), walks it to the bin
+   holding the k-th key, ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``,
+   and stores every ``key > t`` plus the first ``key == t`` (ties to the lower id) at its place in id
+   order (one prefix sum over the slots; the runs mode corrects for the order the runs landed in).
+   Ascending ids, no sort. Register rows run radix rounds on their slots instead (and make ``T`` exact
+   when their 16-bit ``T`` lets more keys through than the slots hold: values packed within a few
+   percent share their top 16 bits).
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``kernels/topk_fallback.py``): the tie path; or, when k or more keys are above ``T`` and
@@ -43,13 +50,14 @@ Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by
 keeps it in registers (one launch; the tie path runs in registers too). Longer rows use three
 launches: delegates (a few programs per row; the last one to finish computes ``T``), candidates (a
 light program per chunk, no serial tail) and select (a few programs per row, ``select_programs`` in
-all: the first writes the row's answer from its slots while the others return at once; on a flagged
-row every program writes its span of the fallback). The selection is a launch of its own so that the
-wide per-chunk pass runs with few warps and the one serial step per row with many; the fallback
-shares the select launch because a launch of its own cost 3-10 µs even when no row needed it.
+all, each a span of the row: in the runs mode the first writes the row's answer while the others return
+at once; in the bitmask mode every one copies its span's candidates and the last one selects; on a
+flagged row every program writes its span of the fallback). The selection is a launch of its own so
+that the wide per-chunk pass runs with few warps and the one serial step per row with many; the
+fallback shares the select launch because a launch of its own cost 3-10 µs even when no row needed it.
 "Last program of the row" is an atomic counter that the last program resets, and the select launch
-resets the row's slot counter, so nothing is read back to the host and the call can be captured in a
-CUDA graph.
+resets the row's candidate count, so nothing is read back to the host and the call can be captured in
+a CUDA graph.
 """
 
 from __future__ import annotations

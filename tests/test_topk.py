@@ -6,8 +6,7 @@ the row's slots -> the program of span 0 selects among them), ``bitmask`` (the s
 marked in a bitmask that the select programs copy into the slots, for the row's last one to select),
 ``fallback`` and ``bitmask_fallback`` (the slot tensor shrunk so that every row overflows and the
 device-side fallback runs: the tie path or the exact radix select over the whole row) and
-``register_fallback``. The ``gpu``
-tests run realistic sizes and CUDA-graph replays.
+``register_fallback``. The ``gpu`` tests run realistic sizes and CUDA-graph replays.
 """
 
 import pytest

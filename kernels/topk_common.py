@@ -16,7 +16,7 @@ import triton.language as tl
 #   the slots / 1 whole-row radix;
 #   then from HEAD, with C_PAD = 2**LOG_C: keys > T per chunk | keys == T per chunk (their sum: the chunk's
 #   candidates; they give the bitmask mode's offsets and plan the tie path of a row whose candidates do
-#   not fit) | the runs mode's candidates per chunk | and each chunk's first slot (C_PAD each) | the G
+#   not fit) | the runs mode's candidates per chunk | the runs mode's first slot per chunk (C_PAD each) | the G
 #   delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs' own thresholds:
 #   ``_local_threshold``).
 # ``cand``, fresh each call, one row per score row: the runs mode's SLOTS slots (int64, ``key << 32 | id``
@@ -175,21 +175,6 @@ def _popcount(word):
     u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
     u = (u + (u >> 4)) & 0x0F0F0F0F
     return ((u * 0x01010101) >> 24).to(tl.int32)
-
-
-@triton.jit
-def _nth_set_bit(word, n):
-    """Position of the n-th set bit (0-based, from bit 0) of each int32 word, for n < its popcount: five
-    halvings, each keeping the low half if it holds more than n set bits, else skipping it."""
-    u = word.to(tl.uint32, bitcast=True)
-    pos = tl.zeros_like(n)
-    for i in tl.static_range(5):
-        low = _popcount((u & ((1 << (16 >> i)) - 1)).to(tl.int32, bitcast=True))
-        up = n >= low
-        n = tl.where(up, n - low, n)
-        u = tl.where(up, u >> (16 >> i), u)
-        pos = tl.where(up, pos + (16 >> i), pos)
-    return pos
 
 
 @triton.jit

@@ -11,9 +11,8 @@ delegate cut to 16 bits, or exact when many delegates share those bits, so that 
 have their ties at ``T``.) Rows with k or more keys above ``T`` (scores of a few distinct values, whose
 top value has more keys than delegates) copy those keys into the slots when they fit (the runs mode:
 ``_above_to_slots``; the bitmask mode: the tie path's code with no ties wanted), and the row's last
-select program selects among them; when they do not
-(e.g. a period of G), the row takes the whole-row radix select (``_radix_select_row``: one program per
-row, slow). Used by ``kernels/topk.py``."""
+select program selects among them; when they do not (e.g. a period of G), the row takes the whole-row
+radix select (``_radix_select_row``: one program per row, slow). Used by ``kernels/topk.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where one top-k kernel spends its time, per line of the package's kernel code, from Nsight Compute.
 
-    python benchmarks/ncu_lines.py --rows 1 --cols 131072 --kernel _select_kernel [--dist randn] [--out DIR]
+    python benchmarks/ncu_lines.py --rows 1 --cols 131072 --kernel _select_kernel [--k 2048] [--dist randn] [--out DIR]
 
 Runs one ``topk`` call under ``ncu`` after a warm-up call that compiles the kernels (warp-state samples at
 the finest interval, per-instruction counters), exports the kernel's SASS with each instruction's stall
@@ -34,7 +34,7 @@ PACKAGE_FILES = re.compile(r"(topk|topk_common|topk_fallback|topk_sort|page_sele
                            r"decode_attention)\.py$")
 
 
-def run_target(rows: int, cols: int, dist: str) -> None:
+def run_target(rows: int, cols: int, dist: str, k: int) -> None:
     """The profiled program: two top-k calls (the first compiles; ncu skips its launches)."""
     import torch
 
@@ -44,7 +44,7 @@ def run_target(rows: int, cols: int, dist: str) -> None:
 
     x = make_distribution(dist, rows, cols, torch.device("cuda"), seed=0)
     for _ in range(2):
-        topk(x, 2048, order="index")
+        topk(x, k, order="index")
     torch.cuda.synchronize()
 
 
@@ -62,7 +62,8 @@ def profile(args) -> tuple[str, str]:
     out = args.out or tempfile.mkdtemp(prefix="ncu_lines_")
     os.makedirs(out, exist_ok=True)
     rep = os.path.join(out, args.kernel)
-    target = [sys.executable, os.path.abspath(__file__), "--target", str(args.rows), str(args.cols), args.dist]
+    target = [sys.executable, os.path.abspath(__file__), "--target", str(args.rows), str(args.cols), args.dist,
+              str(args.k)]
     subprocess.run(["ncu", "--clock-control", "none", "--section", "WarpStateStats", "--section", "SourceCounters",
                     "--warp-sampling-interval", "0", "-k", f"regex:^{args.kernel}$", "--launch-skip", "1",
                     "--launch-count", "1", "-f", "-o", rep, *target], check=True)
@@ -133,13 +134,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--cols", type=int, default=131072)
     ap.add_argument("--dist", default="randn")
+    ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--kernel", default="_select_kernel")
     ap.add_argument("--out", default=None, help="folder for the ncu report and the exports")
     ap.add_argument("--join", nargs=2, metavar=("SASS_CSV", "LINES_TXT"), help="join exports made elsewhere")
-    ap.add_argument("--target", nargs=3, help=argparse.SUPPRESS)  # the profiled program (internal)
+    ap.add_argument("--target", nargs=4, help=argparse.SUPPRESS)  # the profiled program (internal)
     args = ap.parse_args(argv)
     if args.target:
-        run_target(int(args.target[0]), int(args.target[1]), args.target[2])
+        run_target(int(args.target[0]), int(args.target[1]), args.target[2], int(args.target[3]))
         return 0
     sass, lines = args.join if args.join else profile(args)
     join(sass, lines, args.kernel)

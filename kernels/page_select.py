@@ -176,7 +176,7 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     """The selection kernels' shared arguments (scratch and budget table included) and constexprs."""
     bs, max_pages = scores.shape
     device = scores.device
-    n_pad = max(16, triton.next_power_of_2(max_pages))
+    n_pad = max(32, triton.next_power_of_2(max_pages))  # (at least one bitmask word)
     k_max = config.history_budget(max_pages)  # no row keeps more history pages than this
     G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
     slots = min(n_pad, TUNING["slots"] or SLOTS_PER_DELEGATE * G)

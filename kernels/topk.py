@@ -95,11 +95,14 @@ from sparse_ref.kernels.topk_common import (
     T_,
     TMAX,
     _after_previous_launch,
+    _bin_shift,
+    _bins,
     _bitmask_words,
     _bits_to_slots,
     _delegates_of,
     _exact_delegate,
     _keys,
+    _narrow,
     _pad,
     _pairwise_kth,
     _radix_rounds,
@@ -143,14 +146,6 @@ TUNING = {
 }
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
-
-
-@triton.jit
-def _bins(key, T, shift):
-    """A candidate's bin in the select program's histogram: (key - T) >> shift, in [0, 256) for T <= key <=
-    row max (the difference taken as uint32: exact for key >= T, and 32-bit arithmetic; smaller keys,
-    which the caller masks, land in bin 255)."""
-    return tl.minimum((key - T).to(tl.uint32, bitcast=True) >> shift.to(tl.uint32), 255).to(tl.int32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,23 +202,26 @@ def _delegates_kernel(scores, stride_r, work, sync, N, W, k_scalar, k_ptr, len_p
 @triton.jit
 def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
     """T from the programs' own delegates (LOCAL), with no histogram round over the G delegates at the end.
-    Program c finds T_c, the ceil(k / S)-th largest of its delegates cut to 16 bits (exact when many share
-    those bits), and so holds ceil(k / S) delegates >= T_c; the lowest T_c is then reached by at least
-    S * ceil(k / S) >= k delegates, each a row element, so T = the lowest T_c would do. The row's last
-    program takes the highest T_c that k delegates reach instead (one count over the G delegates per T_c):
-    on a sorted row the programs' T_c differ widely and the lowest lets far more keys through; on a row
-    with a cluster of equal values that one program's T_c sits on, T is the cluster's value, so the row
-    keeps its ties at T (the tie path). T_c goes through the row's pair scratch, the row max through an
-    atomic maximum (``TMAX``)."""
+    Program c finds T_c, the lower edge of the bin holding the ceil(k / S)-th largest of its delegates, in
+    histogram rounds over the delegates' own range (``_narrow``: one round on random rows; more, up to the
+    exact value, while over k / 8 too many delegates share the bin). So it holds ceil(k / S) delegates
+    >= T_c, and the lowest T_c is reached by at least S * ceil(k / S) >= k delegates, each a row element:
+    T = the lowest T_c would do. The row's last program takes the highest T_c that k delegates reach
+    instead (one count over the G delegates per T_c): on a sorted row the programs' T_c differ widely and
+    the lowest lets far more keys through; on a row with a cluster of equal values that one program's T_c
+    sits on, T is the cluster's value, so the row keeps its ties at T (the tie path). T_c goes through the
+    row's pair scratch, the row max through an atomic maximum (``TMAX``)."""
     k_c = tl.cdiv(k, S)
-    n_c = tl.sum((acc != -2147483648).to(tl.int32), axis=0)
-    ut, k_rem = _radix_rounds(acc, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k_c, n_c), 1), 0, 2)
-    if tl.sum((acc >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k_c + k_c // 8:  # many share its 16 bits
-        ut = _exact_delegate(acc, ut, k_rem)
+    ok = acc != -2147483648
+    n_c = tl.sum(ok.to(tl.int32), axis=0)
+    top = tl.max(acc, axis=0)
+    lo = tl.min(tl.where(ok, acc, 2147483647), axis=0)
+    tc, _, _, _, _ = _narrow(acc, ok, n_c, tl.maximum(tl.minimum(k_c, n_c), 1), lo, _bin_shift(lo, top), k_c // 8,
+                             True, 4)  # rounds until at most k_c + k_c / 8 delegates reach tc (or tc is exact)
     scratch = delegates + G  # (the pair scratch: free until the select launch)
-    tl.store(scratch + c, tl.where(n_c >= k_c, ut ^ -2147483648, -2147483648))  # (NONE: fewer than k_c here)
+    tl.store(scratch + c, tl.where(n_c >= k_c, tc, -2147483648))  # (NONE: fewer than k_c here)
     tl.atomic_max((sync_row + TMAX).to(tl.pointer_type(tl.uint32)),
-                  (tl.max(acc, axis=0) ^ -2147483648).to(tl.uint32, bitcast=True), sem="relaxed")
+                  (top ^ -2147483648).to(tl.uint32, bitcast=True), sem="relaxed")
     tl.debug_barrier()  # every thread's stores and atomics happen before the counter says "done"
     if tl.atomic_add(sync_row, 1, sem="acq_rel") == S - 1:
         tl.store(sync_row, 0)  # reset the counter and the row max for the next call (CUDA-graph replays)
@@ -268,9 +266,8 @@ def _kth_delegate(h, dkey, k):
 @triton.jit
 def _store_threshold(work_row, T, row_max):
     """Store T and the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
-    span = row_max.to(tl.int64) - T
     tl.store(work_row + T_, T)
-    tl.store(work_row + SHIFT, tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0))
+    tl.store(work_row + SHIFT, _bin_shift(T, row_max))
 
 
 @triton.jit
@@ -524,7 +521,7 @@ def pdl_options(device: torch.device) -> dict:
 
 def plan(R: int, N: int, width: int) -> dict:
     """Launch constants for R rows of N columns and at most ``width`` winners (see TUNING)."""
-    n_pad = max(16, triton.next_power_of_2(N))
+    n_pad = max(32, triton.next_power_of_2(N))  # (at least one bitmask word)
     G = max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * width, 1)))
     register = N <= TUNING["register_row"]
     if register:

@@ -178,25 +178,93 @@ def _popcount(word):
 
 
 @triton.jit
+def _words_to_slots(word, w, done, dst, col0):
+    """Store the columns of the set bits of the bitmask words ``word`` (bit i of word w is column
+    ``col0 + 32 w + i``) at dst[done:], ascending; returns ``done`` plus how many. One prefix sum over the
+    words' bit counts gives each word its first slot; then round j stores every word's j-th set bit (its
+    lowest, which the round then clears) at that slot + j, for as many rounds as the fullest word has bits
+    (a few on random rows). No prefix sum over the columns and no search: a store per set bit."""
+    count = _popcount(word)
+    first = done + tl.cumsum(count, axis=0) - count  # the slot of each word's lowest set bit
+    for j in range(0, tl.max(count, axis=0)):
+        low = word & -word  # the lowest set bit (two's complement; bit 31 is -2**31, and -(-2**31) wraps to it)
+        tl.store(dst + first + j, col0 + w * 32 + _popcount(low - 1), mask=j < count)  # (bits below it)
+        word = word ^ low
+    return done + tl.sum(count, axis=0)
+
+
+@triton.jit
 def _bits_to_slots(words, n_words, dst, col0, WB: tl.constexpr):
-    """Store the columns of the set bits of ``n_words`` bitmask words (bit 0 of the first word is column
-    ``col0``) at dst[0:], ascending; returns how many. Blocks of WB words: one prefix sum over the words'
-    bit counts gives each word its first slot; then round j stores every word's j-th set bit (its lowest
-    one, which the round then clears) at that slot + j, for as many rounds as the block's fullest word
-    has bits (a few on random rows). No prefix sum over the columns and no search: a store per set bit.
-    The loads go past L1 (.cg): the previous launch wrote the words."""
+    """Store the columns of the set bits of ``n_words`` bitmask words in memory (bit 0 of the first word is
+    column ``col0``) at dst[0:], ascending; returns how many. Blocks of WB words (``_words_to_slots``). The
+    loads go past L1 (.cg): the previous launch wrote the words."""
     done = tl.zeros([], tl.int32)
     for w0 in range(0, n_words, WB):
         w = w0 + tl.arange(0, WB)
-        word = tl.load(words + w, mask=w < n_words, other=0, cache_modifier=".cg")
-        count = _popcount(word)
-        first = done + tl.cumsum(count, axis=0) - count  # the slot of each word's lowest set bit
-        for j in range(0, tl.max(count, axis=0)):
-            low = word & -word  # the lowest set bit (two's complement; bit 31 is -2**31, and -(-2**31) wraps to it)
-            tl.store(dst + first + j, col0 + w * 32 + _popcount(low - 1), mask=j < count)  # (bits below it)
-            word = word ^ low
-        done += tl.sum(count, axis=0)
+        done = _words_to_slots(tl.load(words + w, mask=w < n_words, other=0, cache_modifier=".cg"), w, done, dst,
+                               col0)
     return done
+
+
+@triton.jit
+def _bins(key, lo, shift):
+    """A key's bin among 256 bins of width 2**shift from ``lo``: (key - lo) >> shift, in [0, 256) for lo <= key
+    < lo + 256 << shift (the difference taken as uint32: exact for key >= lo, in 32-bit arithmetic; smaller
+    keys, which callers mask, land in bin 255)."""
+    return tl.minimum((key - lo).to(tl.uint32, bitcast=True) >> shift.to(tl.uint32), 255).to(tl.int32)
+
+
+@triton.jit
+def _bin_shift(lo, hi):
+    """The smallest ``shift`` whose 256 bins of width 2**shift from ``lo`` cover the keys [lo, hi]."""
+    span = hi.to(tl.int64) - lo.to(tl.int64)
+    return tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _narrow(key, member, m, k_rem, lo, shift, limit, EXCESS: tl.constexpr, ROUNDS: tl.constexpr):
+    """Up to ROUNDS histogram rounds in a shrinking window toward the k_rem-th largest of the ``member``
+    keys (``m`` of them), all in [lo, lo + 256 << shift). A round bins them (``_bins``), walks the histogram
+    from the top to the bin holding the k_rem-th, keeps that bin's keys and narrows the window to it (the
+    next round's bins are 256 times finer). It stops once the bin holds at most ``limit`` keys (EXCESS: at
+    most ``limit`` more than the k_rem it must give) or a single key value (after a round at shift 0).
+
+    Unlike radix rounds on fixed bit positions, the window is the keys' own range: on random, sorted or
+    tightly packed values (page scores within ~2%) one round already leaves a handful of keys per bin.
+    Returns ``(lo, member, m, k_rem, shift)``: the bin's lower edge (at least the original k_rem keys are
+    >= it), its keys, their count, how many of them the k-th takes, and the next round's shift (-1: ``lo``
+    is the k-th key itself)."""
+    for _ in tl.static_range(ROUNDS):
+        over = m - k_rem if EXCESS else m
+        if (shift >= 0) & (over > limit):
+            b = _bins(key, lo, shift)
+            d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
+            member = member & (b == d)
+            m = tl.sum(member.to(tl.int32), axis=0)
+            lo = (lo.to(tl.int64) + (d.to(tl.int64) << shift.to(tl.int64))).to(tl.int32)
+            shift = tl.where(shift == 0, -1, tl.maximum(shift - 8, 0))
+    return lo, member, m, k_rem, shift
+
+
+@triton.jit
+def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, PAIR: tl.constexpr):
+    """Store the ids (in the order of ``ids``: ascending) of the k largest of the ``count`` candidate keys
+    (the others are NONE), all in [lo, hi], at out_row[base:]; ties to the lower id. Returns how many:
+    min(k, count). The exact k-th key ``t``: window rounds (``_narrow``) until its bin holds at most PAIR
+    keys, which are then ranked pairwise (``scratch``: PAIR free int32), or a single key value."""
+    k_eff = tl.minimum(k, count)
+    ok = key != -2147483648
+    t, member, m, ties, shift = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, _bin_shift(lo, hi), PAIR, False,
+                                        4)
+    if PAIR > 0:
+        if m <= PAIR:  # rank the bin's keys pairwise (when the rounds ran to one value, this finds it again)
+            tl.debug_barrier()  # the caller's reads of scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            t, ties = _pairwise_kth(scratch, m, ties, PAIR)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    return k_eff
 
 
 @triton.jit
@@ -208,35 +276,41 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
 
     Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
     the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
-    them. T is first the k-th delegate with its low 16 bits cleared (two radix rounds over the
-    delegates). Values packed in a narrow range (Quest page scores: a spread of ~2%) share their top 16
-    bits, so that lets hundreds of keys through; then T becomes the exact k-th delegate Te
-    (``_exact_delegate``: radix rounds 3-4 over the G delegates, not over the row). Only when even that overflows (ties,
-    rows that defeat the delegates): keys > Te plus the lowest-id ties == Te when that is the answer
-    (fewer than k keys > Te), else the whole row.
+    them. T is the lower edge of the bin holding the k-th delegate, in one histogram round over the
+    delegates' own range (``_narrow``); when that lets more keys through than the slots hold, more rounds
+    make T the exact k-th delegate Te. The candidates reach the slots through a bitmask (a word per 32
+    columns, ``_words_to_slots``: no prefix sum over the row), and the exact k-th candidate comes from
+    window rounds over [T, row max] and a pairwise rank (``_write_top_in_window``). Only when even Te
+    overflows (ties, rows that defeat the delegates): keys > Te plus the lowest-id ties == Te when that is
+    the answer (fewer than k keys > Te), else the whole row.
     """
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
     key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
     dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
-    n_valid = tl.sum((dkey != -2147483648).to(tl.int32), axis=0)
+    dok = dkey != -2147483648
+    n_valid = tl.sum(dok.to(tl.int32), axis=0)
     usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
-    ut, k_rem = _radix_rounds(dkey, tl.zeros([], tl.int32), tl.maximum(tl.minimum(k, n_valid), 1), 0, 2)
-    T = tl.where(usable, ut ^ -2147483648, -2147483648)  # the k-th delegate, low 16 bits cleared
+    top = tl.max(dkey, axis=0)  # the row max
+    dlo = tl.min(tl.where(dok, dkey, 2147483647), axis=0)
+    T, dmember, dm, k_rem, shift = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo,
+                                           _bin_shift(dlo, top), -1, True, 1)  # one round: its bin's lower edge
+    T = tl.where(usable, T, -2147483648)
     T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
-    if usable & (count > SLOTS):  # too many through 16 bits: T = Te, the exact k-th delegate (rounds 3-4)
-        T = _exact_delegate(dkey, ut, k_rem) ^ -2147483648
+    if usable & (count > SLOTS):  # too many through the bin's edge: T = Te, the exact k-th delegate
+        T, dmember, dm, k_rem, shift = _narrow(dkey, dmember, dm, k_rem, T, shift, -1, True, 3)
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)
-    if count <= SLOTS:  # compact the candidates (ids ascending) through the scratch row
-        tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, j, mask=cand)
+    if count <= SLOTS:  # the candidates' ids, ascending, into the scratch row (a bitmask word per 32 columns)
+        _words_to_slots(_bitmask_words(cand, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32),
+                        scratch_row, 0)
         tl.debug_barrier()
         s = tl.arange(0, SLOTS)
         ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
         skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
-        k_eff = _write_winners(skey, ids, k, out_row, base, W, scratch_row, PAIR)
+        k_eff = _write_top_in_window(skey, ids, count, k, T, top, out_row, base, W, scratch_row, PAIR)
     else:  # overflow even at T = Te (or fewer than k delegates)
         above = tl.sum((key > T).to(tl.int32), axis=0)
         if usable & (above < k):  # the k-th key is Te: keys > Te plus the first k - above keys == Te

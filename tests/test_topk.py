@@ -186,7 +186,7 @@ def test_local_threshold(monkeypatch):
     x = make_scores(8, 1000, seed=21, device="cpu")  # rows 4-7: random (built on the CPU, then moved)
     x[0] = x[0] / 10
     x[0, torch.tensor([1, 2, 3, 4, 33, 34])] = torch.tensor([10.0, 9, 8, 7, 6, 5.5])  # program 0's delegates
-    # 1-4, program 1's 5-6: T_c = 9.0 and 5.5; 2 delegates reach 9.0, 6 reach 5.5: T = 5.5, below the 5th (6.0)
+    # 1-4, program 1's 5-6: T_c at most 9.0 and 5.5 (the edges of their bins); T at most 5.5, below the 5th (6.0)
     program_0_1 = (torch.arange(0, 1000, 128)[:, None] + torch.arange(0, 64)[None, :]).flatten()
     x[1, program_0_1[:200]] = 5.0  # a cluster above the rest, more keys than the 128 slots, in the delegate
     x[2] = torch.arange(1000).float()  # columns of programs 0 and 1 only. Row 2: sorted
@@ -206,11 +206,13 @@ def test_local_threshold(monkeypatch):
     def key(v):
         return int(float_keys(torch.tensor([v]))[0])
 
-    assert thresholds[4][0] == key(5.5) and thresholds[0][0] == key(6.0)
+    for r in (0, 2):  # each program's T_c is the edge of its bin, not the key itself
+        assert thresholds[4][r] == local_threshold_model(x[r].cpu(), 5, 128, 4)
+    assert thresholds[4][0] <= key(5.5) and thresholds[0][0] == key(6.0)
     assert thresholds[4][1] == thresholds[0][1] == thresholds[4][3] == thresholds[0][3] == key(5.0)  # the clusters
-    # the sorted row: T_c = 926.0, 958.0, 990.0, 998.0 (programs 0-3); 2 delegates reach 998.0, 10 reach 990.0:
-    # T = 990.0 (not the lowest, 926.0); the row-wide T is the 5th delegate, 995.0
-    assert thresholds[4][2] == key(990.0) and thresholds[0][2] == key(995.0)
+    # the sorted row: T_c near 926.0, 958.0, 990.0, 998.0 (programs 0-3); 2 delegates reach 998.0, 10 reach 990.0:
+    # T near 990.0 (not the lowest, 926.0); the row-wide T is the 5th delegate, 995.0
+    assert key(980.0) < thresholds[4][2] <= key(990.0) and thresholds[0][2] == key(995.0)
     assert all(a <= b for a, b in zip(thresholds[4][4:], thresholds[0][4:], strict=True))  # random rows
     # the clusters take the tie path either way (below them, more keys than slots would be above T)
     assert flags[4] == flags[0] == [0, 2, 0, 2, 0, 0, 0, 0]
@@ -223,23 +225,36 @@ def float_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x) | (x == float("-inf")), -(2**31), bits ^ ((bits >> 31) & 0x7FFFFFFF))
 
 
+def narrow_model(keys: list[int], k: int, slack: int) -> int:
+    """``_narrow`` in plain Python, started on all ``keys`` (int32 keys) over their own range [min, max]: 256
+    bins of width 2**shift from lo; keep the bin holding the k-th largest; repeat with 256 times finer bins
+    while that bin holds more than ``slack`` keys beyond the ones the k-th takes and is wider than one key.
+    Returns the bin's lower edge."""
+    lo, hi = min(keys), max(keys)
+    shift = next(s for s in range(33) if (hi - lo) >> s <= 255)
+    member = keys
+    while shift >= 0 and len(member) - k > slack:
+        bins = [min((v - lo) >> shift, 255) for v in member]
+        d = max(b for b in range(256) if sum(x >= b for x in bins) >= k)  # the bin of the k-th largest
+        k -= sum(x > d for x in bins)
+        member = [v for v, x in zip(member, bins, strict=True) if x == d]
+        lo += d << shift
+        shift = -1 if shift == 0 else max(shift - 8, 0)
+    return lo
+
+
 def local_threshold_model(row: torch.Tensor, k: int, G: int, S: int) -> int:
-    """The T of ``_local_threshold`` in torch, on int32 keys: each of S programs takes the ceil(k/S)-th
-    largest of its G/S delegate columns cut to 16 bits (exact when more than ceil(k/S) * 9/8 of its
-    delegates reach the cut; NONE with fewer delegates than that), then the highest one k delegates reach."""
+    """The T of ``_local_threshold`` in torch, on int32 keys: each of S programs takes the lower edge of the
+    bin holding the ceil(k/S)-th largest of its G/S delegate columns (``narrow_model``, slack ceil(k/S) / 8;
+    NONE with fewer delegates than ceil(k/S)), then the highest one k delegates reach."""
     none = -(2**31)
     key = torch.cat([float_keys(row), torch.full((-len(row) % G,), none, dtype=torch.int32)])
     delegates = key.view(-1, G).amax(0).long()
     k_c = -(-k // S)
     thresholds = []
     for own in delegates.view(S, G // S):
-        valid = own[own != none]
-        if len(valid) < k_c:
-            thresholds.append(none)
-            continue
-        kth = int(valid.sort(descending=True).values[k_c - 1])
-        cut = (((kth + 2**31) >> 16) << 16) - 2**31  # the low 16 bits of its unsigned-order bits cleared
-        thresholds.append(kth if int((own >= cut).sum()) > k_c + k_c // 8 else cut)
+        valid = own[own != none].tolist()
+        thresholds.append(none if len(valid) < k_c else narrow_model(valid, k_c, k_c // 8))
     return max(t for t in thresholds if int((delegates >= t).sum()) >= k)
 
 

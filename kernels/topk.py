@@ -216,10 +216,10 @@ def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, 
     n_c = tl.sum(ok.to(tl.int32), axis=0)
     top = tl.max(acc, axis=0)
     lo = tl.min(tl.where(ok, acc, 2147483647), axis=0)
-    tc, _, _, _, _ = _narrow(acc, ok, n_c, tl.maximum(tl.minimum(k_c, n_c), 1), lo, _bin_shift(lo, top), k_c // 8,
-                             True, 4)  # rounds until at most k_c + k_c / 8 delegates reach tc (or tc is exact)
+    t_c, _, _, _ = _narrow(acc, ok, n_c, tl.maximum(tl.minimum(k_c, n_c), 1), lo, top, k_c // 8, True,
+                           4)  # rounds until at most k_c + k_c / 8 delegates reach t_c (or t_c is exact)
     scratch = delegates + G  # (the pair scratch: free until the select launch)
-    tl.store(scratch + c, tl.where(n_c >= k_c, tc, -2147483648))  # (NONE: fewer than k_c here)
+    tl.store(scratch + c, tl.where(n_c >= k_c, t_c, -2147483648))  # (NONE: fewer than k_c here)
     tl.atomic_max((sync_row + TMAX).to(tl.pointer_type(tl.uint32)),
                   (top ^ -2147483648).to(tl.uint32, bitcast=True), sem="relaxed")
     tl.debug_barrier()  # every thread's stores and atomics happen before the counter says "done"

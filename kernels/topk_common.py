@@ -216,34 +216,42 @@ def _bins(key, lo, shift):
 
 @triton.jit
 def _bin_shift(lo, hi):
-    """The smallest ``shift`` whose 256 bins of width 2**shift from ``lo`` cover the keys [lo, hi]."""
-    span = hi.to(tl.int64) - lo.to(tl.int64)
-    return tl.sum(((span >> tl.arange(0, 32).to(tl.int64)) > 255).to(tl.int32), axis=0)
+    """A ``shift`` whose 256 bins of width 2**shift from ``lo`` cover the keys [lo, hi]: the span's exponent as
+    a float32 (floor(log2(span)), or one more where the conversion rounds up: still covering) minus 7, at
+    least 0. Scalar arithmetic, no reduction."""
+    span = (hi.to(tl.int64) - lo.to(tl.int64)).to(tl.float32)
+    exponent = ((span.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # (span 0: -127)
+    return tl.maximum(exponent - 7, 0)
 
 
 @triton.jit
-def _narrow(key, member, m, k_rem, lo, shift, limit, EXCESS: tl.constexpr, ROUNDS: tl.constexpr):
+def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: tl.constexpr):
     """Up to ROUNDS histogram rounds in a shrinking window toward the k_rem-th largest of the ``member``
-    keys (``m`` of them), all in [lo, lo + 256 << shift). A round bins them (``_bins``), walks the histogram
-    from the top to the bin holding the k_rem-th, keeps that bin's keys and narrows the window to it (the
-    next round's bins are 256 times finer). It stops once the bin holds at most ``limit`` keys (EXCESS: at
-    most ``limit`` more than the k_rem it must give) or a single key value (after a round at shift 0).
+    keys (``m`` of them), all in [lo, hi]. A round bins them in 256 bins over the window (``_bins``), walks
+    the histogram from the top to the bin holding the k_rem-th and keeps that bin's keys; the next round's
+    window is their own range (a min and a max), so it stops at once when they are all one value. It stops
+    once the bin holds at most ``limit`` keys (EXCESS: at most ``limit`` more than the k_rem it must give),
+    or a single key value.
 
     Unlike radix rounds on fixed bit positions, the window is the keys' own range: on random, sorted or
     tightly packed values (page scores within ~2%) one round already leaves a handful of keys per bin.
-    Returns ``(lo, member, m, k_rem, shift)``: the bin's lower edge (at least the original k_rem keys are
-    >= it), its keys, their count, how many of them the k-th takes, and the next round's shift (-1: ``lo``
-    is the k-th key itself)."""
-    for _ in tl.static_range(ROUNDS):
+    Returns ``(lo, member, m, k_rem)``: a lower bound of the kept keys (at least the original k_rem keys are
+    >= it: the bin's lower edge, or their min), the kept keys, their count, and how many of them the k-th
+    takes. When they are one value, ``lo`` is the k-th key itself."""
+    for r in tl.static_range(ROUNDS):
         over = m - k_rem if EXCESS else m
-        if (shift >= 0) & (over > limit):
-            b = _bins(key, lo, shift)
-            d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
-            member = member & (b == d)
-            m = tl.sum(member.to(tl.int32), axis=0)
-            lo = (lo.to(tl.int64) + (d.to(tl.int64) << shift.to(tl.int64))).to(tl.int32)
-            shift = tl.where(shift == 0, -1, tl.maximum(shift - 8, 0))
-    return lo, member, m, k_rem, shift
+        if over > limit:
+            if r > 0:  # the window: the kept keys' own range
+                lo = tl.min(tl.where(member, key, 2147483647), axis=0)
+                hi = tl.max(tl.where(member, key, -2147483648), axis=0)
+            if lo < hi:
+                shift = _bin_shift(lo, hi)
+                b = _bins(key, lo, shift)
+                d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
+                member = member & (b == d)
+                m = tl.sum(member.to(tl.int32), axis=0)
+                lo = (lo.to(tl.int64) + (d.to(tl.int64) << shift.to(tl.int64))).to(tl.int32)  # the bin's lower edge
+    return lo, member, m, k_rem
 
 
 @triton.jit
@@ -254,8 +262,7 @@ def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, 
     keys, which are then ranked pairwise (``scratch``: PAIR free int32), or a single key value."""
     k_eff = tl.minimum(k, count)
     ok = key != -2147483648
-    t, member, m, ties, shift = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, _bin_shift(lo, hi), PAIR, False,
-                                        4)
+    t, member, m, ties = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
     if PAIR > 0:
         if m <= PAIR:  # rank the bin's keys pairwise (when the rounds ran to one value, this finds it again)
             tl.debug_barrier()  # the caller's reads of scratch are done
@@ -293,13 +300,14 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
     top = tl.max(dkey, axis=0)  # the row max
     dlo = tl.min(tl.where(dok, dkey, 2147483647), axis=0)
-    T, dmember, dm, k_rem, shift = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo,
-                                           _bin_shift(dlo, top), -1, True, 1)  # one round: its bin's lower edge
+    T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, -1, True,
+                                    1)  # one round: its bin's lower edge
     T = tl.where(usable, T, -2147483648)
     T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     if usable & (count > SLOTS):  # too many through the bin's edge: T = Te, the exact k-th delegate
-        T, dmember, dm, k_rem, shift = _narrow(dkey, dmember, dm, k_rem, T, shift, -1, True, 3)
+        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, tl.min(tl.where(dmember, dkey, 2147483647), axis=0),
+                                        tl.max(tl.where(dmember, dkey, -2147483648), axis=0), -1, True, 4)
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)

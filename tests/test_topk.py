@@ -226,20 +226,27 @@ def float_keys(x: torch.Tensor) -> torch.Tensor:
 
 
 def narrow_model(keys: list[int], k: int, slack: int) -> int:
-    """``_narrow`` in plain Python, started on all ``keys`` (int32 keys) over their own range [min, max]: 256
-    bins of width 2**shift from lo; keep the bin holding the k-th largest; repeat with 256 times finer bins
-    while that bin holds more than ``slack`` keys beyond the ones the k-th takes and is wider than one key.
-    Returns the bin's lower edge."""
+    """``_narrow`` in plain Python, on int32 ``keys`` over their own range [min, max]: 256 bins of width
+    2**shift from the window's low end (shift: the span's float32 exponent minus 7); keep the bin holding
+    the k-th largest; the next window is the kept keys' own range. At most 4 rounds, while the bin holds
+    more than ``slack`` keys beyond the ones the k-th takes and more than one value. Returns the lower edge
+    of the last bin (or the kept keys' min, when they are one value)."""
     lo, hi = min(keys), max(keys)
-    shift = next(s for s in range(33) if (hi - lo) >> s <= 255)
     member = keys
-    while shift >= 0 and len(member) - k > slack:
+    for r in range(4):
+        if len(member) - k <= slack:
+            break
+        if r > 0:
+            lo, hi = min(member), max(member)
+        if lo == hi:
+            break
+        bits = int(torch.tensor([hi - lo], dtype=torch.float32).view(torch.int32))
+        shift = max(((bits >> 23) & 0xFF) - 127 - 7, 0)
         bins = [min((v - lo) >> shift, 255) for v in member]
         d = max(b for b in range(256) if sum(x >= b for x in bins) >= k)  # the bin of the k-th largest
         k -= sum(x > d for x in bins)
         member = [v for v, x in zip(member, bins, strict=True) if x == d]
         lo += d << shift
-        shift = -1 if shift == 0 else max(shift - 8, 0)
     return lo
 
 

@@ -106,7 +106,6 @@ from sparse_ref.kernels.topk_common import (
     _pad,
     _pairwise_kth,
     _radix_rounds,
-    _rank_members,
     _row_k_len,
     _select_in_registers,
     _walk,
@@ -271,13 +270,16 @@ def _store_threshold(work_row, T, row_max):
 
 
 @triton.jit
-def _kth_candidate(key, ok, k_eff, work_row, sync_row, G: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr):
+def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr, C_PAD: tl.constexpr,
+                   PAIR: tl.constexpr):
     """``(t, need)``: the k_eff-th largest of the candidate keys ``key`` (``ok``: a real slot) and how many
-    keys == t the row takes. Bin them (256 bins over [T, row max]: L2 atomic adds into the row's zeroed
-    histogram in memory; ``tl.histogram``, a ballot per key bit and a loop over the bins per key, was the
-    select program's largest step), walk the histogram to the bin of the k-th key, and rank that bin's
-    keys: pairwise when they are few (random rows: a few dozen), else radix rounds (ties, clusters)."""
-    bins = _bins(key, tl.load(work_row + T_, cache_modifier=".cg"), tl.load(work_row + SHIFT, cache_modifier=".cg"))
+    keys == t the row takes. Bin them (256 bins of width 2**shift over [T, row max]: L2 atomic adds into the
+    row's zeroed histogram in memory; ``tl.histogram``, a ballot per key bit and a loop over the bins per
+    key, was the select program's largest step), walk the histogram to the bin of the k-th key, and rank
+    that bin's keys pairwise when they are few (random rows: a few dozen). When they are more (ties,
+    clusters, bf16 scores), window rounds over their own range first (``_narrow``: none at all when they
+    are one value)."""
+    bins = _bins(key, T, shift)
     tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
     tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
     b = tl.arange(0, 256)
@@ -285,20 +287,20 @@ def _kth_candidate(key, ok, k_eff, work_row, sync_row, G: tl.constexpr, C_PAD: t
     d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
     tl.store(sync_row + DHIST + b, tl.zeros([256], tl.int32))  # zero again (every thread has read it)
     member = ok & (bins == d)
-    scratch = _delegates_of(work_row, C_PAD) + G  # (the pair scratch)
     m = tl.sum(tl.where(b == d, hist, 0), axis=0)  # keys in bin d
+    t = T
+    if m > PAIR:
+        t, member, m, k_rem = _narrow(key, member, m, k_rem, tl.min(tl.where(member, key, 2147483647), axis=0),
+                                      tl.max(tl.where(member, key, -2147483648), axis=0), PAIR, False, 3)
     if PAIR > 0:
         if m <= PAIR:  # copy them to the scratch, at places an atomic counter hands out (no prefix sum); rank
+            scratch = _delegates_of(work_row, C_PAD) + G  # (the pair scratch)
             at = tl.atomic_add(sync_row + MEMBERS + tl.zeros_like(key), 1, mask=member, sem="relaxed")
             tl.store(scratch + at, key, mask=member)
             tl.debug_barrier()
-            t, need = _pairwise_kth(scratch, m, k_rem, PAIR)
+            t, k_rem = _pairwise_kth(scratch, m, k_rem, PAIR)
             tl.store(sync_row + MEMBERS, 0)  # zero again for the next call
-        else:
-            t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
-    else:
-        t, need = _rank_members(key, member, k_rem, tl.zeros([], tl.int32), scratch, 0, 0)
-    return tl.where(k_eff > 0, t, 2147483647), tl.where(k_eff > 0, need, 0)
+    return tl.where(k_eff > 0, t, 2147483647), tl.where(k_eff > 0, k_rem, 0)
 
 
 @triton.jit
@@ -311,9 +313,11 @@ def _select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G
     s = tl.arange(0, SLOTS)
     ok = s < total
     ids = tl.load(slots_row + s, mask=ok, other=0, cache_modifier=".cg")  # (other programs wrote them)
+    T = tl.load(work_row + T_, cache_modifier=".cg")
+    shift = tl.load(work_row + SHIFT, cache_modifier=".cg")
     key = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
     k_eff = tl.minimum(k, total)
-    t, need = _kth_candidate(key, ok, k_eff, work_row, sync_row, G, C_PAD, PAIR)
+    t, need = _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G, C_PAD, PAIR)
     above = ok & (key > t)
     tie = ok & (key == t)
     # One prefix sum counts both kinds (keys > t in the high 16 bits, == t in the low; SLOTS < 2**15).
@@ -342,10 +346,12 @@ def _select_from_runs(cand_row, work_row, sync_row, out_row, total, k, C, W, G: 
     n = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
     first = tl.minimum(tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg"),
                        SLOTS - 1)
+    T = tl.load(work_row + T_, cache_modifier=".cg")
+    shift = tl.load(work_row + SHIFT, cache_modifier=".cg")
     ok = s < total
     key = tl.where(ok, (packed >> 32).to(tl.int32), -2147483648)
     k_eff = tl.minimum(k, total)
-    t, need = _kth_candidate(key, ok, k_eff, work_row, sync_row, G, C_PAD, PAIR)
+    t, need = _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G, C_PAD, PAIR)
     ids = packed.to(tl.int32)  # the low 32 bits
     above = ok & (key > t)
     tie = ok & (key == t)

@@ -283,13 +283,15 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
 
     Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
     the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
-    them. T is the lower edge of the bin holding the k-th delegate, in one histogram round over the
-    delegates' own range (``_narrow``); when that lets more keys through than the slots hold, more rounds
-    make T the exact k-th delegate Te. The candidates reach the slots through a bitmask (a word per 32
-    columns, ``_words_to_slots``: no prefix sum over the row), and the exact k-th candidate comes from
-    window rounds over [T, row max] and a pairwise rank (``_write_top_in_window``). Only when even Te
-    overflows (ties, rows that defeat the delegates): keys > Te plus the lowest-id ties == Te when that is
-    the answer (fewer than k keys > Te), else the whole row.
+    them. T is the lower edge of the bin holding the k-th delegate, in histogram rounds over the
+    delegates' own range (``_narrow``: one round on random rows; more while over k / 8 extra delegates
+    share the bin, as when the range spans both signs and the bins are coarse); when that lets more keys
+    through than the slots hold, more rounds make T the exact k-th delegate Te. The candidates reach the
+    slots through a bitmask (a word per 32 columns, ``_words_to_slots``: no prefix sum over the row), and
+    the exact k-th candidate comes from window rounds over [T, row max] and a pairwise rank
+    (``_write_top_in_window``). Only when even Te overflows (ties, rows that defeat the delegates): keys
+    > Te plus the lowest-id ties == Te when that is the answer (fewer than k keys > Te), else the whole
+    row.
     """
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
@@ -300,8 +302,8 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
     top = tl.max(dkey, axis=0)  # the row max
     dlo = tl.min(tl.where(dok, dkey, 2147483647), axis=0)
-    T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, -1, True,
-                                    1)  # one round: its bin's lower edge
+    T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, k // 8,
+                                    True, 4)  # the edge of the k-th delegate's bin, at most k / 8 extra delegates
     T = tl.where(usable, T, -2147483648)
     T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)

@@ -225,40 +225,32 @@ def _bin_shift(lo, hi):
 
 
 @triton.jit
-def _add_min_max(n1, lo1, hi1, n2, lo2, hi2):
-    return n1 + n2, tl.minimum(lo1, lo2), tl.maximum(hi1, hi2)
-
-
-@triton.jit
-def _count_min_max(key, member):
-    """How many ``member`` keys, their min and their max (INT32_MAX and INT32_MIN when none), in one
-    block-wide reduction instead of three."""
-    return tl.reduce((member.to(tl.int32), tl.where(member, key, 2147483647), tl.where(member, key, -2147483648)),
-                     0, _add_min_max)
-
-
-@triton.jit
 def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: tl.constexpr):
     """Up to ROUNDS histogram rounds in a shrinking window toward the k_rem-th largest of the ``member``
-    keys (``m`` of them, in [lo, hi]). A round bins them in 256 bins over the window (``_bins``), walks the
-    histogram from the top to the bin holding the k_rem-th and keeps that bin's keys; the next window is
-    their own range (``_count_min_max``), so the rounds stop at once when they are all one value. They also
-    stop once the bin holds at most ``limit`` keys (EXCESS: at most ``limit`` more than the k_rem it must
-    give).
+    keys (``m`` of them), all in [lo, hi]. A round bins them in 256 bins over the window (``_bins``), walks
+    the histogram from the top to the bin holding the k_rem-th and keeps that bin's keys; the next round's
+    window is their own range (a min and a max), so it stops at once when they are all one value. It stops
+    once the bin holds at most ``limit`` keys (EXCESS: at most ``limit`` more than the k_rem it must give),
+    or a single key value.
 
     Unlike radix rounds on fixed bit positions, the window is the keys' own range: on random, sorted or
     tightly packed values (page scores within ~2%) one round already leaves a handful of keys per bin.
-    Returns ``(lo, member, m, k_rem)``: the kept keys' min (at least the original k_rem keys are >= it),
-    the kept keys, their count, and how many of them the k-th takes. When they are one value, ``lo`` is
-    the k-th key itself."""
-    for _ in tl.static_range(ROUNDS):
+    Returns ``(lo, member, m, k_rem)``: a lower bound of the kept keys (at least the original k_rem keys are
+    >= it: the bin's lower edge, or their min), the kept keys, their count, and how many of them the k-th
+    takes. When they are one value, ``lo`` is the k-th key itself."""
+    for r in tl.static_range(ROUNDS):
         over = m - k_rem if EXCESS else m
-        if (over > limit) & (lo < hi):
-            shift = _bin_shift(lo, hi)
-            b = _bins(key, lo, shift)
-            d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
-            member = member & (b == d)
-            m, lo, hi = _count_min_max(key, member)
+        if over > limit:
+            if r > 0:  # the window: the kept keys' own range
+                lo = tl.min(tl.where(member, key, 2147483647), axis=0)
+                hi = tl.max(tl.where(member, key, -2147483648), axis=0)
+            if lo < hi:
+                shift = _bin_shift(lo, hi)
+                b = _bins(key, lo, shift)
+                d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
+                member = member & (b == d)
+                m = tl.sum(member.to(tl.int32), axis=0)
+                lo = (lo.to(tl.int64) + (d.to(tl.int64) << shift.to(tl.int64))).to(tl.int32)  # the bin's lower edge
     return lo, member, m, k_rem
 
 
@@ -270,7 +262,7 @@ def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, 
     keys, which are then ranked pairwise (``scratch``: PAIR free int32), or a single key value."""
     k_eff = tl.minimum(k, count)
     ok = key != -2147483648
-    t, member, m, ties = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)  # (lo <= every key)
+    t, member, m, ties = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
     if PAIR > 0:
         if m <= PAIR:  # rank the bin's keys pairwise (when the rounds ran to one value, this finds it again)
             tl.debug_barrier()  # the caller's reads of scratch are done
@@ -306,16 +298,18 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
     dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
     dok = dkey != -2147483648
-    n_valid, dlo, top = _count_min_max(dkey, dok)  # (top: the row max)
+    n_valid = tl.sum(dok.to(tl.int32), axis=0)
     usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
+    top = tl.max(dkey, axis=0)  # the row max
+    dlo = tl.min(tl.where(dok, dkey, 2147483647), axis=0)
     T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, k // 8,
                                     True, 4)  # the edge of the k-th delegate's bin, at most k / 8 extra delegates
     T = tl.where(usable, T, -2147483648)
     T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     if usable & (count > SLOTS):  # too many through the bin's edge: T = Te, the exact k-th delegate
-        _, _, dhi = _count_min_max(dkey, dmember)
-        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, T, dhi, -1, True, 4)
+        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, tl.min(tl.where(dmember, dkey, 2147483647), axis=0),
+                                        tl.max(tl.where(dmember, dkey, -2147483648), axis=0), -1, True, 4)
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)

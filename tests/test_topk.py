@@ -186,7 +186,7 @@ def test_local_threshold(monkeypatch):
     x = make_scores(8, 1000, seed=21, device="cpu")  # rows 4-7: random (built on the CPU, then moved)
     x[0] = x[0] / 10
     x[0, torch.tensor([1, 2, 3, 4, 33, 34])] = torch.tensor([10.0, 9, 8, 7, 6, 5.5])  # program 0's delegates
-    # 1-4, program 1's 5-6: T_c at most 9.0 and 5.5 (the lowest keys of their bins); T <= 5.5, below the 5th (6.0)
+    # 1-4, program 1's 5-6: T_c at most 9.0 and 5.5 (the edges of their bins); T at most 5.5, below the 5th (6.0)
     program_0_1 = (torch.arange(0, 1000, 128)[:, None] + torch.arange(0, 64)[None, :]).flatten()
     x[1, program_0_1[:200]] = 5.0  # a cluster above the rest, more keys than the 128 slots, in the delegate
     x[2] = torch.arange(1000).float()  # columns of programs 0 and 1 only. Row 2: sorted
@@ -206,7 +206,7 @@ def test_local_threshold(monkeypatch):
     def key(v):
         return int(float_keys(torch.tensor([v]))[0])
 
-    for r in (0, 2):  # each program's T_c is the lowest key of its bin, not always its ceil(k/S)-th
+    for r in (0, 2):  # each program's T_c is the edge of its bin, not the key itself
         assert thresholds[4][r] == local_threshold_model(x[r].cpu(), 5, 128, 4)
     assert thresholds[4][0] <= key(5.5) and thresholds[0][0] == key(6.0)
     assert thresholds[4][1] == thresholds[0][1] == thresholds[4][3] == thresholds[0][3] == key(5.0)  # the clusters
@@ -229,12 +229,16 @@ def narrow_model(keys: list[int], k: int, slack: int) -> int:
     """``_narrow`` in plain Python, on int32 ``keys`` over their own range [min, max]: 256 bins of width
     2**shift from the window's low end (shift: the span's float32 exponent minus 7); keep the bin holding
     the k-th largest; the next window is the kept keys' own range. At most 4 rounds, while the bin holds
-    more than ``slack`` keys beyond the ones the k-th takes and more than one value. Returns the kept
-    keys' min."""
+    more than ``slack`` keys beyond the ones the k-th takes and more than one value. Returns the lower edge
+    of the last bin (or the kept keys' min, when they are one value)."""
+    lo, hi = min(keys), max(keys)
     member = keys
-    for _ in range(4):
-        lo, hi = min(member), max(member)
-        if len(member) - k <= slack or lo == hi:
+    for r in range(4):
+        if len(member) - k <= slack:
+            break
+        if r > 0:
+            lo, hi = min(member), max(member)
+        if lo == hi:
             break
         bits = int(torch.tensor([hi - lo], dtype=torch.float32).view(torch.int32))
         shift = max(((bits >> 23) & 0xFF) - 127 - 7, 0)
@@ -242,7 +246,8 @@ def narrow_model(keys: list[int], k: int, slack: int) -> int:
         d = max(b for b in range(256) if sum(x >= b for x in bins) >= k)  # the bin of the k-th largest
         k -= sum(x > d for x in bins)
         member = [v for v, x in zip(member, bins, strict=True) if x == d]
-    return min(member)
+        lo += d << shift
+    return lo
 
 
 def local_threshold_model(row: torch.Tensor, k: int, G: int, S: int) -> int:

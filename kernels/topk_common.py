@@ -238,7 +238,7 @@ def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: 
     Returns ``(lo, member, m, k_rem)``: a lower bound of the kept keys (at least the original k_rem keys are
     >= it: the bin's lower edge, or their min), the kept keys, their count, and how many of them the k-th
     takes. When they are one value, ``lo`` is the k-th key itself."""
-    for r in tl.static_range(ROUNDS):
+    for r in range(0, ROUNDS):  # (a loop, not unrolled: one copy of the round's code per caller)
         over = m - k_rem if EXCESS else m
         if over > limit:
             if r > 0:  # the window: the kept keys' own range

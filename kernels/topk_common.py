@@ -225,32 +225,42 @@ def _bin_shift(lo, hi):
 
 
 @triton.jit
+def _window_round(key, member, k_rem, lo, hi):
+    """One histogram round of ``_narrow`` over the window [lo, hi]: the kept bin's lower edge, its keys,
+    their count, and how many of them the k_rem-th largest takes."""
+    shift = _bin_shift(lo, hi)
+    b = _bins(key, lo, shift)
+    d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
+    member = member & (b == d)
+    edge = (lo.to(tl.int64) + (d.to(tl.int64) << shift.to(tl.int64))).to(tl.int32)
+    return edge, member, tl.sum(member.to(tl.int32), axis=0), k_rem
+
+
+@triton.jit
 def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: tl.constexpr):
     """Up to ROUNDS histogram rounds in a shrinking window toward the k_rem-th largest of the ``member``
-    keys (``m`` of them), all in [lo, hi]. A round bins them in 256 bins over the window (``_bins``), walks
-    the histogram from the top to the bin holding the k_rem-th and keeps that bin's keys; the next round's
-    window is their own range (a min and a max), so it stops at once when they are all one value. It stops
-    once the bin holds at most ``limit`` keys (EXCESS: at most ``limit`` more than the k_rem it must give),
-    or a single key value.
+    keys (``m`` of them), all in [lo, hi]. A round (``_window_round``) bins them in 256 bins over the
+    window, walks the histogram from the top to the bin holding the k_rem-th and keeps that bin's keys; the
+    next round's window is their own range (a min and a max), so it stops at once when they are all one
+    value. It stops once the bin holds at most ``limit`` keys (EXCESS: at most ``limit`` more than the
+    k_rem it must give), or a single key value.
 
     Unlike radix rounds on fixed bit positions, the window is the keys' own range: on random, sorted or
-    tightly packed values (page scores within ~2%) one round already leaves a handful of keys per bin.
+    tightly packed values (page scores within ~2%) one round already leaves a handful of keys per bin. So
+    the first round is written out, and the others (ties, clusters) run in a loop: one copy of their code.
     Returns ``(lo, member, m, k_rem)``: a lower bound of the kept keys (at least the original k_rem keys are
     >= it: the bin's lower edge, or their min), the kept keys, their count, and how many of them the k-th
     takes. When they are one value, ``lo`` is the k-th key itself."""
-    for r in range(0, ROUNDS):  # (a loop, not unrolled: one copy of the round's code per caller)
+    over = m - k_rem if EXCESS else m
+    if (over > limit) & (lo < hi):
+        lo, member, m, k_rem = _window_round(key, member, k_rem, lo, hi)
+    for _ in range(1, ROUNDS):
         over = m - k_rem if EXCESS else m
         if over > limit:
-            if r > 0:  # the window: the kept keys' own range
-                lo = tl.min(tl.where(member, key, 2147483647), axis=0)
-                hi = tl.max(tl.where(member, key, -2147483648), axis=0)
+            lo = tl.min(tl.where(member, key, 2147483647), axis=0)  # the window: the kept keys' own range
+            hi = tl.max(tl.where(member, key, -2147483648), axis=0)
             if lo < hi:
-                shift = _bin_shift(lo, hi)
-                b = _bins(key, lo, shift)
-                d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
-                member = member & (b == d)
-                m = tl.sum(member.to(tl.int32), axis=0)
-                lo = (lo.to(tl.int64) + (d.to(tl.int64) << shift.to(tl.int64))).to(tl.int32)  # the bin's lower edge
+                lo, member, m, k_rem = _window_round(key, member, k_rem, lo, hi)
     return lo, member, m, k_rem
 
 

@@ -604,7 +604,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BITMASK=bitmask)
     tile = max(chunk, min(TUNING["tie_tile"], p["n_pad"]))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
-    span = triton.cdiv(triton.cdiv(N, spans), tile) * tile  # (whole tiles, so whole chunks and bitmask words)
+    span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
+    # bitmask words, and _bits_to_slots' blocks of words must be a power of two)
     assert span % chunk == 0 and chunk % 32 == 0
     return [
         ("delegates", lambda: _delegates_kernel[(R * (G // cols),)](

@@ -9,9 +9,10 @@ one program per request row, the row's page scores held in registers:
    whether the row goes sparse at all.
 2. **History top-k** with the delegate threshold of ``kernels/topk.py`` (delegates, threshold,
    candidates, exact select on the candidates; ``topk_common._select_in_registers``, shared with the
-   short rows of the top-k: a 16-bit threshold first, the
-   exact k-th delegate when page scores are packed too tightly for 16 bits, an exact select over
-   the whole register row only when even that overflows), winners written in ascending page order.
+   short rows of the top-k: a threshold from window rounds over the delegates' own range, which adapt
+   to page scores packed within ~2%; the exact k-th delegate when even that lets more pages through
+   than the slots hold; an exact select over the whole register row only when that overflows too),
+   winners written in ascending page order.
 3. **Merge.** Sink ids < history ids < recent ids, so "ascending" is a concatenation: the sink
    pages go before the winners, the recent pages after them, then -1 padding and the length.
 4. **Page table** (``select_pages_to_table`` only): the program reads its row back and writes the
@@ -40,9 +41,10 @@ from sparse_ref.kernels.topk import TUNING, check_scores
 from sparse_ref.kernels.topk_common import _select_in_registers
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
-# Candidate slots per delegate. Quest scores are packed (~2% spread), so the 16-bit threshold lets ~350 of 2048
-# pages through at k=123 (~260 of 8192): 2 G slots hold them, and the exact k-th delegate (two more radix
-# rounds) is needed only beyond that. kernels/topk.py's TUNING["slots"] still overrides (tests force overflows).
+# Candidate slots per delegate. Quest scores are packed (~2% spread); a threshold cut to 16 bits let ~350 of 2048
+# pages through at k=123 (~260 of 8192), hence 2 G slots. The window threshold adapts to the packed range (fewer
+# candidates); the slots stay, and the exact k-th delegate is needed only beyond them. kernels/topk.py's
+# TUNING["slots"] still overrides (tests force overflows).
 SLOTS_PER_DELEGATE = 2
 
 

@@ -11,14 +11,19 @@ The design, in five steps:
 2. **Delegates.** View the row as ``[N / G, G]`` and take the maximum of every column: delegate
    ``j`` is the largest of the strided elements ``j, j + G, j + 2G, ...`` (strided, so a sorted row
    cannot hide its top in a few columns). With ``G >= 2k`` this is one plain read of the row.
-3. **Threshold.** ``T`` = the k-th largest delegate (rounded down to a 16-bit key prefix: two
-   256-bin histogram rounds over the G delegates; two more make it exact when many delegates share
-   that prefix, as on plateaus of equal values). The k delegates at or above ``T`` are row
-   elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For random rows
-   that set holds ``~0.7 G`` candidates (a few percent of a long row). With at most
+3. **Threshold.** ``T`` = (a lower bound of) the k-th largest delegate. The k delegates at or above
+   ``T`` are row elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For
+   random rows that set holds ``~0.7 G`` candidates (a few percent of a long row). ``T`` need not be
+   exact, only tight: it is the lower edge of the bin holding the k-th delegate in one 256-bin histogram
+   round over the delegates' own range [min, max] (``_narrow``, a *window round*: unlike radix rounds on
+   fixed bits, it adapts to values packed within a few percent). More rounds, each over the kept bin's
+   own range, run only when too many delegates share the bin (ties, clusters, plateaus: then ``T``
+   becomes the exact k-th delegate, so that equal keys *equal* ``T``). With at most
    ``TUNING["local_threshold"]`` delegates programs per row, each program finds that threshold for its
-   own delegates and its share ``ceil(k / S)`` of k instead, and T is the highest of those that k
-   delegates reach: no histogram round over the G delegates waits at the end.
+   own delegates and its share ``ceil(k / S)`` of k, and T is the highest of those that k delegates
+   reach: no histogram round over the G delegates waits at the end. With more programs per row (few
+   rows), the row's last program takes the k-th delegate cut to 16 bits (two radix rounds, the first
+   from the programs' merged histograms), exact when many delegates share the cut.
 4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
    k-th key ``t``. Long rows: every chunk program counts its keys > T and == T and adds its candidates
    to the row's count (one atomic add). Then the candidates reach the row's slots in one of two modes,
@@ -34,16 +39,16 @@ The design, in five steps:
    holding the k-th key, ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``,
    and stores every ``key > t`` plus the first ``key == t`` (ties to the lower id) at its place in id
    order (one prefix sum over the slots; the runs mode corrects for the order the runs landed in).
-   Ascending ids, no sort. Register rows run radix rounds on their slots instead (and make ``T`` exact
-   when their 16-bit ``T`` lets more keys through than the slots hold: values packed within a few
-   percent share their top 16 bits).
+   Ascending ids, no sort. A crossing bin of more than ``pair_rank`` keys (ties, bf16 scores) first
+   narrows by window rounds over its own range. Register rows do the same in registers: a bitmask word
+   per 32 columns gives the slots, window rounds over ``[T, row max]`` and a pairwise rank give ``t``.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``kernels/topk_fallback.py``): the tie path; or, when k or more keys are above ``T`` and
    they fit the slots, the selection again on those keys only; or at worst a whole-row radix select.
 
 ``order="score"`` then sorts the <= k winners of each row (``kernels/topk_sort.py``). The device
-helpers all of them share (keys, radix rounds, ranks, ordered writes, the per-row state) are in
+helpers all of them share (keys, radix and window rounds, ranks, ordered writes, the per-row state) are in
 ``kernels/topk_common.py``.
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that

@@ -217,12 +217,13 @@ def _bins(key, lo, shift):
 
 @triton.jit
 def _bin_shift(lo, hi):
-    """A ``shift`` whose 256 bins of width 2**shift from ``lo`` cover the keys [lo, hi]: the span's exponent as
-    a float32 (floor(log2(span)), or one more where the conversion rounds up: still covering) minus 7, at
-    least 0. Scalar arithmetic, no reduction."""
-    span = (hi.to(tl.int64) - lo.to(tl.int64)).to(tl.float32)
-    exponent = ((span.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # (span 0: -127)
-    return tl.maximum(exponent - 7, 0)
+    """The smallest ``shift`` whose 256 bins of width 2**shift from ``lo`` cover the keys [lo, hi]: the bit
+    length of the span minus 8, from the exponent of ``span >> 8`` as a float32 (below 2**24: exact).
+    Scalar arithmetic, no reduction. So each window round's shift is at least 8 below the last one's, and
+    four rounds always end on a single key value."""
+    span = hi.to(tl.int64) - lo.to(tl.int64)
+    exponent = ((((span >> 8).to(tl.float32)).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2)
+    return tl.where(span > 255, exponent + 1, 0)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from sparse_ref import checks
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
-from sparse_ref.kernels.topk_common import _bits_to_slots
+from sparse_ref.kernels.topk_common import _bin_shift, _bits_to_slots, _narrow
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -227,7 +227,7 @@ def float_keys(x: torch.Tensor) -> torch.Tensor:
 
 def narrow_model(keys: list[int], k: int, slack: int) -> int:
     """``_narrow`` in plain Python, on int32 ``keys`` over their own range [min, max]: 256 bins of width
-    2**shift from the window's low end (shift: the span's float32 exponent minus 7); keep the bin holding
+    2**shift from the window's low end (shift: the span's bit length minus 8); keep the bin holding
     the k-th largest; the next window is the kept keys' own range. At most 4 rounds, while the bin holds
     more than ``slack`` keys beyond the ones the k-th takes and more than one value. Returns the lower edge
     of the last bin (or the kept keys' min, when they are one value)."""
@@ -240,8 +240,7 @@ def narrow_model(keys: list[int], k: int, slack: int) -> int:
             lo, hi = min(member), max(member)
         if lo == hi:
             break
-        bits = int(torch.tensor([hi - lo], dtype=torch.float32).view(torch.int32))
-        shift = max(((bits >> 23) & 0xFF) - 127 - 7, 0)
+        shift = max((hi - lo).bit_length() - 8, 0)  # the smallest whose 256 bins cover [lo, hi]
         bins = [min((v - lo) >> shift, 255) for v in member]
         d = max(b for b in range(256) if sum(x >= b for x in bins) >= k)  # the bin of the k-th largest
         k -= sum(x > d for x in bins)
@@ -515,6 +514,53 @@ def test_bits_to_slots(case, WB):
     assert int(dst[1000]) == len(want)  # the count it returns
     assert torch.equal(dst.cpu()[:len(want)].long(), want), case
     assert (dst.cpu()[len(want):1000] == -7).all()  # nothing stored past them
+
+
+@triton.jit
+def _narrow_kernel(keys, n, k, limit, out, EXCESS: tl.constexpr, N_PAD: tl.constexpr):
+    i = tl.arange(0, N_PAD)
+    key = tl.load(keys + i, mask=i < n, other=-2147483648)
+    member = i < n
+    lo = tl.min(tl.where(member, key, 2147483647), axis=0)
+    hi = tl.max(tl.where(member, key, -2147483648), axis=0)
+    t, member, m, k_rem = _narrow(key, member, n, k, lo, hi, limit, EXCESS, 4)
+    tl.store(out, t)
+    tl.store(out + 1, m)
+    tl.store(out + 2, k_rem)
+    tl.store(out + 3, _bin_shift(lo, hi))
+
+
+@pytest.mark.parametrize("case", ["randn", "packed", "ties", "one value", "both signs", "extremes", "int extremes"])
+def test_window_rounds(case):
+    """``_narrow`` against ``narrow_model`` key for key (its threshold mode: stop when at most k/8 extra keys
+    share the bin), and run to the exact k-th key (limit -1); ``_bin_shift``'s 256 bins cover [min, max]."""
+    g = torch.Generator().manual_seed(len(case))
+    n = 300
+    x = {"randn": torch.randn(n, generator=g), "packed": 5700 * (1 + 0.02 * torch.rand(n, generator=g)),
+         "ties": torch.randint(0, 5, (n,), generator=g).float(), "one value": torch.full((n,), 0.3),
+         "both signs": torch.randn(n, generator=g) * 1e3,
+         "extremes": torch.cat([torch.tensor([3.0e38, -3.0e38, 0.0, -0.0]), torch.randn(n - 4, generator=g)]),
+         "int extremes": torch.zeros(n)}[case]
+    keys = float_keys(x)
+    if case == "int extremes":  # keys spanning all of int32, and a crowd of three neighbouring keys
+        keys = torch.randint(-(2**31) + 1, 2**31 - 1, (n,), generator=g, dtype=torch.int32)
+        keys[:2] = torch.tensor([-(2**31) + 1, 2**31 - 1])
+        keys[2:200] = 12345 + torch.randint(0, 3, (198,), generator=g, dtype=torch.int32)
+    lo, hi = int(keys.min()), int(keys.max())
+    for k in (1, 17, 100, n):
+        out = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+        _narrow_kernel[(1,)](keys.to(DEVICE), n, k, k // 8, out, EXCESS=True, N_PAD=512)
+        t, m, k_rem, shift = out.tolist()
+        assert (hi - lo) >> shift <= 255 and (shift == 0 or (hi - lo) >> (shift - 1) > 255)  # covers; the smallest
+        assert t == narrow_model(keys.tolist(), k, k // 8), (case, k)
+        assert int((keys >= t).sum()) >= k and 1 <= k_rem <= m  # a valid threshold; the k-th is in the bin
+        _narrow_kernel[(1,)](keys.to(DEVICE), n, k, -1, out, EXCESS=True, N_PAD=512)
+        kth = int(keys.sort(descending=True).values[k - 1])
+        assert out[0] == kth and int((keys == kth).sum()) == out[1]  # run to the end: the k-th key and its ties
+        _narrow_kernel[(1,)](keys.to(DEVICE), n, k, 8, out, EXCESS=False, N_PAD=512)
+        t, m, k_rem = out[:3].tolist()  # (the select programs' mode: until at most 8 keys share the bin)
+        assert m <= 8 or (t == kth and m == int((keys == kth).sum())), (case, k)
+        assert int((keys >= t).sum()) >= k >= int((keys >= t).sum()) - m + k_rem  # the k-th is in the bin
 
 
 @pytest.mark.parametrize("run", [16, 64])

@@ -559,8 +559,8 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
     select) and on the long-row path the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
     equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
-    ``slots``, and the bitmask (``bits``) or each chunk's run (``counts``, ``run_starts``), valid after
-    the launches ran.
+    ``slots``, the select programs' ``span`` of columns, and the bitmask (``bits``) or each chunk's run
+    (``counts``, ``run_starts``), valid after the launches ran.
     """
     R, N = scores.shape
     W = out.shape[1]
@@ -612,6 +612,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
     # bitmask words, and _bits_to_slots' blocks of words must be a power of two)
     assert span % chunk == 0 and chunk % 32 == 0
+    stats["span"] = span
     return [
         ("delegates", lambda: _delegates_kernel[(R * (G // cols),)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,

@@ -563,6 +563,25 @@ def test_window_rounds(case):
         assert int((keys >= t).sum()) >= k >= int((keys >= t).sum()) - m + k_rem  # the k-th is in the bin
 
 
+@pytest.mark.parametrize("N", [700, 1500])
+def test_select_spans_are_powers_of_two(monkeypatch, N):
+    """The select programs' spans are powers of two: ``_bits_to_slots`` takes a span's bitmask words in
+    blocks of ``tl.arange`` (a power of two on a GPU; the interpreter does not check). Whole tiles of an
+    awkward row length once gave 3 tiles of 64 columns; a 64 x 32832 row (the DSA indexer's width) failed
+    to compile on the H200. Random rows and tie-path rows, exact."""
+    for name, value in {**PATHS["bitmask"], "tie_tile": 64}.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    x = make_scores(64, N, seed=N, device="cpu")
+    x[1::2] = make_scores(32, N, seed=N + 1, ties=True, device="cpu")  # clusters: the tie path
+    x = x.to(DEVICE)
+    out = torch.empty(64, 50, dtype=torch.int32, device=DEVICE)
+    stats = {}
+    topk_module.launch_topk(x, 50, None, None, out, stats)
+    span = stats["span"]
+    assert stats["bitmask"] and span & (span - 1) == 0 and span % stats["plan"]["chunk"] == 0 and span * 4 >= N
+    assert torch.equal(out.cpu(), topk_reference(x.cpu(), 50, order="index"))
+
+
 @pytest.mark.parametrize("run", [16, 64])
 def test_score_order_by_sorted_runs(monkeypatch, run):
     """order="score" on rows wider than TUNING["sort_run"]: runs sorted by parallel programs, then merged

@@ -106,6 +106,7 @@ from sparse_ref.kernels.topk_common import (
     _bits_to_slots,
     _delegates_of,
     _exact_delegate,
+    _key_range,
     _keys,
     _narrow,
     _pad,
@@ -218,8 +219,7 @@ def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, 
     k_c = tl.cdiv(k, S)
     ok = acc != -2147483648
     n_c = tl.sum(ok.to(tl.int32), axis=0)
-    top = tl.max(acc, axis=0)
-    lo = tl.min(tl.where(ok, acc, 2147483647), axis=0)
+    lo, top = _key_range(acc, ok)
     t_c, _, _, _ = _narrow(acc, ok, n_c, tl.maximum(tl.minimum(k_c, n_c), 1), lo, top, k_c // 8, True,
                            4)  # rounds until at most k_c + k_c / 8 delegates reach t_c (or t_c is exact)
     scratch = delegates + G  # (the pair scratch: free until the select launch)
@@ -295,8 +295,8 @@ def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr
     m = tl.sum(tl.where(b == d, hist, 0), axis=0)  # keys in bin d
     t = T
     if m > PAIR:
-        t, member, m, k_rem = _narrow(key, member, m, k_rem, tl.min(tl.where(member, key, 2147483647), axis=0),
-                                      tl.max(tl.where(member, key, -2147483648), axis=0), PAIR, False, 3)
+        lo, hi = _key_range(key, member)
+        t, member, m, k_rem = _narrow(key, member, m, k_rem, lo, hi, PAIR, False, 3)
     if PAIR > 0:
         if m <= PAIR:  # copy them to the scratch, at places an atomic counter hands out (no prefix sum); rank
             scratch = _delegates_of(work_row, C_PAD) + G  # (the pair scratch)

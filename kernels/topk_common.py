@@ -87,6 +87,12 @@ def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
+def _key_range(key, member):
+    """The min and the max of the ``member`` keys (INT32_MAX and INT32_MIN when there are none)."""
+    return tl.min(tl.where(member, key, 2147483647), axis=0), tl.max(tl.where(member, key, -2147483648), axis=0)
+
+
+@triton.jit
 def _exact_delegate(dkey, ut, k_rem):
     """The exact k-th delegate (its unsigned-order digits, as ``ut``), given ``ut``/``k_rem`` after radix
     rounds 1-2 (its top 16 bits). When every delegate sharing those 16 bits is the same key (a plateau
@@ -94,8 +100,8 @@ def _exact_delegate(dkey, ut, k_rem):
     a min and a max instead of two more histogram rounds over the delegates. Else rounds 3-4."""
     u = dkey ^ -2147483648
     member = (dkey != -2147483648) & ((u >> 16) == (ut >> 16))
-    lo = tl.min(tl.where(member, dkey, 2147483647), axis=0)
-    if lo == tl.max(tl.where(member, dkey, -2147483648), axis=0):
+    lo, hi = _key_range(dkey, member)
+    if lo == hi:
         ut = lo ^ -2147483648
     else:
         ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)
@@ -259,8 +265,7 @@ def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: 
     for _ in range(1, ROUNDS):
         over = m - k_rem if EXCESS else m
         if over > limit:
-            lo = tl.min(tl.where(member, key, 2147483647), axis=0)  # the window: the kept keys' own range
-            hi = tl.max(tl.where(member, key, -2147483648), axis=0)
+            lo, hi = _key_range(key, member)  # the window: the kept keys' own range
             if lo < hi:
                 lo, member, m, k_rem = _window_round(key, member, k_rem, lo, hi)
     return lo, member, m, k_rem
@@ -312,16 +317,15 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     dok = dkey != -2147483648
     n_valid = tl.sum(dok.to(tl.int32), axis=0)
     usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
-    top = tl.max(dkey, axis=0)  # the row max
-    dlo = tl.min(tl.where(dok, dkey, 2147483647), axis=0)
+    dlo, top = _key_range(dkey, dok)  # (top: the row max)
     T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, k // 8,
                                     True, 4)  # the edge of the k-th delegate's bin, at most k / 8 extra delegates
     T = tl.where(usable, T, -2147483648)
     T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     if usable & (count > SLOTS):  # too many through the bin's edge: T = Te, the exact k-th delegate
-        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, tl.min(tl.where(dmember, dkey, 2147483647), axis=0),
-                                        tl.max(tl.where(dmember, dkey, -2147483648), axis=0), -1, True, 4)
+        dlo, dhi = _key_range(dkey, dmember)
+        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, dlo, dhi, -1, True, 4)
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)

@@ -2,10 +2,10 @@
 
     python benchmarks/kernel_registers.py
 
-Compiles each kernel of ``kernels/topk.py``'s long-row path at the 64 x 64K, k=2048 launch shape
-(Triton's ahead-of-time path, as ``tests/test_aot_compile.py``) and runs the ``ptxas`` that ships with
-Triton with ``-v`` on its PTX. A program's registers bound how many of its programs an SM holds at
-once (65536 registers per SM), which matters for the memory-bound passes.
+Compiles each kernel of the long-row top-k (``kernels/topk_threshold.py``, ``kernels/topk_select.py``)
+at the 64 x 64K, k=2048 launch shape (Triton's ahead-of-time path, as ``tests/test_aot_compile.py``) and
+runs the ``ptxas`` that ships with Triton with ``-v`` on its PTX. A program's registers bound how many of
+its programs an SM holds at once (65536 registers per SM), which matters for the memory-bound passes.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from sparse_ref.kernels import topk  # noqa: E402
+from sparse_ref.kernels import topk, topk_select, topk_threshold  # noqa: E402
 
-POINTERS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64", cand="*i32", work="*i32", sync="*i32")
-SHAPE = dict(HAS_K=False, HAS_LEN=False, G=4096, LOG_C=5)  # 64 x 65536, k=2048: G = 4096, 32 chunks of 2048
+POINTERS = dict(scores="*fp32", out="*i32", cand="*i32", work="*i32", sync="*i32")  # (k: an int)
+SHAPE = dict(lengths=None, G=4096, LOG_C=5)  # 64 x 65536, k=2048: G = 4096, 32 chunks of 2048
 KERNELS = [  # (kernel, its other constexprs, num_warps as the launcher's defaults)
-    (topk._delegates_kernel, dict(COLS=1024, ROWS=8, LOCAL=True), topk.TUNING["delegate_warps"]),
-    (topk._candidates_kernel, dict(CHUNK=2048, SLOTS=4096, BITMASK=True, REVERSE=True), topk.TUNING["candidate_warps"]),
-    (topk._select_kernel, dict(CHUNK=2048, SLOTS=4096, BITMASK=True, PAIR=128, SPAN=16384,
-                               TILE=topk.TUNING["tie_tile"], BLOCK=1024), topk.TUNING["select_warps"]),
+    (topk_threshold._delegates_kernel, dict(COLS=1024, ROWS=8, LOCAL=True), topk.TUNING["delegate_warps"]),
+    (topk_select._candidates_kernel, dict(CHUNK=2048, SLOTS=4096, BITMASK=True, REVERSE=True),
+     topk.TUNING["candidate_warps"]),
+    (topk_select._select_kernel, dict(CHUNK=2048, SLOTS=4096, BITMASK=True, PAIR=128, SPAN=16384,
+                                      TILE=topk.TUNING["tie_tile"]), topk.TUNING["select_warps"]),
 ]
 
 

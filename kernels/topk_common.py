@@ -357,16 +357,16 @@ def _pad(out_row, start, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K: tl.constexpr, HAS_LEN: tl.constexpr):
-    """Row r's k (clamped to [0, W]) and valid length (clamped to [0, N])."""
-    if HAS_K:
-        k = tl.load(k_ptr + r)
-    else:
-        k = tl.full([], 0, tl.int32) + k_scalar
-    if HAS_LEN:
-        length = tl.minimum(tl.maximum(tl.load(len_ptr + r).to(tl.int64), 0), N).to(tl.int32)  # no int32 wrap
-    else:
+def _row_k_len(r, N, W, k, lengths):
+    """Row r's k (clamped to [0, W]) and valid length (clamped to [0, N]). ``k``: an int, or a pointer to
+    one k per row; ``lengths``: a pointer to one length per row, or None (every row is full)."""
+    k = k + tl.zeros([], tl.int32)  # (an int becomes a scalar tensor; a pointer stays a pointer)
+    if k.dtype.is_ptr():
+        k = tl.load(k + r)
+    if lengths is None:
         length = tl.full([], 0, tl.int32) + N
+    else:
+        length = tl.minimum(tl.maximum(tl.load(lengths + r).to(tl.int64), 0), N).to(tl.int32)  # no int32 wrap
     return tl.minimum(tl.maximum(k, 0), W), length
 
 
@@ -398,5 +398,6 @@ def aot_variant(kernel, constexprs, options=None, **types):
     return (kernel, sig, constexprs, options or {"num_warps": 8})
 
 
-AOT_PTRS = dict(scores="*fp32", out="*i32", k_ptr="*i32", len_ptr="*i64")
-AOT_FLAGS = [dict(HAS_K=False, HAS_LEN=False), dict(HAS_K=True, HAS_LEN=True)]
+AOT_PTRS = dict(scores="*fp32", out="*i32")
+# k an int and every row full; one k and one length per row (k: a pointer, lengths: None or a pointer)
+AOT_ROWS = [(dict(k="i32"), dict(lengths=None)), (dict(k="*i32", lengths="*i64"), {})]

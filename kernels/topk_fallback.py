@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from sparse_ref.kernels.topk_common import (
-    AOT_FLAGS,
     AOT_PTRS,
+    AOT_ROWS,
     CNT2,
     HEAD,
     T_,
@@ -156,13 +156,12 @@ def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPA
 
 
 @triton.jit
-def _whole_row_kernel(scores, stride_r, out, N, W, k_scalar, k_ptr, len_ptr,
-                      HAS_K: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+def _whole_row_kernel(scores, stride_r, out, N, W, k, lengths, BLOCK: tl.constexpr):
     """One program = one row: the whole-row radix select (k too wide for the delegates)."""
     r = tl.program_id(0)
-    k, length = _row_k_len(r, N, W, k_scalar, k_ptr, len_ptr, HAS_K, HAS_LEN)
+    k, length = _row_k_len(r, N, W, k, lengths)
     _radix_select_row(scores + r.to(tl.int64) * stride_r, length, k, out + r.to(tl.int64) * W, W, BLOCK)
 
 
 AOT_VARIANTS = [
-    aot_variant(_whole_row_kernel, dict(**f, BLOCK=1024), **AOT_PTRS) for f in AOT_FLAGS]
+    aot_variant(_whole_row_kernel, dict(**rc, BLOCK=1024), **rt, **AOT_PTRS) for rt, rc in AOT_ROWS]

@@ -37,7 +37,8 @@ target = GPUTarget("cuda", 90, 32)
 report = {"compiled": [], "failed": [], "uncovered": [], "no_variants": []}
 for name in json.loads(sys.argv[1]):
     module = importlib.import_module(f"sparse_ref.kernels.{name}")
-    kernels = {k for k, v in vars(module).items() if isinstance(v, triton.JITFunction) and k.endswith("_kernel")}
+    kernels = {k for k, v in vars(module).items()  # the kernels defined here, not those imported
+               if isinstance(v, triton.JITFunction) and k.endswith("_kernel") and v.fn.__module__ == module.__name__}
     variants = getattr(module, "AOT_VARIANTS", None)
     if variants is None:
         if kernels:

@@ -400,8 +400,9 @@ def test_long_path_histogram_select(monkeypatch, pair_rank, reverse):
 
 def test_long_path_runs_wider_than_a_tile(monkeypatch):
     """A chunk with more winners than one tile (the top of an ascending row): the select program places
-    a whole run of winners, pads in tiles; ties at the k-th key cross tile and chunk boundaries."""
-    for name, value in {**PATHS["long"], "block": 16}.items():
+    a whole run of winners, pads in tiles (of 32 columns: the -1 padding of 50 ids takes two); ties at the k-th
+    key cross tile and chunk boundaries."""
+    for name, value in {**PATHS["long"], "chunk": 32, "tie_tile": 32}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = make_scores(3, 1000, seed=8)
     x[0] = torch.arange(1000, device=DEVICE).float()  # the 50 winners: the last chunk's 40 and 10 before

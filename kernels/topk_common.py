@@ -185,6 +185,19 @@ def _popcount(word):
 
 
 @triton.jit
+def _hit_ranks(hit, WORDS: tl.constexpr):
+    """For each element of a [WORDS * 32] mask, how many hits come before it (a hit's place in an ordered
+    compaction), without a prefix sum over the elements: the mask as WORDS bitmask words, one prefix sum
+    over the words' bit counts, then each element adds the set bits below it in its own word (a popcount)."""
+    lane = tl.arange(0, 32)[None, :]
+    word = tl.sum(tl.reshape(hit.to(tl.int32), [WORDS, 32]) << lane, axis=1)
+    count = _popcount(word)
+    first = tl.cumsum(count, axis=0) - count  # hits in the words before
+    below = word[:, None] & ~(-1 << lane)  # the word's bits below each lane
+    return tl.reshape(first[:, None] + _popcount(below), [WORDS * 32])
+
+
+@triton.jit
 def _words_to_slots(word, w, done, dst, col0):
     """Store the columns of the set bits of the bitmask words ``word`` (bit i of word w is column
     ``col0 + 32 w + i``) at dst[done:], ascending; returns ``done`` plus how many. One prefix sum over the

@@ -35,6 +35,7 @@ from sparse_ref.kernels.topk_common import (
     _bitmask_words,
     _bits_to_slots,
     _delegates_of,
+    _hit_ranks,
     _key_range,
     _keys,
     _narrow,
@@ -86,8 +87,8 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
     else:
         tl.store(work_row + HEAD + 2 * C_PAD + c, n_c)
         tl.store(work_row + HEAD + 3 * C_PAD + c, base)
-        if base + n_c <= SLOTS:
-            tl.store(cand + r.to(tl.int64) * SLOTS + base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1,
+        if base + n_c <= SLOTS:  # (their ranks from bitmask words: no prefix sum over the chunk)
+            tl.store(cand + r.to(tl.int64) * SLOTS + base + _hit_ranks(is_cand, WORDS),
                      (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_cand)
 
 

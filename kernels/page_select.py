@@ -183,7 +183,7 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
     slots = min(n_pad, TUNING["slots"] or SLOTS_PER_DELEGATE * G)
     pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # see kernels/topk.py plan()
-    scratch = torch.empty((bs, slots), dtype=torch.int64, device=device)
+    scratch = torch.empty((bs, slots), dtype=torch.int32, device=device)
     args = (scores, scores.stride(0), seq_lens.contiguous(), sparse_mask.contiguous(),
             budget_table(max_pages, config, device), scratch)
     scalars = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)
@@ -297,7 +297,7 @@ def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_m
 
 # Ahead-of-time compile list (tests/test_aot_compile.py): the decode-step shapes (2048 and 8192 pages, k ~ 128)
 _SELECT_SIG = {"scores": "*fp32", "stride_r": "i32", "selected": "*i32", "lengths": "*i32", "seq_lens": "*i64",
-               "sparse_mask": "*i1", "budget": "*i32", "scratch": "*i64"}
+               "sparse_mask": "*i1", "budget": "*i32", "scratch": "*i32"}
 _SCALARS = {"N": "i32", "W": "i32", "page_size": "i32", "n_recent": "i32", "n_sink": "i32", "min_seq": "i32"}
 _TABLE_SIG = {**_SELECT_SIG, "rows": "*i64", "req_to_token": "*i32", "page_table": "*i32", "kv_lens": "*i32",
               "cu_kv_lens": "*i32", "counter": "*i32", "N": "i32", "W": "i32", "out_width": "i32", "r2t_rows": "i32",

@@ -222,7 +222,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     row_args = dict(k=k_tensor if k_tensor is not None else min(k_scalar, N), lengths=lengths)
     stride = scores.stride(0)
     if p["register"]:
-        scratch = torch.empty((R, p["slots"]), dtype=torch.int64, device=device)
+        scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
         stats["flags"] = flags = torch.empty((R,), dtype=torch.int32, device=device)
         return [("register_row", lambda: _register_row_kernel[(R,)](
             scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
@@ -373,9 +373,9 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
 
 
 AOT_VARIANTS = [  # the short rows: 8192 columns at k = 2048 and k = 128; bf16 scores
-    *[aot_variant(_register_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i64",
+    *[aot_variant(_register_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b), scratch="*i32",
                   flags="*i32", **rt, **AOT_PTRS)
       for (rt, rc), g, b, pr in zip(AOT_ROWS, (4096, 256), (1024, 128), (0, 128), strict=True)],
     aot_variant(_register_row_kernel, dict(lengths=None, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
-                {"num_warps": 4}, scratch="*i64", flags="*i32", k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
+                {"num_warps": 4}, scratch="*i32", flags="*i32", k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
 ]

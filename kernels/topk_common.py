@@ -308,7 +308,7 @@ def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, 
 def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
                          N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
     """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
-    (``scratch_row``: SLOTS free int64). Returns ``(k_eff, path)``: how many were written, and the path
+    (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: how many were written, and the path
     taken (0 candidates in the slots, 2 tie path, 1 exact radix select over the whole register row).
 
     Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
@@ -317,11 +317,11 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     delegates' own range (``_narrow``: one round on random rows; more while over k / 8 extra delegates
     share the bin, as when the range spans both signs and the bins are coarse); when that lets more keys
     through than the slots hold, more rounds make T the exact k-th delegate Te. The candidates reach the
-    slots as ``key << 32 | id`` at their ranks from bitmask words (``_hit_ranks``: no prefix sum over the
-    row; no second read of their keys), and the exact k-th candidate comes from window rounds over
-    [T, row max] and a pairwise rank (``_write_top_in_window``). Only when even Te overflows (ties, rows
-    that defeat the delegates): keys > Te plus the lowest-id ties == Te when that is the answer (fewer
-    than k keys > Te), else the whole row.
+    slots through a bitmask (a word per 32 columns, ``_words_to_slots``: no prefix sum over the row), and
+    the exact k-th candidate comes from window rounds over [T, row max] and a pairwise rank
+    (``_write_top_in_window``). Only when even Te overflows (ties, rows that defeat the delegates): keys
+    > Te plus the lowest-id ties == Te when that is the answer (fewer than k keys > Te), else the whole
+    row.
     """
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
@@ -342,21 +342,21 @@ def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)
-    scratch32 = scratch_row.to(tl.pointer_type(tl.int32))  # (the pairwise rank's PAIR ints)
-    if count <= SLOTS:  # the candidates as key << 32 | id, ascending ids, into the scratch row at their ranks
-        tl.store(scratch_row + _hit_ranks(cand, N_PAD // 32), (key.to(tl.int64) << 32) | j.to(tl.int64), mask=cand)
+    if count <= SLOTS:  # the candidates' ids, ascending, into the scratch row (a bitmask word per 32 columns)
+        _words_to_slots(_bitmask_words(cand, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32),
+                        scratch_row, 0)
         tl.debug_barrier()
         s = tl.arange(0, SLOTS)
-        packed = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
-        skey = tl.where(s < count, (packed >> 32).to(tl.int32), -2147483648)
-        k_eff = _write_top_in_window(skey, packed.to(tl.int32), count, k, T, top, out_row, base, W, scratch32, PAIR)
+        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
+        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+        k_eff = _write_top_in_window(skey, ids, count, k, T, top, out_row, base, W, scratch_row, PAIR)
     else:  # overflow even at T = Te (or fewer than k delegates)
         above = tl.sum((key > T).to(tl.int32), axis=0)
         if usable & (above < k):  # the k-th key is Te: keys > Te plus the first k - above keys == Te
             k_eff = _write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
             path = path + 2
         else:  # exact radix select over the whole register row
-            k_eff = _write_winners(key, j, k, out_row, base, W, scratch32, 0)
+            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
             path = path + 1
     return k_eff, path
 

@@ -21,7 +21,7 @@ from sparse_ref import checks
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
-from sparse_ref.kernels.topk_common import _bin_shift, _bits_to_slots, _narrow
+from sparse_ref.kernels.topk_common import _bin_shift, _bits_to_slots, _hit_ranks, _narrow
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -562,6 +562,25 @@ def test_window_rounds(case):
         t, m, k_rem = out[:3].tolist()  # (the select programs' mode: until at most 8 keys share the bin)
         assert m <= 8 or (t == kth and m == int((keys == kth).sum())), (case, k)
         assert int((keys >= t).sum()) >= k >= int((keys >= t).sum()) - m + k_rem  # the k-th is in the bin
+
+
+@triton.jit
+def _hit_ranks_kernel(hits, out, WORDS: tl.constexpr):
+    i = tl.arange(0, WORDS * 32)
+    tl.store(out + i, _hit_ranks(tl.load(hits + i) != 0, WORDS))
+
+
+@pytest.mark.parametrize("density", [0.0, 0.04, 0.5, 1.0])
+def test_hit_ranks(density):
+    """``_hit_ranks`` (the runs mode's places of a chunk's candidates, from bitmask words) equals the
+    prefix sum it replaces, at every element: empty, sparse, half-full and full masks (bit 31 of each
+    word set: the sign bit of an int32 word)."""
+    g = torch.Generator().manual_seed(int(density * 100))
+    for words in (1, 8):
+        hits = (torch.rand(words * 32, generator=g) < density).to(torch.int32)
+        out = torch.empty(words * 32, dtype=torch.int32, device=DEVICE)
+        _hit_ranks_kernel[(1,)](hits.to(DEVICE), out, WORDS=words)
+        assert torch.equal(out.cpu(), torch.cumsum(hits, 0) - hits), (density, words)
 
 
 @pytest.mark.parametrize("N", [700, 1500])

@@ -50,25 +50,30 @@ def _sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: 
 def _merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
     """One program = one sorted run of a row: an entry's place in the row's order is the number of larger
     entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
-    Stores each valid entry's id there, and -1 on the run's share of the padding."""
+    The row's runs are loaded once and searched in registers (``tl.gather``: no dependent load from memory
+    per halving). Stores each valid entry's id there, and -1 on the run's share of the padding."""
     _after_previous_launch(PDL)
     NR: tl.constexpr = W_PAD // RUN
     r = tl.program_id(0)
     row = runs + r.to(tl.int64) * W_PAD
+    every = tl.load(row + tl.arange(0, W_PAD))  # the row's NR runs, each sorted descending
     i = tl.program_id(1) * RUN + tl.arange(0, RUN)
     v = tl.load(row + i)
+    # one lane per (run q, entry e): how many entries of run q are larger than entry e
     q = tl.arange(0, NR)[:, None] * RUN
-    larger = tl.zeros([NR, RUN], tl.int32)  # per run: how many of its entries are > v
+    mine = tl.reshape(tl.broadcast_to(v[None, :], [NR, RUN]), [W_PAD])
+    start = tl.reshape(tl.broadcast_to(q, [NR, RUN]), [W_PAD])
+    larger = tl.zeros([W_PAD], tl.int32)
     for b in tl.static_range(16):
         if (RUN >> b) > 0:  # steps RUN, RUN / 2, ..., 1
             probe = larger + (RUN >> b)
-            x = tl.load(row + q + probe - 1, mask=probe <= RUN, other=-9223372036854775807 - 1)
-            larger = tl.where(x > v[None, :], probe, larger)
-    n_valid = tl.sum(tl.sum((tl.load(row + q + tl.arange(0, RUN)[None, :]) != -9223372036854775807 - 1
-                             ).to(tl.int32), axis=1), axis=0)
+            x = tl.gather(every, tl.minimum(start + probe - 1, W_PAD - 1), 0)
+            larger = tl.where((probe <= RUN) & (x > mine), probe, larger)
+    n_valid = tl.sum((every != -9223372036854775807 - 1).to(tl.int32), axis=0)
     valid = v != -9223372036854775807 - 1
     out_row = out + r.to(tl.int64) * W
-    tl.store(out_row + tl.sum(larger, axis=0), (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=valid)
+    place = tl.sum(tl.reshape(larger, [NR, RUN]), axis=0)
+    tl.store(out_row + place, (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=valid)
     tl.store(out_row + i, tl.full([RUN], -1, tl.int32), mask=(i >= n_valid) & (i < W))
 
 

@@ -1,7 +1,8 @@
-"""The device helpers shared by the top-k kernels (``kernels/topk.py`` and its fallback and sort
-modules): order-preserving int32 keys, 8-bit radix rounds and the walk of a 256-bin histogram, window
-rounds (256 bins over the keys' own range, ``_narrow``), the exact rank of a few keys, ordered writes by
-prefix sums, bitmask words and their set bits as ascending slots, the whole selection of a row held in registers
+"""The device helpers shared by the top-k kernels (``kernels/topk.py``, ``topk_threshold.py``,
+``topk_select.py``, ``topk_fallback.py`` and ``topk_sort.py``): order-preserving int32 keys, 8-bit radix
+rounds and the walk of a 256-bin histogram, window rounds (256 bins over the keys' own range,
+``_narrow``), the exact rank of a few keys, ordered writes by prefix sums, bitmask words, the ranks of
+their set bits and those bits as ascending slots, the whole selection of a row held in registers
 (``_select_in_registers``: the short rows of ``kernels/topk.py`` and the page histories of
 ``kernels/page_select.py``), and the layout of the per-row state of the long-row kernels.
 No kernel here: everything is a ``@triton.jit`` helper compiled into its callers.

@@ -3,16 +3,18 @@ clusters of equal values, a period of G, more than half the row wanted), chosen 
 
 Most such rows overflow because many keys EQUAL the threshold ``T``. At least k keys are >= T, so if
 fewer than k are > T, ``T`` is the k-th key and the answer is "every key > T, plus the lowest-id keys
-== T". The candidates programs of ``kernels/topk.py`` count both in every chunk; every select program
-of an overflowing row turns the counts into its span's offsets (``_plan_tie_path``) and writes its
-share (the *tie path*, ``_tie_path_span``), reading only the chunks that hold something to write (a
-plateau's answer is its first k ties: the rest of the row is never read again). (``T`` is the k-th
-delegate cut to 16 bits, or exact when many delegates share those bits, so that plateaus at any value
+== T". The candidates programs (``kernels/topk_select.py``) count both in every chunk; every select
+program of an overflowing row turns the counts into its span's offsets (``_plan_tie_path``) and writes
+its share (the *tie path*, ``_tie_path_span``), reading only the chunks that hold something to write (a
+plateau's answer is its first k ties: the rest of the row is never read again). (``T`` is the lower edge
+of a window round's bin, or the k-th delegate cut to 16 bits when a row has many delegates programs, and
+the exact k-th delegate when many delegates share the bin or the bits, so that plateaus at any value
 have their ties at ``T``.) Rows with k or more keys above ``T`` (scores of a few distinct values, whose
 top value has more keys than delegates) copy those keys into the slots when they fit (the runs mode:
 ``_above_to_slots``; the bitmask mode: the tie path's code with no ties wanted), and the row's last
 select program selects among them; when they do not (e.g. a period of G), the row takes the whole-row
-radix select (``_radix_select_row``: one program per row, slow). Used by ``kernels/topk.py``."""
+radix select (``_radix_select_row``: one program per row, slow). Used by the select launch, and by
+``kernels/topk.py`` when k is too wide for the delegates (``_whole_row_kernel``)."""
 
 from __future__ import annotations
 

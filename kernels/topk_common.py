@@ -191,7 +191,7 @@ def _hit_ranks(hit, WORDS: tl.constexpr):
     compaction), without a prefix sum over the elements: the mask as WORDS bitmask words, one prefix sum
     over the words' bit counts, then each element adds the set bits below it in its own word (a popcount)."""
     lane = tl.arange(0, 32)[None, :]
-    word = tl.sum(tl.reshape(hit.to(tl.int32), [WORDS, 32]) << lane, axis=1)
+    word = _bitmask_words(hit, WORDS)
     count = _popcount(word)
     first = tl.cumsum(count, axis=0) - count  # hits in the words before
     below = word[:, None] & ~(-1 << lane)  # the word's bits below each lane

@@ -58,8 +58,9 @@ def _candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
     row's (one atomic add) and stores its counts of keys > T and == T (the select launch's offsets, and the
     tie path's plan if the row overflows). Then, BITMASK: it marks them in the row's bitmask (CHUNK / 32
     words, a dense store: nothing over the read); else it copies them (``key << 32 | id``, ascending id)
-    to the run of the row's slots that its atomic add returned (a prefix sum over the chunk and a store
-    per candidate: with few rows there are few programs and this costs little; with many, several µs).
+    to the run of the row's slots that its atomic add returned (each at its rank from bitmask words,
+    ``_hit_ranks``, and a store per candidate: with few rows there are few programs and this costs
+    little; with many, several µs).
     No tail and no histogram, so this one runs with light programs. Row-major order, the last rows first
     when REVERSE: the delegates launch read those last, so more of them are still in L2."""
     _after_previous_launch(PDL)

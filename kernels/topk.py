@@ -113,7 +113,8 @@ TUNING = {
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
     "chunk": 2048,  # columns per candidate program
     "bitmask_programs": 1024,  # at least this many candidates programs (rows x chunks): the bitmask mode
-    "delegate_cols": 1024,  # delegate columns per delegate program
+    "delegate_cols": 2048,  # delegate columns per delegate program (at most; halved while the programs are fewer
+    # than min_programs: 1024 at 64 rows and G = 4096, 2048 at 128 rows, where two programs per row fit in one wave)
     "num_warps": 8,  # register rows (one program per row) and the fused page selection
     "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program

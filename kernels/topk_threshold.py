@@ -141,8 +141,10 @@ def _store_threshold(work_row, T, row_max):
 
 
 AOT_VARIANTS = [  # 64 x 64K and 8 x 128K at k = 2048 (LOCAL); 1 x 128K (the row's merged histogram)
-    aot_variant(_delegates_kernel, dict(**rc, G=g, COLS=1024, ROWS=8, LOG_C=c, LOCAL=lc), {"num_warps": nw},
-                work="*i32", sync="*i32", **rt, **AOT_PTRS)
-    for (rt, rc), g, c, nw, lc in zip(AOT_ROWS * 2, (4096, 8192) * 2, (4, 7) * 2, (16, 8) * 2,
-                                      (True, True, False, False), strict=True)
+    *[aot_variant(_delegates_kernel, dict(**rc, G=g, COLS=1024, ROWS=8, LOG_C=c, LOCAL=lc), {"num_warps": nw},
+                  work="*i32", sync="*i32", **rt, **AOT_PTRS)
+      for (rt, rc), g, c, nw, lc in zip(AOT_ROWS * 2, (4096, 8192) * 2, (4, 7) * 2, (16, 8) * 2,
+                                        (True, True, False, False), strict=True)],
+    aot_variant(_delegates_kernel, dict(lengths=None, G=4096, COLS=2048, ROWS=4, LOG_C=6, LOCAL=True),  # 128 x 128K
+                work="*i32", sync="*i32", k="i32", **AOT_PTRS),
 ]

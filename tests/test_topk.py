@@ -730,7 +730,8 @@ def test_input_errors(call, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("R, N, k", [(4, 131072, 2048), (1, 131072, 2048), (5, 10_000, 4096), (3, 20_000, 100),
                                      (2, 1 << 20, 4096), (64, 65536, 2048), (7, 6000, 2047),
-                                     (64, 32832, 2048)])  # (few compile variants; the last: the DSA indexer's rows)
+                                     (64, 32832, 2048), (128, 40_000, 2048)])
+# (few compile variants; 64 x 32832: the DSA indexer's rows; 128 rows: two delegates programs of 2048 columns per row)
 def test_gpu_large_rows(R, N, k):
     x = make_scores(R, N, seed=8, device="cuda")
     x[0, ::7] = 0.25  # a big block of ties

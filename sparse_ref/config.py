@@ -1,9 +1,9 @@
-"""``SparseConfig``: the knobs of page-granular sparse retrieval, validated on construction.
+"""The two configurations: ``SparseConfig`` (page retrieval) and ``IndexerConfig`` (the DSA indexer).
 
-A bad value raises ``ConfigError`` naming the field, the value and the allowed range. The
-config is frozen: change a field with ``dataclasses.replace(config, field=value)``, which
-validates again. Integers must fit the int32 arithmetic of the kernels.
-Page size is not here: it belongs to the KV pool and the algorithm reads it from there.
+Both are validated on construction (a bad value raises ``ConfigError`` naming the field, the value and
+the allowed range) and store the normalised values they checked. ``SparseConfig`` is frozen: change a
+field with ``dataclasses.replace(config, field=value)``, which validates again. Integers must fit the
+int32 arithmetic of the kernels. Page size is not here: it belongs to the KV pool.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_ref.checks import INT32_MAX, check_choice, check_float, check_int, fail
-from sparse_ref.errors import ConfigError
+from sparse_ref import checks
 
 GQA_MODES = ("mean", "per_kv_head")
 
@@ -44,22 +43,8 @@ class SparseConfig:
     gqa_mode: str = "mean"
 
     def __post_init__(self) -> None:
-        if self.keep_ratio is not None and self.page_budget is not None:
-            fail("SparseConfig", "exactly one of keep_ratio and page_budget",
-                 f"keep_ratio={self.keep_ratio} and page_budget={self.page_budget} were both given",
-                 "pass keep_ratio=None or page_budget=None.", ConfigError)
-        ratio = 0.25 if self.keep_ratio is None and self.page_budget is None else self.keep_ratio
-        if ratio is not None:
-            ratio = check_float("SparseConfig.keep_ratio", ratio, low=0, high=1, low_open=True)
-        object.__setattr__(self, "keep_ratio", ratio)  # frozen: the one write, during construction
-        if self.page_budget is not None:  # stored as a plain int (a 0-d tensor would leak into cache keys)
-            object.__setattr__(self, "page_budget",
-                               check_int("SparseConfig.page_budget", self.page_budget, low=1, high=INT32_MAX))
-        check_int("SparseConfig.num_recent_pages", self.num_recent_pages, low=1, high=INT32_MAX,
-                  fix="The last page holds the token being decoded, so at least 1 recent page is always kept.")
-        check_int("SparseConfig.num_sink_pages", self.num_sink_pages, low=0, high=INT32_MAX)
-        check_int("SparseConfig.min_sparse_seq_len", self.min_sparse_seq_len, low=0, high=INT32_MAX)
-        check_choice("SparseConfig.gqa_mode", self.gqa_mode, GQA_MODES)
+        for name, value in checks.check_sparse_config(self).items():
+            object.__setattr__(self, name, value)  # frozen: the checked values, written once at construction
 
     def history_budget(self, history: int) -> int:
         """How many of ``history`` scorable pages to keep (a Python int; see ``selection``)."""
@@ -81,3 +66,49 @@ class SparseConfig:
         recent = min(self.num_recent_pages, max_pages)
         sink = min(self.num_sink_pages, max_pages - recent)
         return min(max_pages, sink + self.history_budget(max_pages - recent - sink) + recent)
+
+
+@dataclass
+class IndexerConfig:
+    """Shapes and numerics of the lightning indexer. Defaults are DeepSeek-V3.2-Exp's.
+
+    * ``hidden_size``: width of ``x`` (the layer's hidden states);
+    * ``q_lora_rank``: width of ``q_lora`` (MLA's low-rank query latent);
+    * ``n_heads``, ``head_dim``: indexer heads and their dim (a power of two, for the Hadamard);
+    * ``rope_dim``: the first ``rope_dim`` dims get RoPE (even, ``<= head_dim``);
+    * ``index_topk``: positions kept per query token;
+    * ``use_fp8``: quantise q and k to FP8 e4m3 (False: full precision, for teaching/testing);
+    * ``block_size``: values per FP8 scale. A block never spans two vectors, so it must be
+      ``>= head_dim``; each q head and each key is then one block with one scale, which is
+      what lets q's scale fold into the head weights;
+    * ``ue8m0``: round scales up to powers of two (DeepSeek's checkpoint config sets
+      ``scale_fmt="ue8m0"``); off by default so scales are exactly ``amax / 448``;
+    * ``rope_theta``, ``rope_interleaved``: RoPE base and layout (DeepSeek's indexer: not interleaved);
+    * ``layer_norm_eps``: epsilon of ``k_norm``.
+    """
+
+    hidden_size: int = 7168
+    q_lora_rank: int = 1536
+    n_heads: int = 64
+    head_dim: int = 128
+    rope_dim: int = 64
+    index_topk: int = 2048
+    use_fp8: bool = True
+    block_size: int = 128
+    ue8m0: bool = False
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        checks.check_indexer_config(self)
+
+    @property
+    def quant_block(self) -> int:
+        """Values per FP8 scale as used: one whole ``head_dim`` vector (a block never spans two)."""
+        return self.head_dim
+
+    @property
+    def key_bytes_per_token(self) -> int:
+        """Cache bytes per token and layer: the key (1 byte per value in FP8, 4 in fp32) + one fp32 scale."""
+        return self.head_dim * (1 if self.use_fp8 else 4) + 4

@@ -13,7 +13,6 @@ import os
 
 import torch
 
-from sparse_ref.checks import fail
 from sparse_ref.errors import ConfigError
 
 FAST_ENV = "SPARSE_REF_FAST"
@@ -37,13 +36,6 @@ def configure_triton() -> None:
 def triton_interpreted() -> bool:
     """True when Triton kernels run through the interpreter on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
-
-
-def check_kernel_device(name: str, t: torch.Tensor, fix: str) -> None:
-    """Triton kernels run on CUDA tensors, or on CPU tensors through the interpreter; refuse anything else."""
-    if t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreted()):
-        return
-    fail(name, "a tensor on a CUDA device (or on CPU with TRITON_INTERPRET=1)", f"one on {t.device}", fix)
 
 
 def default_device() -> torch.device:

@@ -43,14 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparse_ref import checks
 from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, decode_step
-from sparse_ref.checks import check_choice, check_int
 from sparse_ref.config import SparseConfig
-from sparse_ref.errors import ConfigError, PoolError
-from sparse_ref.memory import KVCacheManager, Request
+from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request
 from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
 from sparse_ref.workloads import PlantedEngineWorkload
 
@@ -109,8 +108,6 @@ class SparseCoordinator:
             if name == "quest":  # freed pages drop their bounds (no stale bounds for the next owner)
                 algo.initialize_representation_pool(layer, layer + 1, pool, req_pool, page_allocator=manager.allocator)
             elif name == "deepseek_dsa":
-                from sparse_ref.algorithms.dsa import IndexerKeyCache
-
                 algo.initialize_representation_pool(layer, layer + 1, pool, req_pool)
                 self.indexers[layer] = workload.indexer(layer, dsa_topk, self.device)
                 if index_cache is None:  # one cache for every DSA layer; it forgets the keys of freed pages
@@ -179,18 +176,8 @@ class DecodeEngine:
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
                  attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
                  bounds_dtype=torch.float32, device="cpu"):
-        algorithms = list(algorithms)
-        if len(algorithms) != workload.num_layers or any(name not in ALGORITHMS for name in algorithms):
-            raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), each entry "
-                              f"must be one of {ALGORITHMS}; got {algorithms}. Fix: e.g. ['quest', None, ...].")
-        check_choice("attention_backend", attention_backend, ATTENTION_BACKENDS)
-        configs = list(config) if isinstance(config, (list, tuple)) else [config or SparseConfig()] * len(algorithms)
-        if len(configs) != len(algorithms):
-            raise ConfigError(f"config: expected one SparseConfig, or one per layer ({len(algorithms)}), got "
-                              f"{len(configs)}.")
-        for name, value, low in (("page_size", page_size, 1), ("max_requests", max_requests, 1),
-                                 ("max_context_len", max_context_len, 1)):
-            check_int(name, value, low=low)
+        algorithms, configs = checks.check_engine(workload, algorithms, config, attention_backend, page_size,
+                                                  max_requests, max_context_len, ALGORITHMS, ATTENTION_BACKENDS)
         self.workload, self.device, self.compare_dense = workload, torch.device(device), compare_dense
         num_pages = num_pages or max_requests * -(-max_context_len // page_size) + 1
         self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
@@ -219,7 +206,7 @@ class DecodeEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None) -> Request:
         """Admit a request of ``prompt_len`` tokens and prefill every layer (K/V, indexer keys, representations)."""
-        prompt_len = check_int("prompt_len", prompt_len, low=1, fix="a request needs at least one prompt token.")
+        prompt_len = checks.check_int("prompt_len", prompt_len, low=1, fix="a request needs at least one prompt token.")
         req = self.manager.admit(prompt_len)
         plan = self.workload.request(req.rid if key is None else key, prompt_len, needle_depths)
         self.plans[req.rid] = plan
@@ -240,9 +227,7 @@ class DecodeEngine:
 
     def finish(self, req: Request) -> None:
         """The request leaves: its pages and row are freed (Quest bounds and indexer keys with them)."""
-        if req not in self.live:
-            raise PoolError(f"finish: expected a live request of this engine, got {req!r} (finished already, or "
-                            "never added). Fix: call finish once per request returned by add_request.")
+        checks.check_finish(self, req)
         self.coordinator.on_request_end(req)
         self.live.remove(req)
         del self.plans[req.rid]

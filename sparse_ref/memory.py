@@ -1,4 +1,4 @@
-"""The two memory pools of a serving engine, and the bookkeeping that ties them together.
+"""The memory pools of a serving engine, and the bookkeeping that ties them together.
 
 * ``ReqToTokenPool``: one row per live request; row ``r`` maps a logical token
   position ``t`` to the physical KV slot that holds token ``t``.
@@ -10,8 +10,12 @@
   a freed and reused page can never keep its previous owner's state.
 * ``KVCacheManager``: admits a request of n tokens, grows it one token at a time and
   releases it, keeping the req_to_token row and the page list in step.
+* ``IndexerKeyCache``: the DSA indexer's FP8 keys, paged like the KV pool, in the layout GPU
+  kernels read.
 
 A request's logical token ``t`` lives at physical slot ``pages[t // P] * P + t % P``.
+Every public method opens with its argument check (``sparse_ref.checks``); a failed check
+changes nothing.
 """
 
 from __future__ import annotations
@@ -21,25 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_ref.checks import INT32_MAX, check_device, check_int, check_range, check_tensor, describe, fail
-from sparse_ref.errors import PoolError
-
-
-def as_index_list(name: str, indices) -> list[int]:
-    """Ints from an int, a sequence of ints or an integer tensor; anything else (floats too) raises."""
-    if isinstance(indices, torch.Tensor):
-        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-            fail(name, "an integer tensor", f"dtype {indices.dtype}", error=PoolError)
-        return indices.reshape(-1).tolist()
-    if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
-        indices = [indices]
-    return [check_int(name, i, error=PoolError) for i in indices]
-
-
-def _check_fits_memory(what: str, nbytes: int) -> None:
-    if nbytes > 2**45:
-        fail(what, "buffers that fit in a machine's memory (at most 32 TiB)", f"a request for {nbytes} bytes",
-             "check the sizes: a typo in one of them multiplies the whole allocation.", PoolError)
+from sparse_ref import checks
+from sparse_ref.config import IndexerConfig
+from sparse_ref.fp8 import FP8_DTYPE
 
 
 class _FreeList:
@@ -56,20 +44,6 @@ class _FreeList:
             self._is_free[i] = False
         return ids
 
-    def _checked(self, name: str, ids) -> list[int]:
-        """``ids`` as a list, each allocated now and named once; else PoolError (nothing changes)."""
-        ids = as_index_list(name, ids)
-        for i in ids:
-            if i == 0 < self._first:
-                raise PoolError(f"{name}: page 0 is the reserved padding page and is never allocated.")
-            if not self._first <= i < self._size:
-                raise PoolError(f"{name}: {self._what} {i} is out of range [{self._first}, {self._size}).")
-            if self._is_free[i]:
-                raise PoolError(f"{name}: {self._what} {i} is already free (double free).")
-        if len(set(ids)) != len(ids):
-            raise PoolError(f"{name}: the same {self._what} appears twice in {ids} (double free).")
-        return ids
-
     def _give_back(self, ids: list[int]) -> None:
         for i in ids:
             self._is_free[i] = True
@@ -80,13 +54,9 @@ class ReqToTokenPool(_FreeList):
     """``req_to_token``: int32 ``[size, max_context_len]``, one row per request slot."""
 
     def __init__(self, size: int, max_context_len: int, device="cpu"):
-        size = check_int("ReqToTokenPool(size)", size, low=1, high=INT32_MAX, error=PoolError)
-        max_context_len = check_int("ReqToTokenPool(max_context_len)", max_context_len, low=1, high=INT32_MAX,
-                                    error=PoolError)
-        _check_fits_memory("ReqToTokenPool", size * max_context_len * 4)
+        size, max_context_len, self.device = checks.check_req_to_token_pool(size, max_context_len, device)
         super().__init__("slot", 0, size)
         self.size, self.max_context_len = size, max_context_len
-        self.device = check_device("ReqToTokenPool(device)", device, PoolError)
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=self.device)
 
     def available_size(self) -> int:
@@ -94,15 +64,11 @@ class ReqToTokenPool(_FreeList):
 
     def alloc(self, n: int = 1) -> list[int]:
         """Take ``n`` request slots; raises PoolError when fewer are free."""
-        n = check_int("ReqToTokenPool.alloc(n)", n, low=0, error=PoolError)
-        if n > len(self._free):
-            raise PoolError(f"ReqToTokenPool exhausted: asked for {n} request slots, {len(self._free)} of {self.size} "
-                            "free. Fix: release finished requests, or build the pool with a larger size.")
-        return self._take(n)
+        return self._take(checks.check_slot_alloc(self, n))
 
     def free(self, slots) -> None:
         """Give request slots back; their rows are zeroed. Double free raises PoolError."""
-        slots = self._checked("ReqToTokenPool.free(slots)", slots)
+        slots = checks.check_free(self, "ReqToTokenPool.free(slots)", slots)
         self._give_back(slots)
         for s in slots:
             self.req_to_token[s].zero_()
@@ -112,10 +78,7 @@ class PageAllocator(_FreeList):
     """Whole pages of the KV cache. Page 0 is reserved padding and is never handed out."""
 
     def __init__(self, num_pages: int, page_size: int):
-        self.num_pages = check_int("PageAllocator(num_pages)", num_pages, low=2, high=INT32_MAX, error=PoolError,
-                                   fix="page 0 is reserved, so at least 2 pages.")
-        self.page_size = check_int("PageAllocator(page_size)", page_size, low=1, high=INT32_MAX // self.num_pages,
-                                   error=PoolError, fix="slot ids (num_pages * page_size) must fit in int32.")
+        self.num_pages, self.page_size = checks.check_page_allocator(num_pages, page_size)
         super().__init__("page", 1, self.num_pages)
         self._free_listeners: list[Callable[[torch.Tensor], None]] = []
 
@@ -124,20 +87,13 @@ class PageAllocator(_FreeList):
 
     def add_free_listener(self, callback: Callable[[torch.Tensor], None]) -> None:
         """Call ``callback(pages)`` whenever pages are freed (Quest drops their bounds). Added once."""
-        if not callable(callback):
-            fail("add_free_listener(callback)", "a callable taking an int64 tensor of pages", describe(callback),
-                 error=PoolError)
+        checks.check_free_listener(callback)
         if callback not in self._free_listeners:
             self._free_listeners.append(callback)
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` whole pages (never page 0); raises PoolError when fewer are free."""
-        n = check_int("PageAllocator.alloc(n)", n, low=0, error=PoolError)
-        if n > len(self._free):
-            raise PoolError(f"KV cache exhausted: asked for {n} pages, {len(self._free)} of {self.num_pages - 1} "
-                            f"usable pages free (page size {self.page_size}). Fix: release requests, or build the "
-                            "pool with more pages.")
-        return self._take(n)
+        return self._take(checks.check_page_alloc(self, n))
 
     def free(self, pages) -> None:
         """Give whole pages back, after telling the free listeners. Page 0, double free, out of range raise.
@@ -146,16 +102,10 @@ class PageAllocator(_FreeList):
         are the pages marked free. If a listener raises, no page is freed (a listener must
         tolerate being called again for the same pages when the free is retried).
         """
-        pages = self._checked("PageAllocator.free(pages)", pages)
+        pages = checks.check_free(self, "PageAllocator.free(pages)", pages)
         freed = torch.tensor(pages, dtype=torch.int64)
         for callback in self._free_listeners:
-            try:
-                callback(freed)
-            except Exception as e:
-                raise PoolError(
-                    f"PageAllocator.free: the free listener {callback!r} raised {type(e).__name__}: {e}. No page was "
-                    f"freed; pages {pages} are still allocated. Fix: fix the listener, then free again."
-                ) from e
+            checks.call_free_listener(callback, freed, pages)
         self._give_back(pages)
 
 
@@ -169,16 +119,9 @@ class TokenToKVPool:
                  dtype=torch.float32, device="cpu"):
         self.allocator = PageAllocator(num_pages, page_size)
         self.num_pages, self.page_size = num_pages, page_size
-        self.num_layers = check_int("TokenToKVPool(num_layers)", num_layers, low=1, error=PoolError)
-        self.num_kv_heads = check_int("TokenToKVPool(num_kv_heads)", num_kv_heads, low=1, error=PoolError)
-        self.head_dim = check_int("TokenToKVPool(head_dim)", head_dim, low=1, error=PoolError)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            fail("TokenToKVPool(dtype)", "a floating torch.dtype such as torch.float16", describe(dtype),
-                 "pass the dtype object, e.g. dtype=torch.bfloat16, not a string.", PoolError)
-        _check_fits_memory("TokenToKVPool", 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim
-                           * torch.empty(0, dtype=dtype).element_size())
+        self.num_layers, self.num_kv_heads, self.head_dim, self.device = checks.check_kv_pool(
+            num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device)
         self.dtype = dtype
-        self.device = check_device("TokenToKVPool(device)", device, PoolError)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -187,25 +130,15 @@ class TokenToKVPool:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
-    def _layer(self, layer: int) -> int:
-        return check_int("layer", layer, low=0, high=self.num_layers - 1, error=PoolError)
-
     def get_key_buffer(self, layer: int) -> torch.Tensor:
-        return self.k_buffer[self._layer(layer)]
+        return self.k_buffer[checks.check_pool_layer(self, layer)]
 
     def get_value_buffer(self, layer: int) -> torch.Tensor:
-        return self.v_buffer[self._layer(layer)]
+        return self.v_buffer[checks.check_pool_layer(self, layer)]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[n, H_kv, D]`` into physical slots ``loc`` ``[n]``."""
-        layer = self._layer(layer)
-        check_tensor("loc", loc, dtype=(torch.int32, torch.int64), dims=1, device=self.device)
-        want = (loc.shape[0], self.num_kv_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            check_tensor(name, t, shape=want, device=self.device, error=PoolError,
-                         fix=f"one [H_kv, D] row per slot, on the pool's device {self.device}.")
-        check_range("loc", loc, self.page_size, self.num_slots - 1, "page 0 is padding: write real slots only.",
-                    PoolError)
+        layer = checks.check_set_kv(self, layer, loc, k, v)
         self.k_buffer[layer][loc.long()] = k.to(self.dtype)
         self.v_buffer[layer][loc.long()] = v.to(self.dtype)
 
@@ -221,19 +154,11 @@ class Request:
     released: bool = False
 
 
-def _check_request(name: str, req) -> None:
-    if not isinstance(req, Request):
-        fail(name, "a Request returned by KVCacheManager.admit", describe(req), error=PoolError)
-
-
 class KVCacheManager:
     """Admit, grow and release requests across ``ReqToTokenPool`` and the page allocator."""
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool):
-        for name, value, cls in (("req_to_token_pool", req_to_token_pool, ReqToTokenPool),
-                                 ("token_to_kv_pool", token_to_kv_pool, TokenToKVPool)):
-            if not isinstance(value, cls):
-                fail(f"KVCacheManager({name})", f"a {cls.__name__}", describe(value), error=PoolError)
+        checks.check_manager_pools(req_to_token_pool, token_to_kv_pool, ReqToTokenPool, TokenToKVPool)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.page_size = token_to_kv_pool.page_size
@@ -253,18 +178,12 @@ class KVCacheManager:
 
     def slot_of(self, req: Request, t: int) -> int:
         """Physical slot of logical token ``t`` of ``req``."""
-        _check_request("slot_of(req)", req)
-        t = check_int("slot_of(t)", t, low=0, high=req.seq_len - 1, error=PoolError)
+        t = checks.check_slot_of(req, t)
         return req.pages[t // self.page_size] * self.page_size + t % self.page_size
 
     def admit(self, num_tokens: int) -> Request:
         """Take a request slot and enough pages for ``num_tokens`` tokens; fill its req_to_token row."""
-        num_tokens = check_int("admit(num_tokens)", num_tokens, low=0, error=PoolError)
-        self._check_fits(num_tokens)
-        need = -(-num_tokens // self.page_size)
-        if need > self.allocator.available_pages():
-            # Check before taking the request slot so a failed admit leaves nothing behind.
-            self.allocator.alloc(need)
+        num_tokens = checks.check_admit(self, num_tokens)  # (also: enough pages, so nothing is left behind)
         (slot,) = self.req_to_token_pool.alloc(1)
         req = Request(rid=self._next_rid, req_pool_idx=slot, seq_len=0)
         self._next_rid += 1
@@ -274,13 +193,8 @@ class KVCacheManager:
 
     def grow(self, req: Request, num_tokens: int = 1) -> torch.Tensor:
         """Append ``num_tokens`` tokens to ``req``; returns their physical slots (int64)."""
-        _check_request("grow(req)", req)
-        if req.released:
-            raise PoolError(f"grow: request {req.rid} was released; admit a new request instead.")
-        self._check_owned("grow", req)
-        num_tokens = check_int("grow(num_tokens)", num_tokens, low=0, error=PoolError)
+        num_tokens = checks.check_grow(self, req, num_tokens)
         new_len = req.seq_len + num_tokens
-        self._check_fits(new_len)
         need = -(-new_len // self.page_size) - len(req.pages)
         if need > 0:
             req.pages.extend(self.allocator.alloc(need))
@@ -298,10 +212,7 @@ class KVCacheManager:
         All or nothing: if the page free fails (e.g. a free listener raised), the request stays
         live and unchanged, and ``release`` may be retried.
         """
-        _check_request("release(req)", req)
-        if req.released:
-            raise PoolError(f"release: request {req.rid} was already released (double free).")
-        self._check_owned("release", req)
+        checks.check_release(self, req)
         assert not self.req_to_token_pool._is_free[req.req_pool_idx], "a live request owns its row"
         self.allocator.free(req.pages)
         self.req_to_token_pool.free([req.req_pool_idx])
@@ -309,23 +220,119 @@ class KVCacheManager:
         req.pages = []
         del self.requests[req.rid]
 
-    def _check_owned(self, what: str, req: Request) -> None:
-        if self.requests.get(req.rid) is not req:
-            raise PoolError(
-                f"{what}: request {req.rid} (req_pool_idx {req.req_pool_idx}) was not admitted by this "
-                "KVCacheManager. Fix: use the manager whose admit() returned it."
-            )
-
     def pages_needed(self, req: Request, num_tokens: int = 1) -> int:
         """How many new pages growing ``req`` by ``num_tokens`` tokens takes (0 while its last page has room)."""
-        _check_request("pages_needed(req)", req)
-        num_tokens = check_int("pages_needed(num_tokens)", num_tokens, low=0, error=PoolError)
+        num_tokens = checks.check_pages_needed(req, num_tokens)
         return max(0, -(-(req.seq_len + num_tokens) // self.page_size) - len(req.pages))
 
-    def _check_fits(self, num_tokens: int) -> None:
-        if num_tokens > self.req_to_token_pool.max_context_len:
-            raise PoolError(
-                f"request of {num_tokens} tokens exceeds max_context_len "
-                f"{self.req_to_token_pool.max_context_len} of the ReqToTokenPool. "
-                "Fix: build the pool with a larger max_context_len."
-            )
+
+class IndexerKeyCache:
+    """The DSA indexer's keys, per layer, in pages of ``page_size`` tokens: the layout GPU kernels read.
+
+    **FP8 layout** (``use_fp8=True``, as SGLang and DeepGEMM keep it): one uint8 buffer per layer,
+    ``[num_pages, page_size * (head_dim + 4)]``. A page holds first all its keys, token-major
+    (``page_size * head_dim`` FP8 bytes), then all its fp32 scales (``page_size * 4`` bytes): 132 bytes
+    per token at ``head_dim=128``. ``key_pages(layer)`` and ``scale_pages(layer)`` are views of that one
+    buffer, ``[num_pages, P, D]`` and ``[num_pages, P]``. **Full precision** (``use_fp8=False``): fp32
+    keys ``[num_pages, P, D]`` and scales of 1 ``[num_pages, P]``, the same views, no shared buffer.
+
+    **Addressing**: like the KV pool. Logical token ``t`` of request ``r`` lives at slot
+    ``s = req_to_token[r, t]``, page ``s // page_size``, offset ``s % page_size``, so the cache's page
+    size is the KV pool's (``from_pools`` takes it from the pool). Page 0 is padding and never written.
+    ``written[layer]`` (bool per slot) marks slots that hold a key, so reading a history that was
+    never indexed raises instead of scoring zeros or a previous owner's keys.
+    """
+
+    def __init__(self, num_pages: int, num_layers: int, config: IndexerConfig, req_to_token_pool, *,
+                 page_size: int = 64, device=None):
+        num_pages, num_layers, page_size = checks.check_indexer_cache(num_pages, num_layers, config,
+                                                                      req_to_token_pool, page_size)
+        self.config = config
+        self.num_pages, self.num_layers, self.page_size = num_pages, num_layers, page_size
+        self.num_slots = num_pages * page_size
+        self.req_to_token_pool = req_to_token_pool
+        self.device = torch.device(device) if device is not None else req_to_token_pool.req_to_token.device
+        P, D = page_size, config.head_dim
+        if config.use_fp8:
+            self.buffers = [torch.zeros(num_pages, P * (D + 4), dtype=torch.uint8, device=self.device)
+                            for _ in range(num_layers)]
+            self._keys = [b[:, : P * D].view(FP8_DTYPE).view(num_pages, P, D) for b in self.buffers]
+            self._scales = [b.view(torch.float32)[:, P * D // 4:] for b in self.buffers]
+        else:
+            self.buffers = None
+            self._keys = [torch.zeros(num_pages, P, D, device=self.device) for _ in range(num_layers)]
+            self._scales = [torch.zeros(num_pages, P, device=self.device) for _ in range(num_layers)]
+        self.written = [torch.zeros(self.num_slots, dtype=torch.bool, device=self.device) for _ in range(num_layers)]
+
+    @classmethod
+    def from_pools(cls, token_to_kv_pool, req_to_token_pool, config: IndexerConfig, num_layers: int | None = None,
+                   *, page_allocator=None) -> IndexerKeyCache:
+        """A cache with the KV pool's pages, page size and layer count (unless ``num_layers`` is given).
+
+        It subscribes to the page allocator's frees (``page_allocator``, or the pool's own
+        ``token_to_kv_pool.allocator``), so a freed page's keys are forgotten and never pass for the
+        next owner's history; without a reachable allocator it refuses (PoolError).
+        """
+        allocator = checks.check_cache_allocator(token_to_kv_pool, page_allocator)
+        cache = cls(token_to_kv_pool.num_pages, num_layers or token_to_kv_pool.num_layers, config, req_to_token_pool,
+                    page_size=token_to_kv_pool.page_size, device=token_to_kv_pool.device)
+        allocator.add_free_listener(cache.invalidate_pages)
+        return cache
+
+    @classmethod
+    def for_manager(cls, manager, config: IndexerConfig, num_layers: int | None = None) -> IndexerKeyCache:
+        """``from_pools`` for a ``KVCacheManager`` (listening to its allocator's frees)."""
+        return cls.from_pools(manager.token_to_kv_pool, manager.req_to_token_pool, config, num_layers,
+                              page_allocator=manager.allocator)
+
+    def invalidate_pages(self, pages: torch.Tensor) -> None:
+        """Forget the keys of freed physical pages (every layer): reading them again raises until rewritten."""
+        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.device)
+        pages = pages[(pages >= 0) & (pages < self.num_pages)]
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
+        for written in self.written:
+            written.index_fill_(0, slots, False)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in one layer: 132 at head_dim 128 in FP8 (128 key bytes + a 4-byte scale)."""
+        return self.config.key_bytes_per_token
+
+    def check_layer(self, layer_id) -> int:
+        return checks.check_cache_layer(self, layer_id)
+
+    def key_pages(self, layer_id: int) -> torch.Tensor:
+        """Keys of one layer as ``[num_pages, page_size, head_dim]`` (FP8: a view of the page buffer)."""
+        return self._keys[self.check_layer(layer_id)]
+
+    def scale_pages(self, layer_id: int) -> torch.Tensor:
+        """Scales of one layer as fp32 ``[num_pages, page_size]`` (FP8: a view of the page buffer)."""
+        return self._scales[self.check_layer(layer_id)]
+
+    def write(self, layer_id: int, loc: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store ``keys`` ``[n, head_dim]`` and ``scales`` ``[n]`` at physical slots ``loc`` ``[n]``."""
+        layer_id, loc = checks.check_cache_write(self, layer_id, loc, keys, scales)
+        page, offset = loc // self.page_size, loc % self.page_size
+        self._keys[layer_id][page, offset] = keys.to(self._keys[layer_id].dtype)
+        self._scales[layer_id][page, offset] = scales.float()
+        # index_fill_, not ``written[loc] = True``: assigning a Python scalar through a tensor index
+        # copies a CPU scalar tensor to the GPU, which a CUDA graph capture refuses
+        self.written[layer_id].index_fill_(0, loc, True)
+
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (as fp32 values: FP8 values are exact in fp32) and scales at physical ``slots``."""
+        layer_id, slots = checks.check_cache_read(self, layer_id, slots)
+        page, offset = slots // self.page_size, slots % self.page_size
+        return self._keys[layer_id][page, offset].float(), self._scales[layer_id][page, offset]
+
+    def check_history(self, layer_id: int, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+        """BatchError unless positions ``0 .. prefix_lens[i] - 1`` of every request hold keys (one host sync)."""
+        checks.check_cache_history(self, layer_id, req_pool_indices, prefix_lens)
+
+    def block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """int32 ``[bs, ceil(max_context_len / P)]``: the physical page of each logical page of each request.
+
+        ``req_to_token[rows, ::P] // P``, as SGLang builds its page table (unused entries are page 0).
+        """
+        req_to_token = self.req_to_token_pool.req_to_token
+        return (req_to_token[req_pool_indices.long(), :: self.page_size] // self.page_size).to(torch.int32)

@@ -14,6 +14,8 @@ and physical ids differ), writes K/V, and returns a DECODE batch whose last toke
 the one being decoded. ``make_quest_decode_setup`` adds an initialized, constructed
 ``QuestAlgorithm``: the recipe the benchmark uses at bs=64, 32K context, page 16.
 
+``make_distribution`` makes the score rows that top-k benchmarks and notebook 05 use.
+
 ``PlantedEngineWorkload`` feeds ``sparse_ref.engine.DecodeEngine``: the same planted structure for
 several layers, the prompt's K/V and each decode step's query and new K/V, plus the hidden states
 the DSA indexer reads, all a function of ``(seed, request, layer, position)`` alone.
@@ -29,7 +31,7 @@ import torch
 
 from sparse_ref.batch import ForwardBatch, build_decode_batch, build_extend_batch
 from sparse_ref.checks import check_float, check_int
-from sparse_ref.config import SparseConfig
+from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.memory import KVCacheManager, Request
 from sparse_ref.selection import ceil_div
@@ -246,8 +248,6 @@ class PlantedEngineWorkload:
             raise SparseRefError(f"num_q_heads {self.num_q_heads} must be a multiple of num_kv_heads "
                                  f"{self.num_kv_heads}.")
         if self.indexer_config is None:
-            from sparse_ref.algorithms.dsa import IndexerConfig  # workloads must not need algorithms to import
-
             self.indexer_config = IndexerConfig(hidden_size=64, q_lora_rank=128, n_heads=4, head_dim=32,
                                                 rope_dim=8, index_topk=256)
         self._indexer_solvers: dict[int, tuple] = {}
@@ -386,3 +386,43 @@ class PlantedEngineWorkload:
         q = self._direction(req, layer)[None, :] * math.sqrt(c.head_dim) * 2.0
         q = q + 0.5 * torch.randn(c.n_heads, c.head_dim, generator=gen, dtype=torch.float64)
         return (q.reshape(1, -1) @ self._solvers(layer)[1].T).float()
+
+
+# ----------------------------------------------------------------------------- score rows for top-k
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+DISTRIBUTIONS = ("randn", "indexer", "sorted", "plateau", "clustered")
+
+
+def make_distribution(name: str, R: int, N: int, device, seed: int = 0) -> torch.Tensor:
+    """fp32 scores [R, N] of the named distribution: the score rows that make top-k easy or hard (benchmarks,
+    notebook 05). ``randn``; ``indexer`` (ReLU-weighted sums like indexer logits, through bf16: many ties);
+    ``sorted`` (ascending: every winner at the end); ``plateau`` (a third of each row tied at the top value);
+    ``clustered`` (a few values plus tiny noise)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if name == "randn":
+        x = torch.randn(R, N, generator=g)
+    elif name == "indexer":
+        heads, dim = 8, 16
+        q = torch.randn(R, heads, dim, generator=g)
+        w = torch.rand(R, heads, generator=g)
+        x = torch.zeros(R, N)
+        for start in range(0, N, 16384):  # ReLU-weighted sum over heads of q.k, blockwise to bound memory
+            k = torch.randn(min(16384, N - start), dim, generator=g)
+            logits = torch.relu(torch.einsum("rhd,nd->rhn", q, k))
+            x[:, start:start + k.shape[0]] = torch.einsum("rh,rhn->rn", w, logits)
+        x = x.bfloat16().float()  # indexer logits are low precision: many exact and near ties
+    elif name == "sorted":  # ascending rows: every winner sits at the end (defeats block-wise filters)
+        x = torch.sort(torch.randn(R, N, generator=g), dim=1).values
+    elif name == "plateau":  # a third of each row ties at the top value (defeats thresholds: long tie runs)
+        x = torch.randn(R, N, generator=g).clamp(max=1.0)
+        x[:, ::3] = 1.5
+    elif name == "clustered":
+        centers = torch.randn(8, generator=g) * 4
+        x = centers[torch.randint(0, 8, (R, N), generator=g)] + 1e-4 * torch.randn(R, N, generator=g)
+        x = x.bfloat16().float()
+    else:
+        raise ValueError(f"unknown distribution {name!r}; known: {DISTRIBUTIONS}")
+    return x.to(device)
+

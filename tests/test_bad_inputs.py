@@ -30,6 +30,8 @@ from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import QuestAlgorithm, SparseAlgorithm, create_sparse_algorithm
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
 from sparse_ref.hadamard import hadamard_matrix, hadamard_transform
+from sparse_ref.kernels import quest as quest_kernels
+from sparse_ref.kernels import tuning
 from sparse_ref.kernels.quest import quest_page_scores
 from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
 from sparse_ref.rope import apply_rope
@@ -118,7 +120,9 @@ def sparse(e, **change):
 
 
 def kernel(e, **change):
-    return quest_page_scores(**{**e.kargs, **change})
+    knobs = {name: change.pop(name) for name in list(change) if name in quest_kernels.TUNING}  # launch knobs
+    with tuning(quest_kernels.TUNING, **knobs):
+        return quest_page_scores(**{**e.kargs, **change})
 
 
 def decode_fields(e, **change):

@@ -8,6 +8,7 @@ import torch
 
 import sparse_ref
 from sparse_ref import bench
+from sparse_ref.workloads import make_distribution
 
 
 @pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="checks the CPU refusal")
@@ -31,15 +32,15 @@ def test_cpu_smoke_run_is_labelled(tmp_path):
 
 
 def test_distributions_are_hard_in_the_intended_way():
-    randn = bench.make_distribution("randn", 2, 4096, "cpu")
-    indexer = bench.make_distribution("indexer", 2, 4096, "cpu")
-    clustered = bench.make_distribution("clustered", 2, 4096, "cpu")
+    randn = make_distribution("randn", 2, 4096, "cpu")
+    indexer = make_distribution("indexer", 2, 4096, "cpu")
+    clustered = make_distribution("clustered", 2, 4096, "cpu")
     assert randn.unique().numel() > 8000  # distinct values
     assert indexer.min() >= 0 and indexer.unique().numel() < 0.5 * indexer.numel()  # ReLU sums, many ties
     assert clustered.unique().numel() <= 8 * 64  # a few clusters
     assert all(t.dtype == torch.float32 and t.shape == (2, 4096) for t in (randn, indexer, clustered))
     with pytest.raises(ValueError):
-        bench.make_distribution("uniform", 1, 8, "cpu")
+        make_distribution("uniform", 1, 8, "cpu")
 
 
 @pytest.mark.gpu

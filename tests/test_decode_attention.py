@@ -18,8 +18,10 @@ from sparse_ref import SparseConfig
 from sparse_ref.adaptor import to_attention_metadata
 from sparse_ref.algorithms import QuestAlgorithm
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
-from sparse_ref.bench import capture_graph
+from sparse_ref.bench.timing import capture_graph
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import decode_attention as da
+from sparse_ref.kernels import tuning
 from sparse_ref.kernels.decode_attention import MAX_SPLITS, choose_num_splits, paged_decode_attention
 from sparse_ref.workloads import make_planted_workload
 
@@ -51,10 +53,12 @@ def make_case(lens, num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype=tor
     return [t.to(DEVICE) for t in (q, k, v, table, kv_lens)]
 
 
-def check_against_reference(case, page_size, **launch):
+def check_against_reference(case, page_size, scale=None, **knobs):
+    """The kernel (with launch ``knobs`` set in its TUNING table) against the torch reference."""
     q, k, v, table, kv_lens = case
-    got = paged_decode_attention(q, k, v, table, kv_lens, page_size, **launch)
-    want = sparse_decode_attention(q, k, v, table, kv_lens, page_size, scale=launch.get("scale"))
+    with tuning(da.TUNING, **knobs):
+        got = paged_decode_attention(q, k, v, table, kv_lens, page_size, scale=scale)
+    want = sparse_decode_attention(q, k, v, table, kv_lens, page_size, scale=scale)
     assert got.dtype == torch.float32 and got.shape == q.shape
     torch.testing.assert_close(got, want, **tolerance(k.dtype))
     return got
@@ -103,7 +107,8 @@ def test_empty_rows_give_zeros_and_nan_queries_give_nan():
     q, k, v, table, kv_lens = make_case([6, 0, 6, 0], 4, 2, 8, 4, seed=6)
     q[2, 1, 3] = float("nan")  # one NaN component: every logit of query head 1 is NaN
     q[3] = float("nan")  # an empty row: nothing is read, so 0 even for a NaN query
-    out = paged_decode_attention(q, k, v, table, kv_lens, 4, num_splits=2)
+    with tuning(da.TUNING, num_splits=2):
+        out = paged_decode_attention(q, k, v, table, kv_lens, 4)
     assert not out[1].any() and not out[3].any()
     assert bool(torch.isnan(out[2, 1]).all())
     assert bool(torch.isfinite(out[2, [0, 2, 3]]).all()) and bool(torch.isfinite(out[0]).all())
@@ -141,7 +146,8 @@ def test_dense_and_sparse_steps_through_the_adaptor():
 def test_out_buffer_and_empty_batch():
     q, k, v, table, kv_lens = make_case([5, 3], 2, 1, 8, 4, seed=7)
     out = torch.full(q.shape, 7.0, device=DEVICE)
-    got = paged_decode_attention(q, k, v, table, kv_lens, 4, out=out, num_splits=2)
+    with tuning(da.TUNING, num_splits=2):
+        got = paged_decode_attention(q, k, v, table, kv_lens, 4, out=out)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out, sparse_decode_attention(q, k, v, table, kv_lens, 4), rtol=1e-5, atol=1e-5)
     empty = paged_decode_attention(q[:0], k, v, table[:0], kv_lens[:0], 4)
@@ -193,7 +199,8 @@ def test_bad_inputs_raise_before_launch(change, match):
     q, k, v, table, kv_lens = _args()
     args = dict(q=q, k_buffer=k, v_buffer=v, page_table=table, kv_lens=kv_lens, page_size=4)
     change(args)
-    with pytest.raises(SparseRefError, match=match):
+    knobs = {name: args.pop(name) for name in list(args) if name in da.TUNING}  # launch knobs: the TUNING table
+    with pytest.raises(SparseRefError, match=match), tuning(da.TUNING, **knobs):
         paged_decode_attention(**args)
 
 

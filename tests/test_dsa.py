@@ -10,9 +10,11 @@ import torch
 from sparse_ref import SEED_DSA_REQUIRED, KVCacheManager, build_extend_batch, decode_step
 from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
-from sparse_ref.algorithms.dsa import DSA_REQUIRED, DSAAlgorithm, IndexerConfig, IndexerKeyCache, LightningIndexer
+from sparse_ref.algorithms.dsa import DSA_REQUIRED, DSAAlgorithm, LightningIndexer
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
+from sparse_ref.config import IndexerConfig
 from sparse_ref.errors import BatchError, PoolError, RetrievalError, ShapeError
+from sparse_ref.memory import IndexerKeyCache
 
 CFG = IndexerConfig(hidden_size=40, q_lora_rank=20, n_heads=4, head_dim=16, rope_dim=8, index_topk=6)
 H_KV, D = 2, 8

@@ -14,19 +14,32 @@ import sys
 
 import pytest
 import torch
+from aot_variants import DSA as AOT_VARIANTS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse_ref
 from sparse_ref import KVCacheManager, build_extend_batch, checks, decode_step
-from sparse_ref.algorithms.dsa import IndexerConfig, IndexerKeyCache, LightningIndexer, paged_indexer_logits_reference
+from sparse_ref.algorithms.dsa import LightningIndexer, paged_indexer_logits_reference
+from sparse_ref.config import IndexerConfig
 from sparse_ref.errors import ShapeError, SparseRefError
 from sparse_ref.fp8 import FP8_DTYPE
-from sparse_ref.kernels.dsa import AOT_VARIANTS, paged_indexer_logits, plan_tiles
+from sparse_ref.kernels import dsa as kd
+from sparse_ref.kernels import tuning
+from sparse_ref.kernels.dsa import paged_indexer_logits as _paged_indexer_logits
+from sparse_ref.kernels.dsa import plan_tiles
+from sparse_ref.memory import IndexerKeyCache
 from sparse_ref.selection import topk_reference
 
 DEV = sparse_ref.default_device()
 ON_GPU = DEV.type == "cuda"
 GPU_REL = 2e-3  # FP8 tensor-core accumulation (measured <= 3.4e-4 of a row's largest |logit|, DeepSeek shapes)
+
+
+def paged_indexer_logits(*args, **kwargs):
+    """The kernel, with any launch knobs among ``kwargs`` (tiles, block_t, queries_per_program) set in its TUNING."""
+    knobs = {name: kwargs.pop(name) for name in list(kwargs) if name in kd.TUNING}
+    with tuning(kd.TUNING, **knobs):
+        return _paged_indexer_logits(*args, **kwargs)
 
 
 def close(got, want):
@@ -167,8 +180,6 @@ def test_full_precision_cache_through_the_kernel():
 
 def test_plan_tiles_targets_about_32_programs_per_sm():
     cuda = torch.device("cuda")
-    import sparse_ref.kernels.dsa as kd
-
     real = kd._sm_count
     try:
         kd._sm_count = lambda device: 132
@@ -195,8 +206,6 @@ def test_kernel_input_errors():
         paged_indexer_logits(q.float(), w, keys, scales, bt, req, bounds, 32)
     with pytest.raises(ShapeError, match="block_table: expected dtype"):
         paged_indexer_logits(q, w, keys, scales, bt.long(), req, bounds, 32)
-    with pytest.raises(SparseRefError, match="variant"):
-        paged_indexer_logits(q, w, keys, scales, bt, req, bounds, 32, variant="tma")
     with pytest.raises(SparseRefError, match="queries_per_program"):
         paged_indexer_logits(q, w, keys, scales, bt, req, bounds, 32, queries_per_program=3)
     with pytest.raises(SparseRefError, match="block_t"):
@@ -416,11 +425,11 @@ def test_decode_forward_in_a_cuda_graph_equals_eager(backend):
 
 
 def test_bench_selection_agreement_allows_only_near_ties():
-    from sparse_ref.bench import _selections_agree
+    from sparse_ref.bench.dsa import selections_agree
 
     scores = torch.tensor([[5.0, 1.0, 3.0, 2.9999, 0.0, -math.inf]])
     best = torch.tensor([[0, 2, -1]])  # k = 2 over a row
-    assert _selections_agree(best, best, scores, 2, 1e-3)
-    assert _selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-3)  # 2.9999 ties 3.0 within 1e-3 x 5
-    assert not _selections_agree(torch.tensor([[0, 1, -1]]), best, scores, 2, 1e-3)  # 1.0 is no near-tie of 3.0
-    assert not _selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-6)
+    assert selections_agree(best, best, scores, 2, 1e-3)
+    assert selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-3)  # 2.9999 ties 3.0 within 1e-3 x 5
+    assert not selections_agree(torch.tensor([[0, 1, -1]]), best, scores, 2, 1e-3)  # 1.0 is no near-tie of 3.0
+    assert not selections_agree(torch.tensor([[0, 3, -1]]), best, scores, 2, 1e-6)

@@ -21,8 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_ref.algorithms.dsa import IndexerConfig
-from sparse_ref.config import SparseConfig
+from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.errors import ConfigError
 from sparse_ref.workloads import PlantedEngineWorkload

@@ -16,8 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sparse_ref import checks
 from sparse_ref import engine as engine_module
 from sparse_ref.adaptor import to_attention_metadata
-from sparse_ref.algorithms.dsa import IndexerConfig
-from sparse_ref.config import SparseConfig
+from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.engine_graph import GraphedDecodeStep
 from sparse_ref.errors import BatchError, ConfigError, PoolError

@@ -253,7 +253,9 @@ def test_seed_topk_message_verbatim_second_check():
 
 def test_dsa_from_pools_never_scores_a_previous_owners_keys():
     """DSA through its plain constructors: a reused page's old keys never pass for the new owner's history."""
-    from sparse_ref.algorithms.dsa import DSAAlgorithm, IndexerConfig, IndexerKeyCache, LightningIndexer
+    from sparse_ref.algorithms.dsa import DSAAlgorithm, LightningIndexer
+    from sparse_ref.config import IndexerConfig
+    from sparse_ref.memory import IndexerKeyCache
 
     cfg = IndexerConfig(hidden_size=16, q_lora_rank=8, n_heads=2, head_dim=16, rope_dim=4, index_topk=3)
     m = KVCacheManager.create(max_requests=2, max_context_len=16, num_pages=8, page_size=P)

@@ -22,10 +22,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparse_ref import KVCacheManager, build_extend_batch, decode_step
-from sparse_ref.algorithms.dsa import IndexerConfig, IndexerKeyCache, LightningIndexer
+from sparse_ref.algorithms.dsa import LightningIndexer
 from sparse_ref.batch import ForwardBatch, ForwardMode
+from sparse_ref.config import IndexerConfig
 from sparse_ref.errors import BatchError, ConfigError, PoolError, ShapeError
 from sparse_ref.fp8 import FP8_DTYPE
+from sparse_ref.memory import IndexerKeyCache
 
 SMALL = IndexerConfig(hidden_size=48, q_lora_rank=24, n_heads=4, head_dim=32, rope_dim=16, index_topk=8)
 MEDIUM = IndexerConfig(hidden_size=64, q_lora_rank=32, n_heads=8, head_dim=64, rope_dim=32, index_topk=16)

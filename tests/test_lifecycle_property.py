@@ -25,8 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sparse_ref import BatchError, KVCacheManager, PoolError, build_decode_batch, build_extend_batch, decode_step
 from sparse_ref.algorithms import QuestAlgorithm
-from sparse_ref.algorithms.dsa import DSAAlgorithm, IndexerConfig, IndexerKeyCache, LightningIndexer
-from sparse_ref.config import SparseConfig
+from sparse_ref.algorithms.dsa import DSAAlgorithm, LightningIndexer
+from sparse_ref.config import IndexerConfig, SparseConfig
+from sparse_ref.memory import IndexerKeyCache
 
 P, H_KV, D = 2, 1, 4
 MAX_LEN, NUM_PAGES, MAX_REQS = 16, 12, 3

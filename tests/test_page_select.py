@@ -202,7 +202,7 @@ def test_fused_page_table_empty_batch_and_no_pages():
 def test_retrieve_attention_metadata_equals_retrieve_then_adaptor(backend):
     """adaptor.retrieve_attention_metadata (fused selection + table with the Triton selection) returns what
     retrieve_topk followed by the torch adaptor returns."""
-    from sparse_ref.adaptor import retrieve_attention_metadata
+    from sparse_ref.algorithms.base import retrieve_attention_metadata
     from sparse_ref.workloads import make_quest_decode_setup
 
     config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)

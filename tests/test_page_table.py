@@ -9,13 +9,14 @@ import types
 
 import pytest
 import torch
+from aot_variants import PAGE_TABLE as AOT_VARIANTS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparse_ref
 from sparse_ref.adaptor import to_attention_metadata
 from sparse_ref.errors import SparseRefError
-from sparse_ref.kernels.page_table import AOT_VARIANTS, page_table_from_selection
+from sparse_ref.kernels.page_table import page_table_from_selection
 
 DEVICE = sparse_ref.default_device()
 

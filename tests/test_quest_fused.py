@@ -13,6 +13,8 @@ from sparse_ref import SparseConfig
 from sparse_ref.algorithms import QuestAlgorithm
 from sparse_ref.algorithms.quest import quest_page_scores_reference, split_query_sign
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import quest as quest_kernels
+from sparse_ref.kernels import tuning
 from sparse_ref.kernels.quest import quest_page_scores_from_queries
 from sparse_ref.workloads import make_planted_workload
 
@@ -62,7 +64,8 @@ def test_bf16_queries_and_bounds_and_blocks():
     page_min, page_max = page_min.bfloat16(), page_max.bfloat16()
     want, pages = unfused(q, page_min, page_max, page_valid, r2t, rows, 4, 9, "mean")
     for knobs in ({}, dict(block_p=2, block_hd=8), dict(block_p=4, block_hd=64)):
-        got = quest_page_scores_from_queries(q, page_min, page_max, page_valid, r2t, rows, 4, 9, "mean", **knobs)
+        with tuning(quest_kernels.TUNING, **knobs):
+            got = quest_page_scores_from_queries(q, page_min, page_max, page_valid, r2t, rows, 4, 9, "mean")
         ok = page_valid[pages]
         torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-4)
         assert bool(torch.isneginf(got[~ok]).all())

@@ -13,6 +13,8 @@ from sparse_ref import SparseConfig
 from sparse_ref.algorithms import QuestAlgorithm
 from sparse_ref.algorithms.quest import quest_page_scores_reference, split_query_sign
 from sparse_ref.errors import ConfigError, ShapeError, SparseRefError
+from sparse_ref.kernels import quest as quest_kernels
+from sparse_ref.kernels import tuning
 from sparse_ref.kernels.quest import quest_page_scores
 from sparse_ref.workloads import make_quest_decode_setup
 
@@ -39,9 +41,11 @@ def make_inputs(bs, max_pages, num_kv_heads, head_dim, *, num_pages=None, group=
             pages.to(**to))
 
 
-def assert_matches_reference(inputs, **launch):
+def assert_matches_reference(inputs, **knobs):
+    """The kernel (launch ``knobs`` set in its TUNING table) against the torch reference."""
     q_pos, q_neg, page_min, page_max, page_valid, pages = inputs
-    got = quest_page_scores(*inputs, **launch)
+    with tuning(quest_kernels.TUNING, **knobs):
+        got = quest_page_scores(*inputs)
     want = quest_page_scores_reference(*inputs)
     assert got.dtype == torch.float32 and got.shape == pages.shape
     invalid = ~page_valid[pages.long()]
@@ -134,8 +138,8 @@ def test_bad_inputs_raise_before_launch(change, match):
 def test_bad_launch_knobs_and_bad_out():
     inputs = make_inputs(3, 7, 1, 8)
     for knobs in ({"block_p": 3}, {"block_p": 1}, {"block_hd": 4}, {"num_warps": 0}, {"block_hd": True}):
-        with pytest.raises(SparseRefError, match="expected a power of two"):
-            quest_page_scores(*inputs, **knobs)
+        with pytest.raises(SparseRefError, match="expected a power of two"), tuning(quest_kernels.TUNING, **knobs):
+            quest_page_scores(*inputs)
     with pytest.raises(ShapeError, match="out: expected shape"):
         quest_page_scores(*inputs, out=torch.empty(3, 8, device=DEVICE))
 

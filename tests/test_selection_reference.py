@@ -44,7 +44,7 @@ def score_matrices(draw, max_rows=5, max_cols=19):
 @given(scores=score_matrices(), k=st.integers(0, 25), data=st.data(), order=st.sampled_from(["score", "index"]))
 def test_topk_reference_matches_brute_force(scores, k, data, order):
     R, N = scores.shape
-    lengths = torch.tensor([data.draw(st.integers(0, N + 2)) for _ in range(R)], dtype=torch.int64)
+    lengths = torch.tensor([data.draw(st.integers(0, N)) for _ in range(R)], dtype=torch.int64)
     out = topk_reference(scores, k, lengths, order=order)
     assert out.dtype == torch.int32 and out.shape == (R, k)
     rows = scores.float().tolist()
@@ -64,6 +64,15 @@ def test_topk_reference_per_row_k_and_width(scores, data):
         assert out[r].tolist() == brute_topk(rows[r], int(ks[r]), N, "score", width)
     if R:
         assert topk_reference(scores, ks).shape == (R, int(ks.max()))
+
+
+@pytest.mark.parametrize("bad", [-1, 9])
+def test_topk_reference_refuses_lengths_outside_the_row(bad):
+    """A length names how many entries of its row are valid: outside [0, N] it names entries that do not exist."""
+    s = torch.zeros(2, 8)
+    with pytest.raises(ShapeError, match=r"lengths: expected values in \[0, 8\]"):
+        topk_reference(s, 2, torch.tensor([3, bad]))
+    assert topk_reference(s, 2, torch.tensor([3, 8])).tolist() == [[0, 1], [0, 1]]
 
 
 def test_topk_reference_handpicked():

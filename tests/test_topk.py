@@ -21,7 +21,7 @@ from sparse_ref import checks
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
-from sparse_ref.kernels.topk_common import _bin_shift, _bits_to_slots, _hit_ranks, _narrow
+from sparse_ref.kernels.topk.common import _bin_shift, _bits_to_slots, _hit_ranks, _narrow
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter

@@ -54,266 +54,22 @@ as SGLang's ``deepseek_dsa.py`` does: ``retrieve_topk(...)`` needs ``indexer``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from sparse_ref import checks
 from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.batch import ForwardBatch, ForwardMode
-from sparse_ref.checks import (
-    INDEX_DTYPES,
-    capturing,
-    check_choice,
-    check_int,
-    check_range,
-    check_rows,
-    check_same_device,
-    check_tensor,
-    describe,
-    fail,
-)
-from sparse_ref.errors import SEED_DSA_REQUIRED, BatchError, ConfigError, PoolError, RetrievalError, ShapeError
+from sparse_ref.config import IndexerConfig
 from sparse_ref.fp8 import FP8_DTYPE, quantize_fp8
-from sparse_ref.hadamard import hadamard_rotate, is_power_of_two
+from sparse_ref.hadamard import hadamard_rotate
+from sparse_ref.memory import IndexerKeyCache
 from sparse_ref.rope import apply_rope
 from sparse_ref.selection import topk_reference
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCORING_BACKENDS = ("auto", "torch", "triton")
-
-
-# ----------------------------------------------------------------------------- configuration
-@dataclass
-class IndexerConfig:
-    """Shapes and numerics of the lightning indexer. Defaults are DeepSeek-V3.2-Exp's.
-
-    * ``hidden_size``: width of ``x`` (the layer's hidden states);
-    * ``q_lora_rank``: width of ``q_lora`` (MLA's low-rank query latent);
-    * ``n_heads``, ``head_dim``: indexer heads and their dim (a power of two, for the Hadamard);
-    * ``rope_dim``: the first ``rope_dim`` dims get RoPE (even, ``<= head_dim``);
-    * ``index_topk``: positions kept per query token;
-    * ``use_fp8``: quantise q and k to FP8 e4m3 (False: full precision, for teaching/testing);
-    * ``block_size``: values per FP8 scale. A block never spans two vectors, so it must be
-      ``>= head_dim``; each q head and each key is then one block with one scale, which is
-      what lets q's scale fold into the head weights (the score formula above);
-    * ``ue8m0``: round scales up to powers of two (DeepSeek's checkpoint config sets
-      ``scale_fmt="ue8m0"``); off by default so scales are exactly ``amax / 448``;
-    * ``rope_theta``, ``rope_interleaved``: RoPE base and layout (DeepSeek's indexer: not interleaved);
-    * ``layer_norm_eps``: epsilon of ``k_norm``.
-    """
-
-    hidden_size: int = 7168
-    q_lora_rank: int = 1536
-    n_heads: int = 64
-    head_dim: int = 128
-    rope_dim: int = 64
-    index_topk: int = 2048
-    use_fp8: bool = True
-    block_size: int = 128
-    ue8m0: bool = False
-    rope_theta: float = 10000.0
-    rope_interleaved: bool = False
-    layer_norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "q_lora_rank", "n_heads", "head_dim", "index_topk", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"IndexerConfig.{name}: expected a positive int, got {value!r}.")
-        for name in ("use_fp8", "ue8m0", "rope_interleaved"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"IndexerConfig.{name}: expected True or False, got {getattr(self, name)!r}.")
-        if not is_power_of_two(self.head_dim):
-            raise ConfigError(
-                f"IndexerConfig.head_dim: expected a power of two (the fast Hadamard transform needs one), "
-                f"got {self.head_dim}. Fix: use 32, 64, 128, ..."
-            )
-        r = self.rope_dim
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r % 2 or r > self.head_dim:
-            raise ConfigError(
-                f"IndexerConfig.rope_dim: expected an even int in [0, head_dim={self.head_dim}] (RoPE rotates "
-                f"pairs of dims), got {r!r}."
-            )
-        if self.block_size < self.head_dim:
-            raise ConfigError(
-                f"IndexerConfig.block_size: expected >= head_dim={self.head_dim}, got {self.block_size}. The score "
-                "folds one q scale per (token, head) into the head weights and multiplies one k scale per token, "
-                "so each head_dim vector must be a single FP8 block. Fix: block_size=128 with head_dim <= 128."
-            )
-        theta = self.rope_theta
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1.0:
-            raise ConfigError(f"IndexerConfig.rope_theta: expected a number > 1, got {theta!r}.")
-        eps = self.layer_norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ConfigError(f"IndexerConfig.layer_norm_eps: expected a number > 0, got {eps!r}.")
-
-    @property
-    def quant_block(self) -> int:
-        """Values per FP8 scale as used: one whole ``head_dim`` vector (a block never spans two)."""
-        return self.head_dim
-
-    @property
-    def key_bytes_per_token(self) -> int:
-        """Cache bytes per token and layer: the key (1 byte per value in FP8, 4 in fp32) + one fp32 scale."""
-        return self.head_dim * (1 if self.use_fp8 else 4) + 4
-
-
-# ----------------------------------------------------------------------------- the key cache
-class IndexerKeyCache:
-    """The indexer's keys, per layer, in pages of ``page_size`` tokens: the layout GPU kernels read.
-
-    **FP8 layout** (``use_fp8=True``, as SGLang and DeepGEMM keep it): one uint8 buffer per layer,
-    ``[num_pages, page_size * (head_dim + 4)]``. A page holds first all its keys, token-major
-    (``page_size * head_dim`` FP8 bytes), then all its fp32 scales (``page_size * 4`` bytes): the
-    keys and the scales are NOT interleaved per token, although the same 132 bytes per token are
-    spent at ``head_dim=128``. ``key_pages(layer)`` and ``scale_pages(layer)`` are views of that one
-    buffer (``buf.view(float8_e4m3fn)`` / ``buf.view(float32)``), ``[num_pages, P, D]`` and ``[num_pages, P]``.
-
-    **Full-precision layout** (``use_fp8=False``): keys in an fp32 tensor ``[num_pages, P, D]`` and
-    scales (always 1) in a separate fp32 tensor ``[num_pages, P]``; the same views, no shared buffer.
-
-    **Addressing**: like the KV pool. Logical token ``t`` of request ``r`` lives at slot
-    ``s = req_to_token[r, t]``, i.e. in page ``s // page_size`` at offset ``s % page_size``, so the
-    cache's page size must be the KV pool's (``from_pools`` takes it from the pool; 64 is only the
-    default of DSA configs, any page size works). Page 0 is padding and never written.
-    ``written[layer]`` (bool per slot) marks slots that hold a key, so reading a history that was
-    never indexed raises instead of scoring zeros or a previous owner's keys.
-    """
-
-    def __init__(self, num_pages: int, num_layers: int, config: IndexerConfig, req_to_token_pool, *,
-                 page_size: int = 64, device=None):
-        if not isinstance(config, IndexerConfig):
-            fail("IndexerKeyCache: config", "an IndexerConfig", describe(config), error=ConfigError)
-        num_pages = check_int("IndexerKeyCache: num_pages", num_pages, low=2, error=PoolError,
-                              fix="page 0 is padding, so at least 2 pages.")
-        num_layers = check_int("IndexerKeyCache: num_layers", num_layers, low=1, error=PoolError)
-        page_size = check_int("IndexerKeyCache: page_size", page_size, low=1, error=PoolError)
-        if config.use_fp8 and (page_size * config.head_dim) % 4:
-            fail("IndexerKeyCache: page_size", f"page_size * head_dim ({config.head_dim}) a multiple of 4 (the "
-                 "scales that follow the keys are fp32)", repr(page_size), error=PoolError)
-        if not hasattr(req_to_token_pool, "req_to_token"):
-            fail("IndexerKeyCache: req_to_token_pool", "a ReqToTokenPool", describe(req_to_token_pool),
-                 error=PoolError)
-        self.config = config
-        self.num_pages, self.num_layers, self.page_size = num_pages, num_layers, page_size
-        self.num_slots = num_pages * page_size
-        self.req_to_token_pool = req_to_token_pool
-        self.device = torch.device(device) if device is not None else req_to_token_pool.req_to_token.device
-        P, D = page_size, config.head_dim
-        if config.use_fp8:
-            self.buffers = [torch.zeros(num_pages, P * (D + 4), dtype=torch.uint8, device=self.device)
-                            for _ in range(num_layers)]
-            self._keys = [b[:, : P * D].view(FP8_DTYPE).view(num_pages, P, D) for b in self.buffers]
-            self._scales = [b.view(torch.float32)[:, P * D // 4:] for b in self.buffers]
-        else:
-            self.buffers = None
-            self._keys = [torch.zeros(num_pages, P, D, device=self.device) for _ in range(num_layers)]
-            self._scales = [torch.zeros(num_pages, P, device=self.device) for _ in range(num_layers)]
-        self.written = [torch.zeros(self.num_slots, dtype=torch.bool, device=self.device) for _ in range(num_layers)]
-
-    @classmethod
-    def from_pools(cls, token_to_kv_pool, req_to_token_pool, config: IndexerConfig, num_layers: int | None = None,
-                   *, page_allocator=None) -> IndexerKeyCache:
-        """A cache with the KV pool's pages, page size and layer count (unless ``num_layers`` is given).
-
-        Safe on its own: it subscribes to the page allocator's frees (``page_allocator``, or the
-        allocator the pool carries as ``token_to_kv_pool.allocator``), so a freed page's keys are
-        forgotten and never pass for the next owner's history. Without a reachable allocator there
-        is no way to tell a reused page from a live one, so it refuses (PoolError) rather than risk it.
-        """
-        allocator = page_allocator if page_allocator is not None else getattr(token_to_kv_pool, "allocator", None)
-        if not callable(getattr(allocator, "add_free_listener", None)):
-            fail("IndexerKeyCache.from_pools: page_allocator", "the pool's page allocator (something with "
-                 "add_free_listener), so freed pages' keys are forgotten", describe(allocator),
-                 "IndexerKeyCache.for_manager(manager, config), or pass page_allocator=manager.allocator.",
-                 PoolError)
-        cache = cls(token_to_kv_pool.num_pages, num_layers or token_to_kv_pool.num_layers, config, req_to_token_pool,
-                    page_size=token_to_kv_pool.page_size, device=token_to_kv_pool.device)
-        allocator.add_free_listener(cache.invalidate_pages)
-        return cache
-
-    @classmethod
-    def for_manager(cls, manager, config: IndexerConfig, num_layers: int | None = None) -> IndexerKeyCache:
-        """``from_pools`` for a ``KVCacheManager`` (listening to its allocator's frees)."""
-        return cls.from_pools(manager.token_to_kv_pool, manager.req_to_token_pool, config, num_layers,
-                              page_allocator=manager.allocator)
-
-    def invalidate_pages(self, pages: torch.Tensor) -> None:
-        """Forget the keys of freed physical pages (every layer): reading them again raises until rewritten."""
-        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.device)
-        pages = pages[(pages >= 0) & (pages < self.num_pages)]
-        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
-        for written in self.written:
-            written.index_fill_(0, slots, False)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token takes in one layer: 132 at head_dim 128 in FP8 (128 key bytes + a 4-byte scale)."""
-        return self.config.key_bytes_per_token
-
-    def check_layer(self, layer_id) -> int:
-        return check_int("layer_id", layer_id, low=0, high=self.num_layers - 1, error=PoolError,
-                         fix=f"the indexer cache has layers [0, {self.num_layers}).")
-
-    def key_pages(self, layer_id: int) -> torch.Tensor:
-        """Keys of one layer as ``[num_pages, page_size, head_dim]`` (FP8: a view of the page buffer)."""
-        return self._keys[self.check_layer(layer_id)]
-
-    def scale_pages(self, layer_id: int) -> torch.Tensor:
-        """Scales of one layer as fp32 ``[num_pages, page_size]`` (FP8: a view of the page buffer)."""
-        return self._scales[self.check_layer(layer_id)]
-
-    def _slots(self, name: str, slots, low: int) -> torch.Tensor:
-        check_tensor(name, slots, dtype=INDEX_DTYPES, dims=1, device=self.device.type, error=PoolError,
-                     fix="pass int32/int64 physical slots (req_to_token entries).")
-        check_range(name, slots, low, self.num_slots - 1, error=PoolError,
-                    fix=f"slots index the cache's {self.num_slots} slots" + (" (page 0 is padding)" if low else ""))
-        return slots.long()
-
-    def write(self, layer_id: int, loc: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor) -> None:
-        """Store ``keys`` ``[n, head_dim]`` and ``scales`` ``[n]`` at physical slots ``loc`` ``[n]``."""
-        layer_id = self.check_layer(layer_id)
-        loc = self._slots("loc", loc, self.page_size)
-        n = loc.shape[0]
-        check_tensor("keys", keys, shape=(n, self.config.head_dim), fix="one key per slot of loc.")
-        check_tensor("scales", scales, shape=(n,), fix="one scale per slot of loc.")
-        page, offset = loc // self.page_size, loc % self.page_size
-        self._keys[layer_id][page, offset] = keys.to(self._keys[layer_id].dtype)
-        self._scales[layer_id][page, offset] = scales.float()
-        # index_fill_, not ``written[loc] = True``: assigning a Python scalar through a tensor index
-        # copies a CPU scalar tensor to the GPU, which a CUDA graph capture refuses
-        self.written[layer_id].index_fill_(0, loc, True)
-
-    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (as fp32 values: FP8 values are exact in fp32) and scales at physical ``slots``."""
-        layer_id = self.check_layer(layer_id)
-        slots = self._slots("slots", slots, 0)
-        page, offset = slots // self.page_size, slots % self.page_size
-        return self._keys[layer_id][page, offset].float(), self._scales[layer_id][page, offset]
-
-    def check_history(self, layer_id: int, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor) -> None:
-        """BatchError unless positions ``0 .. prefix_lens[i] - 1`` of every request hold keys (one host sync)."""
-        table = self.req_to_token_pool.req_to_token[req_pool_indices.long()].long()
-        in_prefix = torch.arange(table.shape[1], device=table.device)[None, :] < prefix_lens[:, None]
-        missing = in_prefix & ~self.written[layer_id][table]
-        if bool(missing.any()):
-            i = int(missing.any(1).nonzero()[0, 0])
-            where = missing[i].nonzero().squeeze(1)
-            raise BatchError(
-                f"request {i} (req_to_token row {int(req_pool_indices[i])}): the indexer cache of layer {layer_id} "
-                f"holds no key for positions {where[:8].tolist()}{'...' if where.numel() > 8 else ''} of its "
-                "history. Fix: run the indexer over every earlier chunk (prefix) of the request first."
-            )
-
-    def block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        """int32 ``[bs, ceil(max_context_len / P)]``: the physical page of each logical page of each request.
-
-        ``req_to_token[rows, ::P] // P``, as SGLang builds its page table (unused entries are page 0).
-        """
-        req_to_token = self.req_to_token_pool.req_to_token
-        return (req_to_token[req_pool_indices.long(), :: self.page_size] // self.page_size).to(torch.int32)
 
 
 def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
@@ -384,11 +140,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, config: IndexerConfig, *, seed: int = 0, device="cpu", cache: IndexerKeyCache | None = None,
                  scoring_backend: str = "auto"):
         super().__init__()
-        if not isinstance(config, IndexerConfig):
-            raise ConfigError(f"LightningIndexer: config must be an IndexerConfig, got {type(config).__name__}.")
-        self.scoring_backend = check_choice(
-            "scoring_backend", scoring_backend, SCORING_BACKENDS,
-            "\"auto\" (Triton kernel on CUDA, torch otherwise), \"torch\" or \"triton\" (on CPU: TRITON_INTERPRET=1).")
+        self.scoring_backend = checks.check_indexer(config, scoring_backend, SCORING_BACKENDS)
         self.config = config
         c = config
         self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
@@ -410,16 +162,7 @@ class LightningIndexer(nn.Module):
 
     def attach_cache(self, cache: IndexerKeyCache) -> LightningIndexer:
         """Use ``cache`` for keys from now on; returns ``self``. Its config must match the indexer's."""
-        if not isinstance(cache, IndexerKeyCache):
-            raise ConfigError(f"attach_cache: expected an IndexerKeyCache, got {type(cache).__name__}.")
-        if cache.config.head_dim != self.config.head_dim or cache.config.use_fp8 != self.config.use_fp8:
-            raise ConfigError(
-                f"attach_cache: the cache holds head_dim={cache.config.head_dim}, use_fp8={cache.config.use_fp8} "
-                f"keys but the indexer makes head_dim={self.config.head_dim}, use_fp8={self.config.use_fp8}. "
-                "Fix: build the cache with the indexer's config."
-            )
-        if cache.device.type != self.device.type:
-            raise ConfigError(f"attach_cache: the cache is on {cache.device} but the indexer on {self.device}.")
+        checks.check_attach_cache(self, cache)
         self.cache = cache
         return self
 
@@ -524,10 +267,8 @@ class LightningIndexer(nn.Module):
         ``width`` defaults to ``max(seq_lens)`` (read from the device: pass it, e.g. the pool's
         ``max_context_len``, for a call with no host sync).
         """
-        self._check_call(x, q_lora, positions, forward_batch, layer_id)
-        if width is None:
-            width = int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
-        check_int("width", width, low=0, high=self.cache.req_to_token_pool.req_to_token.shape[1], error=ShapeError)
+        checks.check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
+        width = checks.check_index_width(self, forward_batch, width)
         qk = self.prepare(x, q_lora, positions)
         self.cache.write(layer_id, forward_batch.out_cache_loc, qk.k, qk.k_scale)
         return self.logits(qk, forward_batch, layer_id, width)
@@ -536,7 +277,7 @@ class LightningIndexer(nn.Module):
     def index_scores_loop(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                           forward_batch: ForwardBatch, layer_id: int) -> torch.Tensor:
         """The readable reference of ``index_scores``: request by request, keys read slot by slot."""
-        self._check_call(x, q_lora, positions, forward_batch, layer_id)
+        checks.check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
         fb, cache = forward_batch, self.cache
         qk = self.prepare(x, q_lora, positions)
         cache.write(layer_id, fb.out_cache_loc, qk.k, qk.k_scale)
@@ -580,7 +321,7 @@ class LightningIndexer(nn.Module):
         top-k reads each row up to its position), so it can be captured in a CUDA graph. EXTEND
         reads ``max(seq_lens)`` once for the width of its scores.
         """
-        self._check_call(x, q_lora, positions, forward_batch, layer_id)
+        checks.check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
         fb = forward_batch
         if fb.forward_mode is ForwardMode.DECODE:
             width = self.cache.req_to_token_pool.req_to_token.shape[1]
@@ -590,78 +331,8 @@ class LightningIndexer(nn.Module):
         self.cache.write(layer_id, fb.out_cache_loc, qk.k, qk.k_scale)
         return self.select(self.logits(qk, fb, layer_id, width, fill_tail=False), positions, order)
 
-    # ------------------------------------------------------------------ input checks
-    def _check_call(self, x, q_lora, positions, forward_batch, layer_id) -> None:
-        """Every check before any work (value checks need a host sync and are skipped while capturing)."""
-        c, dev = self.config, self.device.type
-        if self.cache is None:
-            raise ConfigError(
-                "LightningIndexer: no key cache attached. Fix: indexer.attach_cache(IndexerKeyCache.for_manager("
-                "manager, indexer.config)), or IndexerKeyCache.from_pools(token_to_kv_pool, req_to_token_pool, "
-                "indexer.config)."
-            )
-        if not isinstance(forward_batch, ForwardBatch):
-            fail("forward_batch", "a sparse_ref.ForwardBatch", describe(forward_batch),
-                 "build it with build_extend_batch / build_decode_batch.", BatchError)
-        self.cache.check_layer(layer_id)
-        fb = forward_batch
-        T = fb.positions.shape[0]
-        check_tensor("x", x, dtype=FLOAT_DTYPES, shape=(T, c.hidden_size), device=dev,
-                     fix=f"pass the hidden states of the batch's {T} new tokens, [T, hidden_size].")
-        check_tensor("q_lora", q_lora, dtype=FLOAT_DTYPES, shape=(T, c.q_lora_rank), device=dev,
-                     fix=f"pass the low-rank query latents of the batch's {T} new tokens, [T, q_lora_rank].")
-        check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(T,), device=dev,
-                     fix="pass forward_batch.positions.")
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
-            check_tensor(f"forward_batch.{name}", getattr(fb, name), device=dev,
-                         fix="build the batch on the indexer's device.")
-        bs = fb.batch_size
-        counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else None
-        if counts is not None:
-            check_rows("forward_batch.extend_seq_lens", counts, bs, error=BatchError)
-        if capturing() or bs == 0:
-            return
-        req_to_token = self.cache.req_to_token_pool.req_to_token
-        rows, max_len = req_to_token.shape
-        check_range("forward_batch.req_pool_indices", fb.req_pool_indices, 0, rows - 1, error=BatchError)
-        check_range("forward_batch.seq_lens", fb.seq_lens, 0, max_len, error=BatchError,
-                    fix="seq_lens may not exceed max_context_len.")
-        if not torch.equal(positions.long(), fb.positions):
-            raise BatchError("positions: differ from forward_batch.positions; RoPE and the causal mask would use "
-                             "other positions than the cache. Fix: pass positions=forward_batch.positions.")
-        counts = torch.ones_like(fb.seq_lens) if counts is None else counts
-        if int(counts.min()) < 0 or int(counts.sum()) != T:
-            raise BatchError(f"forward_batch: new tokens per request {counts.tolist()} do not add up to the {T} "
-                             "tokens of positions. Fix: build the batch with build_extend_batch / build_decode_batch.")
-        token_req = torch.repeat_interleave(torch.arange(bs, device=positions.device), counts)
-        own_len = fb.seq_lens[token_req]
-        bad = (positions < 0) | (positions >= own_len)
-        if bool(bad.any()):
-            t = int(bad.nonzero()[0, 0])
-            fail(f"positions[{t}]", f"a position in [0, seq_len={int(own_len[t])}) of request {int(token_req[t])}",
-                 str(int(positions[t])), "seq_lens must count the new tokens.", BatchError)
-        expected = req_to_token[fb.req_pool_indices[token_req], positions.long()].long()
-        if not torch.equal(expected, fb.out_cache_loc):
-            t = int((expected != fb.out_cache_loc).nonzero()[0, 0])
-            fail(f"forward_batch.out_cache_loc[{t}]", f"slot {int(expected[t])}, where req_to_token keeps that "
-                 "token (its key would be written where its request never reads it)", str(int(fb.out_cache_loc[t])),
-                 "build the batch from the pool.", BatchError)
-        self.cache.check_history(layer_id, fb.req_pool_indices, fb.seq_lens - counts)
-
-
 # ----------------------------------------------------------------------------- the algorithm
 DSA_REQUIRED = ("indexer", "forward_batch", "x", "q_lora", "positions")
-
-
-def missing_dsa_kwargs_message(missing) -> str:
-    """The seed message, then exactly which of the five kwargs are missing, why they matter and the fix."""
-    return (
-        f"{SEED_DSA_REQUIRED}. Missing: {', '.join(missing)} (not passed, or None). DSA retrieval runs the model's "
-        "lightning indexer, which scores every cached token of a request from the hidden states (x), the low-rank "
-        "query latent (q_lora) and the token positions, and needs the batch (forward_batch) to find each request's "
-        "keys. Fix: algo.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, indexer=indexer, "
-        "forward_batch=forward_batch, x=hidden_states, q_lora=q_lora, positions=forward_batch.positions)"
-    )
 
 
 class DSAAlgorithm(SparseAlgorithm):
@@ -680,25 +351,7 @@ class DSAAlgorithm(SparseAlgorithm):
 
     def retrieve_topk(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                       sparse_mask: torch.Tensor, attn_metadata=None, **kwargs):
-        missing = [name for name in DSA_REQUIRED if kwargs.get(name) is None]
-        if missing:
-            raise RetrievalError(missing_dsa_kwargs_message(missing))
-        indexer, fb = kwargs["indexer"], kwargs["forward_batch"]
-        if not callable(indexer):
-            fail("indexer", "the model's LightningIndexer (a callable module)", describe(indexer), error=RetrievalError)
-        if not isinstance(fb, ForwardBatch):
-            fail("forward_batch", "a sparse_ref.ForwardBatch", describe(fb), error=RetrievalError)
-        if self.req_to_token_pool is not None:
-            self.check_layer(layer_id)
-        check_tensor("req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, shape=(fb.batch_size,),
-                     fix="pass forward_batch.req_pool_indices.")
-        check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, shape=(fb.batch_size,),
-                     fix="pass a bool tensor [bs], True for requests that may go sparse.")
-        check_same_device("retrieve_topk", "req_pool_indices", {"req_pool_indices": req_pool_indices,
-                          "sparse_mask": sparse_mask, "forward_batch.req_pool_indices": fb.req_pool_indices})
-        if not capturing() and not torch.equal(req_pool_indices.long(), fb.req_pool_indices):
-            raise BatchError("req_pool_indices: differ from forward_batch.req_pool_indices (another request's "
-                             "row would be scored). Fix: pass forward_batch.req_pool_indices.")
+        indexer, fb = checks.check_dsa_retrieve(self, layer_id, req_pool_indices, sparse_mask, kwargs)
         selection = indexer(x=kwargs["x"], q_lora=kwargs["q_lora"], positions=kwargs["positions"],
                             forward_batch=fb, layer_id=layer_id)
         T = selection.shape[0]

@@ -50,11 +50,8 @@ from __future__ import annotations
 
 import torch
 
+from sparse_ref import checks
 from sparse_ref.algorithms.base import SparseAlgorithm
-from sparse_ref.batch import ForwardMode
-from sparse_ref.checks import FLOAT_DTYPES, capturing, check_range, check_tensor, describe, fail
-from sparse_ref.errors import BatchError, ConfigError, PoolError, ShapeError
-from sparse_ref.memory import as_index_list
 
 
 def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gqa_mode: str):
@@ -62,26 +59,8 @@ def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gq
 
     Raises ShapeError with SGLang's Quest messages (verbatim) followed by the fix.
     """
-    bs = queries.shape[0]
-    if queries.dim() == 2:
-        hidden = queries.shape[1]
-        if hidden % head_dim != 0:
-            raise ShapeError(
-                f"Quest query hidden size {hidden} not divisible by head_dim {head_dim}. Fix: pass queries as "
-                f"[bs, H_q * {head_dim}] (all query heads of the layer, flattened) or as [bs, H_q, {head_dim}]."
-            )
-        queries = queries.reshape(bs, hidden // head_dim, head_dim)
-    elif queries.dim() != 3 or queries.shape[2] != head_dim:
-        raise ShapeError(
-            f"Unsupported query shape for Quest: {tuple(queries.shape)}. Fix: pass one decode query per request, "
-            f"[bs, H_q * {head_dim}] or [bs, H_q, {head_dim}] (head_dim of the KV pool is {head_dim})."
-        )
-    num_q_heads = queries.shape[1]
-    if num_q_heads % num_kv_heads != 0 or num_q_heads == 0:
-        raise ShapeError(
-            f"Query heads {num_q_heads} not divisible by KV heads {num_kv_heads}. Fix: pass all H_q query heads of "
-            f"the layer; with grouped-query attention H_q must be a multiple of the pool's {num_kv_heads} KV heads."
-        )
+    queries = checks.check_quest_queries(queries, num_kv_heads, head_dim)  # [bs, H_q, D], or SGLang's errors
+    bs, num_q_heads = queries.shape[:2]
     q = queries.float().reshape(bs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     if gqa_mode == "mean":
         q = q.mean(dim=2)
@@ -143,19 +122,8 @@ class QuestAlgorithm(SparseAlgorithm):
     def __init__(self, config=None, device="cpu", selection_backend: str = "auto", scoring_backend: str = "auto",
                  bounds_dtype: torch.dtype = torch.float32):
         super().__init__(config, device, selection_backend)
-        if bounds_dtype not in BOUNDS_DTYPES:
-            raise ConfigError(
-                f"bounds_dtype: expected one of {BOUNDS_DTYPES}, got {bounds_dtype!r}. Fix: torch.float32 (exact "
-                f"bounds), or torch.bfloat16 / torch.float16 (half the bytes to score; min rounded down, max up)."
-            )
-        self.bounds_dtype = bounds_dtype
-        if not isinstance(scoring_backend, str) or scoring_backend not in SCORING_BACKENDS:
-            raise ConfigError(
-                f"scoring_backend: expected one of {SCORING_BACKENDS}, got {scoring_backend!r}. Fix: \"auto\" (Triton "
-                f"kernel on CUDA, torch otherwise), \"torch\" (the reference) or \"triton\" (the kernel; on CPU it "
-                f"needs TRITON_INTERPRET=1)."
-            )
-        self.scoring_backend = scoring_backend
+        checks.check_quest(bounds_dtype, scoring_backend, BOUNDS_DTYPES, SCORING_BACKENDS)
+        self.bounds_dtype, self.scoring_backend = bounds_dtype, scoring_backend
 
     def uses_triton_scoring(self) -> bool:
         """Whether ``score_pages`` runs the Triton kernel (per ``scoring_backend`` and the device)."""
@@ -172,11 +140,7 @@ class QuestAlgorithm(SparseAlgorithm):
         without one is refused (its frees would go unheard and stale bounds be selected).
         ``page_allocator``: an extra allocator to listen to (optional; the pool's is always used).
         """
-        allocators = [a for a in (getattr(token_to_kv_pool, "allocator", None), page_allocator) if a is not None]
-        if not allocators or not all(callable(getattr(a, "add_free_listener", None)) for a in allocators):
-            fail("token_to_kv_pool.allocator", "a PageAllocator (with add_free_listener) that frees its pages",
-                 describe(getattr(token_to_kv_pool, "allocator", None)),
-                 "pass a sparse_ref.TokenToKVPool (it carries its allocator), or set pool.allocator.", PoolError)
+        allocators = checks.check_quest_allocators(token_to_kv_pool, page_allocator)
         super().initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool)
         pool = token_to_kv_pool
         self.num_pages, self.num_kv_heads, self.head_dim = pool.num_pages, pool.num_kv_heads, pool.head_dim
@@ -189,13 +153,6 @@ class QuestAlgorithm(SparseAlgorithm):
             allocator.add_free_listener(self.invalidate_pages)
 
     # ---------------------------------------------------------------- bounds
-    def _pages_view(self, name: str, k_buffer: torch.Tensor) -> torch.Tensor:
-        """``k_buffer`` ``[num_pages * P, H_kv, D]`` seen as ``[num_pages, P, H_kv, D]``."""
-        want = (self.num_pages * self.page_size, self.num_kv_heads, self.head_dim)
-        check_tensor(name, k_buffer, dtype=FLOAT_DTYPES, shape=want, device=self.device.type,
-                     fix="pass token_to_kv_pool.get_key_buffer(layer_id).")
-        return k_buffer.view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-
     def _write_bounds(self, layer_id: int, pages: torch.Tensor, k_pages: torch.Tensor, write: torch.Tensor) -> None:
         """Store min/max of ``k_pages`` ``[n, P, H_kv, D]`` at physical ``pages`` where ``write`` is True."""
         mn, mx = round_bounds_outward(k_pages.float().amin(dim=1), k_pages.float().amax(dim=1), self.bounds_dtype)
@@ -210,14 +167,7 @@ class QuestAlgorithm(SparseAlgorithm):
         A request with prefix ``p`` and length ``s`` completes logical pages ``[p // P, s // P)``;
         each is rebuilt from all of its ``P`` keys (earlier chunks included).
         """
-        self.check_layer(layer_id)
-        self.check_forward_batch("construct_representations", forward_batch)
-        if forward_batch.forward_mode is not ForwardMode.EXTEND:
-            raise BatchError(
-                f"construct_representations: expected an EXTEND batch, got {forward_batch.forward_mode}. "
-                "Fix: after a decode step call update_representations instead."
-            )
-        k_pages = self._pages_view("k_buffer", k_buffer)
+        k_pages = checks.check_quest_hook(self, "construct_representations", layer_id, forward_batch, k_buffer)
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
         pages = []
@@ -227,7 +177,7 @@ class QuestAlgorithm(SparseAlgorithm):
             first_token_of_page = torch.arange(prefix // P, seq_len // P, device=req_to_token.device) * P
             pages.append(req_to_token[r, first_token_of_page].long() // P)
         pages = torch.cat(pages).to(self.device)
-        self._check_real_pages(pages)
+        checks.check_real_pages(self, pages)
         for chunk in pages.split(4096):  # bounded temporaries at long context: [chunk, P, H_kv, D]
             self._write_bounds(layer_id, chunk, k_pages[chunk], torch.ones_like(chunk, dtype=torch.bool))
 
@@ -237,14 +187,7 @@ class QuestAlgorithm(SparseAlgorithm):
         Batched with no host sync: every row computes the bounds of the page holding its newest
         token, and keeps them only where ``seq_len % P == 0`` (the page just filled up).
         """
-        self.check_layer(layer_id)
-        self.check_forward_batch("update_representations", forward_batch)
-        if forward_batch.forward_mode is not ForwardMode.DECODE:
-            raise BatchError(
-                f"update_representations: expected a DECODE batch, got {forward_batch.forward_mode}. "
-                "Fix: after a prefill call construct_representations instead."
-            )
-        k_pages = self._pages_view("k_buffer", k_buffer)
+        k_pages = checks.check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
         seq_lens = forward_batch.seq_lens.to(req_to_token.device)
@@ -252,26 +195,16 @@ class QuestAlgorithm(SparseAlgorithm):
         newest = (seq_lens - 1).clamp(min=0)
         pages = req_to_token[rows, (newest // P) * P].long().to(self.device) // P
         completed = ((seq_lens > 0) & (seq_lens % P == 0)).to(self.device)
-        self._check_real_pages(pages, completed)
+        checks.check_real_pages(self, pages, completed)
         self._write_bounds(layer_id, pages, k_pages[pages], completed)
 
     def invalidate_pages(self, pages) -> None:
         """Forget the bounds of freed physical ``pages`` in every layer (the free-listener hook)."""
-        pages = torch.tensor(as_index_list("invalidate_pages(pages)", pages), dtype=torch.int64)
-        check_range("invalidate_pages(pages)", pages, 0, self.num_pages - 1,
-                    "pass physical pages of this pool (a negative id does not wrap to the last page).", PoolError)
-        pages = pages.to(self.device)
+        pages = checks.check_invalidate_pages(self, pages).to(self.device)
         for layer in self.page_valid:
             self.page_valid[layer][pages] = False
             self.page_min[layer][pages] = 0.0
             self.page_max[layer][pages] = 0.0
-
-    def _check_real_pages(self, pages: torch.Tensor, write: torch.Tensor | None = None) -> None:
-        """Pages whose bounds are about to be built (where ``write``) hold real tokens: never padding page 0."""
-        if not capturing() and bool(((pages < 1) & (True if write is None else write)).any()):
-            fail("forward_batch.seq_lens", "lengths within each request's tokens (every page to summarize mapped to "
-                 f"a page in [1, {self.num_pages}) by req_to_token)", "a length that reaches padding page 0",
-                 "pass the batch built for these requests (build_extend_batch / build_decode_batch).", BatchError)
 
     # ---------------------------------------------------------------- scoring
     def physical_pages(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
@@ -289,35 +222,16 @@ class QuestAlgorithm(SparseAlgorithm):
     def score_pages(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                     forward_batch) -> torch.Tensor:
         """fp32 ``[bs, max_pages]`` Quest bounds of each logical page; -inf where a page has no bounds."""
-        self.check_layer(layer_id)
-        fused = self.uses_triton_scoring()  # the Triton kernel splits the signs and maps the pages itself
-        q_pos, q_neg = split_query_sign(queries[:0] if fused else queries.to(self.device), self.num_kv_heads,
-                                        self.head_dim, self.config.gqa_mode)  # fused: shape checks only (no rows)
-        pages = None if fused and capturing() else self.physical_pages(req_pool_indices)
-        if pages is not None and not capturing() and pages.numel():
-            self._check_pages_in_range(pages, forward_batch)
-        if fused:
+        checks.check_score_pages(self, queries, layer_id, forward_batch)
+        if self.uses_triton_scoring():  # the Triton kernel splits the signs and maps the pages itself
             from sparse_ref.kernels.quest import quest_page_scores_from_queries  # kernels import only when used
 
             return quest_page_scores_from_queries(
                 queries.to(self.device), self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
                 self.req_to_token_pool.req_to_token.to(self.device), req_pool_indices.to(self.device), self.page_size,
                 self.max_pages, self.config.gqa_mode, check_values=False)  # rows checked by retrieve_topk
-        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id], pages)
+        q_pos, q_neg = split_query_sign(queries.to(self.device), self.num_kv_heads, self.head_dim,
+                                        self.config.gqa_mode)
+        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
+                  self.physical_pages(req_pool_indices))
         return quest_page_scores_reference(q_pos, q_neg, *bounds)
-
-    def _check_pages_in_range(self, pages: torch.Tensor, forward_batch) -> None:
-        """Eager only: the pages of every row's real tokens lie in [1, num_pages) (page 0 is padding)."""
-        req_to_token = self.req_to_token_pool.req_to_token
-        rows = forward_batch.req_pool_indices.to(req_to_token.device).long()
-        n = -(-forward_batch.seq_lens.to(req_to_token.device) // self.page_size)
-        cols = torch.arange(pages.shape[1], device=req_to_token.device)
-        raw = req_to_token[rows[:, None], cols[None, :] * self.page_size].long() // self.page_size
-        bad = (cols[None, :] < n[:, None]) & ((raw < 1) | (raw >= self.num_pages))
-        if bool(bad.any()):
-            r, j = (int(x) for x in bad.nonzero()[0])
-            raise ShapeError(
-                f"req_to_token: request {r} (row {int(rows[r])}) maps logical page {j} to physical page "
-                f"{int(raw[r, j])}, outside the KV pool's usable pages [1, {self.num_pages}). Fix: fill req_to_token "
-                "through KVCacheManager (admit/grow), and pass forward_batch for the same requests."
-            )

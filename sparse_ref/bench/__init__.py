@@ -1,0 +1,118 @@
+"""Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
+
+SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine`` or ``all``; several may be given
+(``python -m sparse_ref.bench quest retrieve``). One module per suite (its docstring says what it
+measures), all timed by ``timing.py``: CUDA events around CUDA-graph replays, median of many calls,
+L2 cold (a 1 GiB buffer zeroed before each call) or warm, against the copy bandwidth measured in the
+same run, and always beside the baseline under the same output contract.
+
+Without ``--out`` the JSON goes to ``build/bench/<suites>-<gpu|cpu>.json`` (ignored by git); the
+committed GPU results in ``benchmarks/results/`` are written only with an explicit ``--out``, and
+never by a CPU run. ``docs/performance.md`` gives the targets, where the time goes and what was tried.
+
+On CPU (Triton's interpreter) it refuses to run unless ``--allow-cpu`` is given; such results
+are labelled as CPU results and are not GPU numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import sparse_ref
+from sparse_ref.bench.decode import bench_decode
+from sparse_ref.bench.dsa import bench_dsa
+from sparse_ref.bench.engine import bench_engine
+from sparse_ref.bench.quest import bench_quest, bench_retrieve
+from sparse_ref.bench.timing import COPY_DETAIL, Timer, copy_bandwidth
+from sparse_ref.bench.topk import bench_select, bench_topk
+
+SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,
+          "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine}
+
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m sparse_ref.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("suite", nargs="+", choices=[*SUITES, "all"], help="one or more suites, or all")
+    parser.add_argument("--quick", action="store_true", help="fewer distributions and repetitions")
+    parser.add_argument("--out", default=None,
+                        help=f"where to write the JSON (default: {DEFAULT_OUT}, e.g. build/bench/topk-gpu.json; "
+                             f"committed GPU results go to {RESULTS_DIR}/ only with an explicit --out)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers; never written "
+                             f"into {RESULTS_DIR}/)")
+    args = parser.parse_args(argv)
+    device = sparse_ref.default_device()
+    on_cpu = device.type != "cuda"
+    if on_cpu and not args.allow_cpu:
+        raise SystemExit("sparse_ref.bench: no CUDA GPU (or TRITON_INTERPRET is on), so there is nothing to time: "
+                         "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu "
+                         "for a smoke run whose results are labelled as CPU results (never commit them as GPU "
+                         "numbers).")
+    out = Path(args.out) if args.out else default_out(args.suite, on_cpu)
+    if on_cpu and _in_results_dir(out):
+        raise SystemExit(f"sparse_ref.bench: --out {out} is inside {RESULTS_DIR}/, which holds the committed GPU "
+                         "results; a CPU run must not overwrite them. Drop --out (it defaults to "
+                         f"{default_out(args.suite, on_cpu)}) or write somewhere else.")
+    import triton
+
+    timer = Timer(device, reps=2 if on_cpu else (30 if args.quick else 100))
+    gpu = torch.cuda.get_device_name() if not on_cpu else "CPU (Triton interpreter) - NOT GPU numbers"
+    print(f"sparse_ref.bench on {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    copy_bw = copy_bandwidth(device, timer)
+    print(f"device-to-device copy bandwidth: {copy_bw:.2f} TB/s", flush=True)
+    suites = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
+    rows = []
+    for i, name in enumerate(suites):
+        print(f"== {name}", flush=True)
+        rows += SUITES[name](device, timer, copy_bw, args.quick, on_cpu)
+        # Written after every suite, so a run cut short still leaves the suites it finished.
+        result = dict(
+            command="python -m sparse_ref.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            gpu=gpu, cpu_only=on_cpu, torch=torch.__version__, triton=triton.__version__,
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            suites_done=suites[: i + 1], complete=i == len(suites) - 1,
+            copy_bandwidth_tbps=None if on_cpu else round(copy_bw, 3),
+            copy_bandwidth_detail=dict(COPY_DETAIL, note="1 GiB fp32, read + write bytes, eager, median of 20"),
+            timing=("CUDA events around a CUDA-graph replay of one call, median of many; L2 cold = 1 GiB buffer "
+                    "zeroed before each call, inputs rotated over 4 copies; L2 warm = replay of a graph of 20 calls "
+                    "on one input, divided by 20. Rows say how each side was timed (torch_timing, ours_timing: "
+                    "graph, eager or wall clock)."),
+            rows=rows,
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
+          f"{'TB/s':>7}{'%copy':>7}")
+    for r in rows:
+        print(f"{r['op']:<15}{r['shape']:<24}{r['k'] if r['k'] is not None else '-':>6} {r['distribution']:<10}"
+              f"{r['l2']:<5}{r['torch_us']:>10.1f}{r['ours_us']:>10.1f}{r['speedup']:>7.2f}{r['tbps']:>7.2f}"
+              f"{r['pct_copy_bw'] if r['pct_copy_bw'] is not None else '-':>7}")
+    print(f"wrote {out}")
+    return result
+
+
+
+RESULTS_DIR = "benchmarks/results"  # committed GPU results; never written by a CPU run
+
+DEFAULT_OUT = "build/bench/<suites>-<gpu|cpu>.json"
+
+
+
+def default_out(suites: list[str], on_cpu: bool) -> Path:
+    """Where a run writes its JSON without ``--out``: an ignored build folder, never the committed results."""
+    return Path("build", "bench", f"{'+'.join(dict.fromkeys(suites))}-{'cpu' if on_cpu else 'gpu'}.json")
+
+
+
+def _in_results_dir(path: Path) -> bool:
+    """True when ``path`` lies in a ``benchmarks/results`` folder (relative to anywhere)."""
+    parts = path.resolve().parts
+    return any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
+

@@ -1,0 +1,168 @@
+"""Suite ``decode``: the paged decode attention kernel, and the sparse decode step against the dense one.
+
+(a) The kernel (``sparse_ref.kernels.decode_attention``) at bs=64, 32 q / 8 KV heads, D=128, bf16 K/V,
+32K context, page 16, and at bs=1 MHA (32 heads), against the copy bandwidth (bytes = K + V read
+once) and the torch reference. (b) The sparse decode step (Quest scores + selection + the page table
++ sparse attention, one CUDA graph) against the dense step (the same kernel over every page), at bs=1
+MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens, with fp32 and bf16 Quest bounds; each row
+gives the speedup, the byte-limit speedup (dense bytes / sparse bytes), the time of each part and
+whether the Triton page table equals the torch adaptor's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from sparse_ref.bench.decode_setup import decode_step_setup, scoring_default
+from sparse_ref.bench.timing import eager_cold, row
+
+
+# ------------------------------------------------------------------------------------------
+# decode: the paged decode attention kernel, and the sparse decode step against the dense one
+# ------------------------------------------------------------------------------------------
+def dense_attention_inputs(bs, h_q, h_kv, d, ctx, page_size, kv_dtype, device, seed=0):
+    """q fp32, K/V pools of ``bs`` requests of ``ctx`` tokens (shuffled pages; page 0 padding), full page tables."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages = -(-ctx // page_size)
+    num_pages = bs * pages + 1
+    table = (torch.randperm(num_pages - 1, generator=g) + 1).reshape(bs, pages).to(torch.int32).to(device)
+    k = torch.randn(num_pages * page_size, h_kv, d, device=device, dtype=kv_dtype)
+    v = torch.randn(num_pages * page_size, h_kv, d, device=device, dtype=kv_dtype)
+    q = torch.randn(bs, h_q, d, device=device)
+    kv_lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+    return q, k, v, table, kv_lens
+
+
+
+ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=32),
+                        dict(block_n=64), dict(num_warps=8), dict(num_splits=32, block_n=64), dict(num_splits=8)]
+
+
+
+def bench_decode(device, timer, copy_bw, quick, on_cpu):
+    """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
+    (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
+    from sparse_ref.attention import sparse_decode_attention
+    from sparse_ref.kernels.decode_attention import paged_decode_attention
+
+    rows = []
+    # (a) the dense kernel: bs=64 GQA (the 80%-of-copy target) and bs=1 MHA (the baseline of the bs=1 step rows).
+    # Timed first, on freshly allocated inputs, before the torch reference runs (its tens of GB of temporaries
+    # come after).
+    if on_cpu:
+        dense_shapes = [(2, 4, 2, 16, 200, 4, 80), (1, 4, 4, 16, 200, 4, None)]
+    else:
+        dense_shapes = [(64, 32, 8, 128, 32768, 16, 80), (1, 32, 32, 128, 32768, 16, None)]
+    for bs, h_q, h_kv, d, ctx, P, target in dense_shapes:
+        q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
+        out = torch.empty(q.shape, dtype=torch.float32, device=device)
+        nbytes = bs * ctx * 2 * h_kv * d * k.element_size()  # K + V read once
+        t_ours = timer.cold([partial(paged_decode_attention, q, k, v, table, kv_lens, P, out=out)])
+        m_ours = timer.mode
+        got = paged_decode_attention(q, k, v, table, kv_lens, P, out=out)
+        want = sparse_decode_attention(q, k, v, table, kv_lens, P)
+        max_abs_err = float((got - want).abs().max())
+        del want
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t_torch = eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
+        rows.append(row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
+                        t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
+                        torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
+                        bytes_note="K + V of every token read once", target_pct_copy_bw=target))
+        del q, k, v, table, kv_lens, out, got
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # (b) sparse step vs dense step, one kernel
+    if on_cpu:
+        shapes = [(1, 4, 4, 16, 256, 4, 32, None), (2, 4, 2, 16, 256, 4, 32, None)]
+    else:
+        shapes = [(1, 32, 32, 128, 32768, 16, 2048, 7.0), (1, 32, 32, 128, 131072, 16, 2048, 10.0),
+                  (64, 32, 8, 128, 32768, 16, 2048, 6.0)]
+    for bs, h_q, h_kv, d, ctx, P, budget, target in shapes:
+        for bounds_dtype in (torch.float32, torch.bfloat16):
+            s = decode_step_setup(bs, h_q, h_kv, d, ctx, P, budget, bounds_dtype, device)
+            s.sparse_step()
+            s.dense_step()
+            ref = sparse_decode_attention(s.q, s.k, s.v, s.meta[0], s.meta[1], P)
+            max_abs_err = float((s.out_sparse - ref).abs().max())
+            kept_tokens = int(s.meta[1].max())
+            sel = s.retrieve()
+            torch_meta = s.adaptor(*sel, backend="torch")
+            torch_meta = tuple(t.clone() for t in torch_meta)
+            triton_meta = tuple(t.clone() for t in s.adaptor(*sel))
+            fused = s.retrieve_table()  # the step's own path (selection + table in one launch on CUDA)
+            page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip((*torch_meta, *sel, *torch_meta),
+                                                                           (*triton_meta, *fused), strict=True))
+            # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
+            # side, so neither side is held back by a default chosen blind; the all-defaults step is timed too
+            cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
+            chosen = {}
+            for side, fn in (("dense", s.dense_step), ("sparse", s.sparse_attention)):
+                times = {}
+                for name, cand in cands.items():
+                    s.knobs[side] = dict(cand)
+                    try:
+                        times[name] = timer.cold([fn])
+                    except Exception as e:  # e.g. out of resources: not a candidate
+                        times[name] = f"failed: {type(e).__name__}"
+                best = min((t, name) for name, t in times.items() if isinstance(t, float))[1]
+                s.knobs[side] = dict(cands[best])
+                chosen[side] = {"knobs": best, "sweep_us": {k_: round(v_, 2) if isinstance(v_, float) else v_
+                                                             for k_, v_ in times.items()}}
+            t_dense = timer.cold([s.dense_step])
+            m_dense = timer.mode
+            t_sparse = timer.cold([s.sparse_step])
+            m_sparse = timer.mode
+            parts = {"retrieve + page table (the step's; fused on CUDA)": timer.cold([s.retrieve_table]),
+                     "retrieve (scores + selection)": timer.cold([s.retrieve]),
+                     "retrieve: scores (one launch)": timer.cold([s.scores]),
+                     "retrieve: scores unfused (torch q split + page map + kernel, not used)":
+                         timer.cold([s.scores_unfused]),
+                     "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
+                     "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
+                     "sparse attention": timer.cold([s.sparse_attention])}
+            scoring_sweep = {}
+            if bs == 1 and not on_cpu:  # bs=1 scoring is latency bound: a few launch shapes beside the default
+                for bp, bhd, nw in ((2, 2048, 4), (4, 1024, 4), (8, 512, 4), (1, 4096, 4), (2, 4096, 8), (4, 2048, 8),
+                                    (16, 256, 4)):
+                    try:
+                        t_ = timer.cold([partial(s.scores_with, block_p=bp, block_hd=bhd, num_warps=nw)])
+                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = round(t_, 2)
+                    except Exception as e:  # e.g. out of resources
+                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = f"failed: {type(e).__name__}"
+                print(f"    scoring launch sweep (us; default {scoring_default(s)}): {scoring_sweep}", flush=True)
+            tuned_sparse = s.knobs["sparse"]
+            s.knobs["sparse"] = {}
+            t_sparse_default = timer.cold([s.sparse_step])  # both steps with default knobs, for comparison
+            s.knobs["sparse"] = tuned_sparse
+            t_dense_default = chosen["dense"]["sweep_us"]["default"]
+            s.sparse_step()  # leave the step's own outputs in meta / out_sparse
+            ceiling = s.dense_bytes / s.sparse_bytes
+            shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
+            rows.append(row(shape, None, "planted", "cold", t_dense, t_sparse, s.sparse_bytes, copy_bw,
+                            "sparse_step", baseline="dense step: the same kernel over every page (table prebuilt)",
+                            torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
+                            byte_limit_speedup=round(ceiling, 2), target_speedup=target,
+                            parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
+                            scoring_sweep_us=scoring_sweep,
+                            max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
+                            attention_knobs=chosen, dense_default_knobs_us=t_dense_default,
+                            sparse_step_default_knobs_us=round(t_sparse_default, 2),
+                            speedup_default_knobs=round(t_dense_default / t_sparse_default, 2),
+                            knobs_note="each side's attention runs with the best of the same candidate list "
+                                        "(default included); *_default_* fields: both sides with default knobs",
+                            bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
+                                        "dense: K/V of every token"))
+            print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
+                  f"default knobs x{t_dense_default / t_sparse_default:.2f}; sparse attention sweep (us) "
+                  f"{chosen['sparse']['sweep_us']}", flush=True)
+            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
+                  "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
+            del s, ref, sel
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows

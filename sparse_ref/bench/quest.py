@@ -1,0 +1,117 @@
+"""Suites ``quest`` and ``retrieve``: Quest page scores, and the batched ``retrieve_topk`` against its loop.
+
+* **quest**: the Triton kernel (``sparse_ref.kernels.quest.quest_page_scores``) against the torch
+  reference (``quest_page_scores_reference``: gather + bmm), at bs=1, 32 KV heads, D=128, page 16,
+  128K context and at bs=64, 8 KV heads, 32K; bytes = the bounds of every scored page read once +
+  the scores written. fp32 bounds (as ``QuestAlgorithm`` keeps them by default) and a bf16 row;
+  the full run sweeps the launch knobs around the default.
+* **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
+  against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+
+from sparse_ref.bench.timing import Timer, row, tuned, wall_clock_us
+
+
+def bench_quest(device, timer, copy_bw, quick, on_cpu):
+    from sparse_ref.algorithms.quest import quest_page_scores_reference
+    from sparse_ref.kernels import quest as quest_kernels
+    from sparse_ref.kernels.quest import quest_page_scores
+
+    if on_cpu:
+        shapes = [(1, 2, 8, 64, 16, torch.float32), (2, 2, 8, 32, 16, torch.float32)]
+    else:
+        shapes = [(1, 32, 128, 131072, 16, torch.float32), (64, 8, 128, 32768, 16, torch.float32)]
+        if not quick:
+            shapes.append((1, 32, 128, 131072, 16, torch.bfloat16))
+    rows = []
+    sweep_timer = None if quick or on_cpu else Timer(device, reps=30)
+    for bs, h_kv, d, ctx, page_size, bound_dtype in shapes:
+        max_pages = -(-ctx // page_size)
+        num_pages = bs * max_pages + 1  # page 0 is padding; every request's pages are distinct, shuffled
+        g = torch.Generator(device="cpu").manual_seed(0)
+        pages = (torch.randperm(num_pages - 1, generator=g)[:bs * max_pages] + 1).reshape(bs, max_pages).to(device)
+        a = torch.randn(num_pages, h_kv, d, device=device)
+        b = torch.randn(num_pages, h_kv, d, device=device)
+        page_min, page_max = torch.minimum(a, b).to(bound_dtype), torch.maximum(a, b).to(bound_dtype)
+        del a, b
+        page_valid = torch.ones(num_pages, dtype=torch.bool, device=device)
+        page_valid[0] = False
+        q_pos = torch.randn(bs, h_kv, d, device=device).clamp(min=0)
+        q_neg = torch.randn(bs, h_kv, d, device=device).clamp(max=0)
+        inputs = (q_pos, q_neg, page_min, page_max, page_valid, pages)
+        want = quest_page_scores_reference(*inputs)
+        got = quest_page_scores(*inputs)
+        max_rel_err = float(((got - want).abs() / want.abs().clamp(min=1e-3)).max())
+        out = torch.empty(bs, max_pages, device=device)
+        nbytes = 2 * bs * max_pages * h_kv * d * page_min.element_size() + bs * max_pages * 4
+        t_torch = timer.cold([partial(quest_page_scores_reference, *inputs)])
+        m_torch = timer.mode
+        t_ours = timer.cold([partial(quest_page_scores, *inputs, out=out)])
+        floor_us = nbytes / (copy_bw * 1e12) * 1e6 if math.isfinite(copy_bw) else None
+        sweep = {}
+        if not quick and not on_cpu and bound_dtype == torch.float32:  # launch knobs around the default
+            for block_p in (4, 8, 16, 32):
+                for block_hd in (128, 256, 512):
+                    for warps in (4, 8):
+                        knobs = dict(block_p=block_p, block_hd=block_hd, num_warps=warps)
+                        try:
+                            t = sweep_timer.cold([partial(tuned, quest_kernels.TUNING, knobs, quest_page_scores,
+                                                          *inputs, out=out)])
+                        except Exception as e:  # e.g. out of registers / shared memory: say so
+                            t = f"failed: {type(e).__name__}"
+                        sweep[f"p{block_p}_hd{block_hd}_w{warps}"] = round(t, 2) if isinstance(t, float) else t
+            timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
+            if timed:
+                best = min(timed, key=timed.get)
+                print(f"  launch sweep: best {best} {timed[best]:.1f} us (default p16_hd256_w4 "
+                      f"{timed.get('p16_hd256_w4')})", flush=True)
+        rows.append(row(f"bs={bs} Hkv={h_kv} D={d} ctx={ctx} P={page_size} {str(bound_dtype)[6:]}", None,
+                        "randn", "cold", t_torch, t_ours, nbytes, copy_bw, "quest_scores",
+                        baseline="quest_page_scores_reference (torch gather + bmm)", torch_timing=m_torch,
+                        ours_timing=timer.mode, max_rel_err=max_rel_err,
+                        floor_us_at_copy_bw=None if floor_us is None else round(floor_us, 2),
+                        bytes_note="bounds (min+max) of every scored page read once + fp32 scores written",
+                        **({"launch_sweep_us": sweep} if sweep else {})))
+        del inputs, page_min, page_max, want, got
+    return rows
+
+
+def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
+    from sparse_ref.workloads import make_quest_decode_setup
+
+    bs, ctx, page_size = (2, 256, 16) if on_cpu else (64, 32768, 16)
+    setup = make_quest_decode_setup(bs, ctx, page_size, device=device)
+    backends = dict(scoring="triton" if setup.algorithm.uses_triton_scoring() else "torch",
+                    selection=setup.algorithm.selection_backend)
+    if backends["selection"] == "auto":
+        backends["selection"] = "triton" if device.type == "cuda" else "torch"
+    batched = setup.retrieve()
+    looped = setup.retrieve(loop=True)
+    same = bool(torch.equal(batched[0], looped[0]) and torch.equal(batched[1], looped[1]))
+    t_batched = timer.cold([setup.retrieve])
+    m_batched = timer.mode
+    t_loop = wall_clock_us(partial(setup.retrieve, loop=True), 3 if quick or on_cpu else 5, device)
+    graph_ok = None
+    if device.type == "cuda":
+        try:
+            t_graph = timer.warm(setup.retrieve, calls=5)
+            graph_ok = True
+        except Exception as e:  # report, don't hide: the row says why
+            t_graph, graph_ok = float("nan"), f"capture failed: {type(e).__name__}: {e}"[:300]
+    else:
+        t_graph = float("nan")
+    pages = -(-ctx // page_size)
+    rows = [row(f"bs={bs} ctx={ctx} page={page_size}", None, "planted", "cold", t_loop, t_batched,
+                bs * pages * 4, copy_bw, "retrieve", baseline="retrieve_topk_loop (wall clock, synced)",
+                identical_to_loop=same, graph_replay_us=None if math.isnan(t_graph) else round(t_graph, 2),
+                graph_capturable=graph_ok, torch_timing="wall clock", ours_timing=m_batched,
+                ours_backends=f"scoring={backends['scoring']}, selection={backends['selection']}",
+                loop_backends="the loop scores through the same score_pages (same scoring backend)")]
+    return rows

@@ -1,0 +1,271 @@
+"""Paged decode attention in Triton (flash-decoding): one query token per request, K/V read through a page table.
+
+``paged_decode_attention`` computes what ``sparse_ref.attention.sparse_decode_attention`` computes:
+softmax attention of ``q`` ``[bs, H_q, D]`` over the first ``kv_lens[r]`` tokens of the physical
+pages listed in ``page_table[r]`` (token ``t`` of the row lives at slot
+``page_table[r, t // P] * P + t % P`` of the ``[num_slots, H_kv, D]`` K/V buffers). The same
+kernel serves the dense step (the table lists every page of the request) and the sparse step
+(the selected pages), so the speed of the two is compared on equal terms.
+
+Two launches:
+
+1. **split kernel**, grid ``(bs * H_kv, num_splits)``. A program takes one request, one KV head
+   and one slice of the row's KV length (the length is split evenly among ``num_splits``
+   programs, in blocks of ``BLOCK_N`` tokens, from ``kv_lens`` read on the device: no host
+   sync). It handles the whole GQA group of that KV head (query heads ``kvh * G .. kvh * G +
+   G - 1``), so each K/V byte is read once. Online softmax in fp32 (running max, running sum,
+   rescaled accumulator). It writes the slice's normalized output and its log-sum-exp.
+2. **merge kernel**, grid ``(bs * H_q,)``: ``out = sum_s w_s o_s / sum_s w_s`` with
+   ``w_s = exp(lse_s - max lse)``. With one split the split kernel writes ``out`` directly and
+   the merge is skipped.
+
+Two ways to form ``q . k`` and ``p . v`` (``USE_DOT``):
+
+* ``tl.dot`` over the GQA group padded to 16 rows (tensor cores). With 16-bit K/V the fp32
+  query (and the fp32 probabilities) are split into a high and a low 16-bit part, two dots
+  each (``PRECISE``), so the result keeps ~16 mantissa bits instead of 8: K/V are exact in
+  16 bits, only q and p would be rounded. With fp32 K/V (and always under Triton's
+  interpreter, whose bf16 ``tl.dot`` is wrong) the operands stay fp32 (``FP32_DOT``, IEEE
+  precision, no TF32).
+* broadcast multiply + sum in fp32 (``q[:, None, :] * k[None, :, :]``): a launch knob
+  (``TUNING["use_dot"] = False``). On an H200 the tensor-core path wins even for MHA (one query head padded
+  to 16 rows: 227 µs against 328 µs at bs=1, 32 heads, 32K tokens), so it is the default for
+  every group size.
+
+Edge cases: a row with ``kv_len == 0`` returns zeros (like the reference); a NaN in the query
+gives NaN (it is never turned into 0). Page ids are clamped into the pool and lengths into
+``[0, W * P]`` inside the kernel, so even unchecked values (during CUDA-graph capture, when the
+launcher's value checks are skipped) never read outside the buffers. Nothing is read back to
+the host: the launch is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_ref import checks
+from sparse_ref.device import triton_interpreted
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer's K and V [slots, H_kv, D]
+                         page_table_ptr, kv_lens_ptr,  # pages and KV length per request
+                         part_out_ptr, part_lse_ptr,  # per split: outputs and log-sum-exps (the merge's inputs)
+                         sm_scale,  # the softmax scale
+                         dims,  # (KV heads, table width W, page size, pages in the pool, splits per row)
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr):
+    """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
+    writes the group's partial outputs and log-sum-exps for the merge."""
+    num_kv_heads, width, page_size, num_pages, num_splits = dims[0], dims[1], dims[2], dims[3], dims[4]
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pid // num_kv_heads
+    kvh = pid % num_kv_heads
+    num_q_heads = num_kv_heads * GROUP
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    in_g = g < GROUP
+    in_d = d < HEAD_DIM
+    heads = kvh * GROUP + g  # the query heads of this KV head's group
+    q_offs = (row * num_q_heads + heads)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=in_g[:, None] & in_d[None, :], other=0.0).to(tl.float32)
+    q = q * (sm_scale * 1.4426950408889634)  # fold the scale and log2(e) in: softmax with exp2
+
+    kv_len = tl.load(kv_lens_ptr + row)
+    kv_len = tl.minimum(tl.maximum(kv_len, 0), width * page_size)  # never past the table
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    row_stride = num_kv_heads * HEAD_DIM
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        page = tl.load(page_table_ptr + row.to(tl.int64) * width + t // page_size, mask=valid, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never outside the pool
+        slot = page * page_size + t % page_size
+        kv_offs = slot[:, None] * row_stride + kvh * HEAD_DIM + d[None, :]
+        kv_mask = valid[:, None] & in_d[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if USE_DOT:
+            if FP32_DOT:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                q_hi = q.to(k.dtype)
+                qk = tl.dot(q_hi, tl.trans(k))
+                if PRECISE:
+                    qk += tl.dot((q - q_hi.to(tl.float32)).to(k.dtype), tl.trans(k))
+        else:
+            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            if FP32_DOT:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                p_hi = p.to(v.dtype)
+                pv = tl.dot(p_hi, v)
+                if PRECISE:
+                    pv += tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    empty = start >= end  # nothing to read in this slice (or the whole row is empty)
+    l_safe = tl.where(empty, 1.0, l_i)  # l_i > 0 once a token was read (or NaN, from a NaN query: kept)
+    out = tl.where(empty, 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+    base = (row * num_q_heads + heads).to(tl.int64) * num_splits + split
+    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=in_g[:, None] & in_d[None, :])
+    tl.store(part_lse_ptr + base, lse, mask=in_g)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program = one (request, query head): merges its splits' partial outputs by their log-sum-exps."""
+    bh = tl.program_id(0).to(tl.int64)  # one (request, query head)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    in_s = s < num_splits
+    in_d = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
+    o = tl.load(part_out_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=in_s[:, None] & in_d[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
+    tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
+
+
+# ------------------------------------------------------------------------------------------
+# Launch configuration
+# ------------------------------------------------------------------------------------------
+MAX_SPLITS = 64
+# Launch knobs (None: the default the launcher picks from the shapes). Benchmarks and tests vary them with
+# ``sparse_ref.kernels.tuning(TUNING, ...)``: splits of the KV length per (request, KV head); tokens per step;
+# warps; pipeline stages; tl.dot (tensor cores) or broadcast products; two-term 16-bit dots.
+TUNING = {"num_splits": None, "block_n": None, "num_warps": None, "num_stages": None, "use_dot": None,
+          "precise": True}
+DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
+PROGRAMS_PER_SM = 8  # split-kernel programs per SM the default split count aims for
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def programs_target(device: torch.device) -> int:
+    """How many split-kernel programs fill the device: ``PROGRAMS_PER_SM`` per SM (4 on CPU, where it does not matter).
+
+    Decode attention is bound by memory latency when few programs run: at bs=1 (32 KV heads) the
+    KV length is split so that every SM holds several programs with loads in flight.
+    """
+    if device.type != "cuda":
+        return 4
+    return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+    """Splits per (request, KV head) from shapes only (never from ``kv_lens`` values: no host sync).
+
+    About ``PROGRAMS_PER_SM`` programs per SM (many splits at bs=1, a few at bs=64), at most one per
+    ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``. Measured on an
+    H200 (bf16, D=128, page 16; L2 cold), this rule against the best split count tried (1-33):
+    bs=1, 32 heads: 33 splits, 176 us over 32K (best 176), 640 us over 128K (best), 25.0 us over 2048
+    tokens (best 23.3 with 16); bs=8, 8 KV heads, 32K: 17 splits, 317 us (best 299 with 6); bs=64, 8 KV
+    heads, 32K: 3 splits, 2237 us (best 2223). Split counts that leave a nearly empty last wave are
+    the trap: at bs=1, 17 splits took 227 us over 32K and 1006 us over 128K.
+    """
+    base = max(1, bs * num_kv_heads)
+    want = triton.cdiv(programs_target(device), base)
+    return max(1, min(want, triton.cdiv(max(max_kv_len, 1), block_n), MAX_SPLITS))
+
+
+def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted: bool,
+                  use_dot: bool | None = None, block_n: int | None = None, num_warps: int | None = None,
+                  precise: bool = True, num_stages: int | None = None) -> dict:
+    """The constexprs and launch options of the split kernel for a GQA group size, head dim and K/V dtype."""
+    use_dot = group >= DOT_MIN_GROUP if use_dot is None else use_dot
+    fp32_dot = bool(use_dot and (interpreted or kv_dtype == torch.float32))
+    block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(max(head_dim, 16 if use_dot else 1))
+    if block_n is None:
+        # broadcast path: keep the [BLOCK_G, BLOCK_N, BLOCK_D] product near 8K fp32 values per program
+        # tensor cores: 64 tokens a step for GQA groups over 16-bit K/V (H200, bs=64 32q/8kv 32K bf16: 2225
+        # against 2530 us with 32); 32 for MHA (at bs=1 the sparse step's short splits lose with 64: 29 against
+        # 25 us) and for fp32 K/V (64 spills registers)
+        big = group >= 2 and not fp32_dot
+        block_n = (64 if big else 32) if use_dot else max(16, min(64, 8192 // (block_g * block_d)))
+    if num_warps is None:
+        num_warps = 4
+    options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages is not None else {})}
+    return dict(constexprs=dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+                                USE_DOT=bool(use_dot), FP32_DOT=fp32_dot, PRECISE=bool(precise and not fp32_dot)),
+                options=options)
+
+
+# ------------------------------------------------------------------------------------------
+# Public launcher
+# ------------------------------------------------------------------------------------------
+def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                           page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
+                           scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[bs, H_q, D]``: attention over the first ``kv_lens[r]`` tokens of the pages in ``page_table[r]``.
+
+    Equals ``sparse_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale)``
+    (see the module docstring). ``q`` ``[bs, H_q, D]`` fp32/bf16/fp16; ``k_buffer``/``v_buffer``
+    ``[num_slots, H_kv, D]`` (same dtype: fp32/bf16/fp16, contiguous); ``page_table`` int32
+    ``[bs, W]`` physical pages in ``[0, num_slots // P)``; ``kv_lens`` int32 ``[bs]`` in
+    ``[0, W * P]``. ``scale`` defaults to ``1 / sqrt(D)``. ``out``: fp32 ``[bs, H_q, D]`` buffer.
+    Launch knobs (splits, tile, warps, dot path) are in ``TUNING``.
+    """
+    page_size, scale, num_pages = checks.check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens,
+                                                                page_size, scale, out)
+    knobs = checks.check_decode_knobs(TUNING, MAX_SPLITS)
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads, width = k_buffer.shape[1], page_table.shape[1]
+    interpreted = triton_interpreted()
+    if out is None:
+        out = torch.empty((bs, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+    if bs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    cfg = launch_config(group, head_dim, k_buffer.dtype, interpreted, knobs["use_dot"], knobs["block_n"],
+                        knobs["num_warps"], knobs["precise"], knobs["num_stages"])
+    num_splits = knobs["num_splits"]
+    ce = cfg["constexprs"]
+    if num_splits is None:
+        num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, ce["BLOCK_N"], q.device)
+    q = q.contiguous()
+    lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
+                                                   device=q.device)
+    _decode_split_kernel[(bs * num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, scale,
+        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, **cfg["options"])
+    if num_splits > 1:
+        _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim,
+                                                  BLOCK_S=triton.next_power_of_2(num_splits),
+                                                  BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+    return out

@@ -1,0 +1,236 @@
+"""Fused page selection: sink pages + history top-k + recent pages, ascending, -1 padded, lengths.
+
+Semantics: ``sparse_ref.selection.select_pages`` (and so ``retrieve_topk_loop``). One launch,
+one program per request row, the row's page scores held in registers:
+
+1. **Plan.** From ``seq_lens`` the program derives its row's pages ``n = ceil(seq_len / P)``, the
+   recent window ``[n - recent, n)``, the sink window ``[0, sink)``, the history between them and
+   the history budget ``k`` (read from a table computed once by ``SparseConfig.history_budget_tensor``), and
+   whether the row goes sparse at all.
+2. **History top-k** with the delegate threshold of ``sparse_ref.kernels.topk`` (delegates, threshold,
+   candidates, exact select on the candidates; ``topk.common._select_in_registers``, shared with the
+   short rows of the top-k: a threshold from window rounds over the delegates' own range, which adapt
+   to page scores packed within ~2%; the exact k-th delegate when even that lets more pages through
+   than the slots hold; an exact select over the whole register row only when that overflows too),
+   winners written in ascending page order.
+3. **Merge.** Sink ids < history ids < recent ids, so "ascending" is a concatenation: the sink
+   pages go before the winners, the recent pages after them, then -1 padding and the length.
+4. **Page table** (``select_pages_to_table`` only): the program reads its row back and writes the
+   adaptor's page table row and KV length (``page_table.py``'s rule); the last program to
+   finish writes the cumulative lengths. At bs=1 each launch costs microseconds of latency.
+
+No value is read back to the host, so the call can be captured in a CUDA graph. Rows longer
+than ``MAX_REGISTER_PAGES`` are refused here; ``retrieve_topk`` sends them to the torch
+``select_pages``. The selection rules (history budget, static width) have one home,
+``SparseConfig``, which arrives as an argument; this module imports only the leaf modules of the
+package and the device helpers of ``sparse_ref.kernels.topk.common`` and ``sparse_ref.kernels.page_table``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_ref import checks
+from sparse_ref.checks import capturing
+from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
+from sparse_ref.kernels.topk import TUNING
+from sparse_ref.kernels.topk.common import _select_in_registers
+
+MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
+# Candidate slots per delegate. Quest scores are packed (~2% spread); a threshold cut to 16 bits let ~350 of 2048
+# pages through at k=123 (~260 of 8192), hence 2 G slots. The window threshold adapts to the packed range (fewer
+# candidates); the slots stay, and the exact k-th delegate is needed only beyond them. the top-k's
+# TUNING["slots"] still overrides (tests force overflows).
+SLOTS_PER_DELEGATE = 2
+
+
+@triton.jit
+def _plan_row(r, seq_lens, sparse_mask, budget, N, rules):
+    """Row r's windows: ``(n, recent_start, sink_end, k, sparse)`` (see the module docstring, step 1).
+    ``rules``: ``(page_size, num_recent_pages, num_sink_pages, min_sparse_seq_len)``."""
+    page_size, n_recent, n_sink, min_seq = rules[0], rules[1], rules[2], rules[3]
+    seq = tl.load(seq_lens + r).to(tl.int64)
+    seq = tl.minimum(tl.maximum(seq, 0), (tl.zeros([], tl.int64) + N) * page_size)  # never past the row
+    n = ((seq + page_size - 1) // page_size).to(tl.int32)
+    recent_start = n - tl.minimum(n, n_recent)
+    sink_end = tl.minimum(recent_start, n_sink)
+    k = tl.load(budget + recent_start - sink_end)
+    on = tl.load(sparse_mask + r).to(tl.int32) != 0
+    sparse = on & (seq >= min_seq) & (n > 0) & (sink_end + k + n - recent_start < n)  # else: stays dense
+    return n, recent_start, sink_end, tl.where(sparse, k, 0), sparse
+
+
+@triton.jit
+def _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT: tl.constexpr):
+    """Step 3: sink ids before the winners, recent ids after them, then -1. Returns the row's length."""
+    filled = tl.where(sparse, sink_end + k_eff + n - recent_start, 0)
+    for t in range(0, W, BLOCK_OUT):
+        j = t + tl.arange(0, BLOCK_OUT)
+        is_sink = sparse & (j < sink_end)
+        rec = j - (sink_end + k_eff)
+        is_recent = sparse & (rec >= 0) & (rec < n - recent_start)
+        val = tl.where(is_sink, j, tl.where(is_recent, recent_start + rec, -1))
+        tl.store(out_row + j, val, mask=(j < W) & (is_sink | is_recent | (j >= filled)))
+    return filled
+
+
+@triton.jit
+def _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scratch, sizes, rules,
+                N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                BLOCK_OUT: tl.constexpr):
+    """Steps 1-3 for request row r: plan its windows, select its history top-k (ids ascending, after the
+    sink pages), write sink, recent and padding, store its length. Returns (its output row, its length)."""
+    stride_r, N, W = sizes[0], sizes[1], sizes[2]
+    n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, rules)
+    out_row = selected + r.to(tl.int64) * W
+    k_eff, _ = _select_in_registers(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row,
+                                    sink_end, W, scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
+    filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
+    tl.store(lengths + r, filled)
+    return out_row, filled
+
+
+@triton.jit
+def _page_select_kernel(scores, selected, lengths,  # the scores in; the selection out
+                        seq_lens, sparse_mask, budget, scratch,  # the batch; the budget table; scratch
+                        sizes, rules,  # (stride of scores, pages N, width W); (page size, recent, sink, min len)
+                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                        BLOCK_OUT: tl.constexpr):
+    """One program = one request row: plan its windows, select its history top-k, write the full row."""
+    _select_row(tl.program_id(0), scores, selected, lengths, seq_lens, sparse_mask, budget, scratch, sizes, rules,
+                N_PAD, G, SLOTS, PAIR, BLOCK_OUT)
+
+
+@triton.jit
+def _select_to_table_kernel(scores, selected, lengths,  # the scores in; the selection out
+                            seq_lens, sparse_mask, budget, scratch,  # the batch; the budget table; scratch
+                            rows, req_to_token, page_table, kv_lens, cu_kv_lens,  # the page table's in and out
+                            sizes,  # (stride of scores, N, W, table width, req_to_token rows, req_to_token width)
+                            rules,  # (page size, recent pages, sink pages, min sparse length)
+                            N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                            BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program = one request row: ``_page_select_kernel``, then the row's page table and KV length
+    (``page_table.py``'s rule) from the row it just wrote; the last program to finish writes
+    ``cu_kv_lens`` (the counter after the budget table, which it resets, so CUDA-graph replays start from
+    zero again)."""
+    N, W, out_width, r2t_rows, r2t_width, page_size = sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], rules[0]
+    r = tl.program_id(0)
+    row = tl.minimum(tl.maximum(tl.load(rows + r).to(tl.int64), 0), r2t_rows - 1)  # loaded before the selection
+    on = tl.load(sparse_mask + r).to(tl.int32) != 0
+    seq_raw = tl.load(seq_lens + r).to(tl.int64)
+    out_row, filled = _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scratch, sizes, rules,
+                                  N_PAD, G, SLOTS, PAIR, BLOCK_OUT)
+    tl.debug_barrier()  # the row's ids are stored before the table reads them back
+    kv_len = write_table_row(out_row, filled, W, seq_raw, on, req_to_token + row * r2t_width, r2t_width, page_size,
+                             page_table + r.to(tl.int64) * out_width, out_width, BLOCK_T)
+    tl.store(kv_lens + r, kv_len.to(tl.int32))
+    if tl.num_programs(0) == 1:  # bs=1: no other row to wait for
+        tl.store(cu_kv_lens, 0)
+        tl.store(cu_kv_lens + 1, kv_len.to(tl.int32))
+    else:
+        counter = budget + N + 1  # the "last program" counter, after the table's N + 1 budgets
+        tl.debug_barrier()  # every thread's stores happen before the counter says "done"
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(counter, 0)  # reset for the next call
+            write_cu_kv_lens(kv_lens, cu_kv_lens, tl.num_programs(0), 1024)
+
+
+_TABLES: dict = {}
+
+
+def budget_table(max_pages: int, config, device: torch.device) -> torch.Tensor:
+    """table[h] = the config's history budget for h history pages (``sparse_ref.selection``'s rule), h in
+    ``[0, max_pages]``, then one zeroed int: the select-to-table kernel's counter. Cached per (device, size,
+    budget), so one counter per table: two calls at once on different streams would share it (not
+    supported); never cached from inside a graph capture."""
+    key = (str(device), max_pages, config.keep_ratio, config.page_budget)
+    if key not in _TABLES:
+        table = config.history_budget_tensor(torch.arange(max_pages + 2, device=device)).to(torch.int32)
+        table[-1:] = 0  # the select-to-table kernel's "last program" counter (it leaves it at zero again)
+        if capturing():
+            return table
+        _TABLES[key] = table
+    return _TABLES[key]
+
+
+def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
+    """The selection kernels' shared arguments: the batch, the budget table and scratch; the config's rules; the
+    constexprs."""
+    bs, max_pages = scores.shape
+    device = scores.device
+    n_pad = max(32, triton.next_power_of_2(max_pages))  # (at least one bitmask word)
+    k_max = config.history_budget(max_pages)  # no row keeps more history pages than this
+    G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
+    slots = min(n_pad, TUNING["slots"] or SLOTS_PER_DELEGATE * G)
+    pair = min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # see sparse_ref.kernels.topk.plan()
+    scratch = torch.empty((bs, slots), dtype=torch.int32, device=device)
+    args = (seq_lens.contiguous(), sparse_mask.contiguous(), budget_table(max_pages, config, device), scratch)
+    rules = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)
+    constexprs = dict(N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
+                      num_warps=TUNING["num_warps"] if device.type == "cuda" else 1)
+    return args, rules, constexprs
+
+
+def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
+                        config, width: int | None = None, *, check_values: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_pages`` in one Triton launch: ``(selected int32 [bs, W], lengths int32 [bs])``.
+
+    ``check_values=False`` skips the host-side range checks of index values when the caller has made
+    them (one host sync per call, not two); the kernel still clamps every index it reads.
+    """
+    page_size, W = checks.check_page_select("select_pages_triton", scores, seq_lens, sparse_mask, page_size, config,
+                                            width, check_values, MAX_REGISTER_PAGES)
+    bs, max_pages = scores.shape
+    selected = torch.empty((bs, W), dtype=torch.int32, device=scores.device)
+    lengths = torch.empty((bs,), dtype=torch.int32, device=scores.device)
+    if bs == 0:
+        return selected, lengths
+    if max_pages == 0:  # no pages at all: every row is dense
+        return selected.fill_(-1), lengths.zero_()
+    batch, rules, ce = _launch_args(scores, seq_lens, sparse_mask, page_size, config, W)
+    _page_select_kernel[(bs,)](scores, selected, lengths, *batch, (scores.stride(0), max_pages, W), rules, **ce)
+    return selected, lengths
+
+
+def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
+                          config, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, *,
+                          out=None, check_values: bool = True):
+    """``select_pages_triton`` and ``page_table_from_selection`` in ONE launch.
+
+    Returns ``(selected, lengths, page_table, kv_lens, cu_kv_lens)``, exactly what
+    ``selected, lengths = select_pages_triton(scores, seq_lens, sparse_mask, page_size, config)``
+    followed by ``page_table_from_selection(selected, lengths, sparse_mask, seq_lens,
+    req_pool_indices, req_to_token, page_size)`` return. At bs=1 each launch is a few microseconds
+    of latency, so the page table is written by the program that has just selected the row.
+    ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers (contiguous, shapes
+    ``[bs, W_out]``, ``[bs]``, ``[bs + 1]``) written in place. ``check_values=False``: the caller
+    checked the index values (the kernel clamps every index it reads anyway).
+    """
+    page_size, W, out_width, shapes = checks.check_select_to_table(
+        scores, seq_lens, sparse_mask, page_size, config, req_pool_indices, req_to_token, out, check_values,
+        MAX_REGISTER_PAGES)
+    bs, max_pages = scores.shape
+    r2t_rows, r2t_width = req_to_token.shape
+    device = scores.device
+    if out is None:
+        out = tuple(torch.empty(shape, dtype=torch.int32, device=device) for shape in shapes)
+    selected = torch.empty((bs, W), dtype=torch.int32, device=device)
+    lengths = torch.empty((bs,), dtype=torch.int32, device=device)
+    if bs == 0:
+        out[2].zero_()
+        return selected, lengths, *out
+    if max_pages == 0:  # no pages scored: run the plain table kernel on an all-dense selection
+        selected.fill_(-1)
+        lengths.zero_()
+        return selected, lengths, *page_table_from_selection(selected, lengths, sparse_mask, seq_lens,
+                                                             req_pool_indices, req_to_token, page_size, out=out,
+                                                             check_values=False)
+    batch, rules, ce = _launch_args(scores, seq_lens, sparse_mask, page_size, config, W)
+    sizes = (scores.stride(0), max_pages, W, out_width, r2t_rows, r2t_width)
+    _select_to_table_kernel[(bs,)](scores, selected, lengths, *batch, req_pool_indices.contiguous(), req_to_token,
+                                   *out, sizes, rules, BLOCK_T=min(1024, max(16, triton.next_power_of_2(out_width))),
+                                   **ce)
+    return selected, lengths, out[0], out[1], out[2]

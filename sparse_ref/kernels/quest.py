@@ -1,0 +1,220 @@
+"""Quest page scores in one streaming pass: ``score[r, j] = q+ . max[p] + q- . min[p]``, -inf where invalid.
+
+The torch path (``sparse_ref.algorithms.quest.quest_page_scores_reference``) gathers every
+request's page bounds into new ``[bs, max_pages, H_kv*D]`` tensors and then runs ``bmm``: at
+bs=64 and 32K context that writes and re-reads about 1 GB. This kernel reads each page's bounds
+once, straight from the pool, and writes one fp32 score per page: it is memory bound, and its
+byte floor is "the bounds of every scored page, read once".
+
+Inputs (the launcher checks them all before the launch):
+
+* ``q_pos``, ``q_neg``: fp32 ``[bs, H_kv, D]`` (or ``[bs, H_kv*D]``), from ``split_query_sign``:
+  the GQA mean / per-KV-head sum and the sign split, in torch. They are tiny, but each torch op
+  is a launch of a few microseconds, which at bs=1 costs as much as the scoring itself; so
+  ``quest_page_scores_from_queries`` (what ``QuestAlgorithm`` runs) folds them, and the page
+  mapping below, into the same kernel: one launch from the raw queries and ``req_to_token``.
+* ``page_min``, ``page_max``: ``[num_pages, H_kv, D]`` fp32 (or fp16/bf16: loaded and widened to
+  fp32; accumulation is always fp32), indexed by PHYSICAL page.
+* ``page_valid``: bool ``[num_pages]``. An invalid page scores exactly ``-inf``, and its bounds
+  are not read at all (masked loads).
+* ``pages``: int32/int64 ``[bs, max_pages]``, the physical page of logical page ``j`` of row ``r``
+  (what ``QuestAlgorithm.physical_pages`` returns). Taking the page table rather than
+  ``req_to_token`` keeps the kernel independent of how pages are mapped; reading it costs 8 bytes
+  per page against ``2 * H_kv * D * 4`` for the bounds (0.1% at H_kv=8, D=128).
+
+Safety: page ids are checked eagerly (one host sync, skipped while a CUDA graph is being
+captured) and also clamped into ``[0, num_pages)`` inside the kernel, so a bad id can never read
+outside the pool. Nothing is read back to the host otherwise: the launch is graph capturable.
+
+Layout: one program scores ``BLOCK_P`` consecutive logical pages of one request; it walks the
+``H_kv*D`` bound vector in ``BLOCK_HD`` chunks (masked, so any ``H_kv*D`` works, powers of two or
+not), keeps a ``[BLOCK_P, BLOCK_HD]`` fp32 accumulator and reduces it once at the end. ``H_kv*D``
+is a runtime argument (Triton specializes it on divisibility by 16, so pool rows stay 16-byte
+aligned for vector loads) rather than a constexpr: one compiled kernel serves every model shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_ref import checks
+from sparse_ref.checks import fail
+from sparse_ref.errors import SparseRefError
+
+
+@triton.jit
+def _bound_terms(page_min_ptr, page_max_ptr, base, d, read, in_hd, qp, qn):
+    """``[BLOCK_P, BLOCK_HD]`` terms ``max * q+ + min * q-`` of the bound values ``d`` of the pages at ``base``;
+    the bounds are streamed once (evict first) and widened to fp32."""
+    m = read[:, None] & in_hd[None, :]
+    offs = base[:, None] + d[None, :]
+    mx = tl.load(page_max_ptr + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    mn = tl.load(page_min_ptr + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    return mx * qp[None, :] + mn * qn[None, :]
+
+
+@triton.jit
+def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid_ptr, pages_ptr, out_ptr,
+                         max_pages, num_pages, HD,
+                         BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """One program = BLOCK_P pages of one request: streams their min/max bounds once, BLOCK_HD values a step."""
+    row = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_row = j < max_pages
+    page = tl.load(pages_ptr + row * max_pages + j, mask=in_row, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # never read outside the pool
+    valid = tl.load(valid_ptr + page, mask=in_row, other=0) != 0
+    read = in_row & valid  # an invalid page's bounds are not read: its score is -inf anyway
+    base = page * HD
+    acc = tl.zeros([BLOCK_P, BLOCK_HD], dtype=tl.float32)
+    for start in range(0, HD, BLOCK_HD):
+        d = start + tl.arange(0, BLOCK_HD)
+        in_hd = d < HD
+        qp = tl.load(q_pos_ptr + row * HD + d, mask=in_hd, other=0.0)
+        qn = tl.load(q_neg_ptr + row * HD + d, mask=in_hd, other=0.0)
+        acc += _bound_terms(page_min_ptr, page_max_ptr, base, d, read, in_hd, qp, qn)
+    score = tl.sum(acc, axis=1)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_ptr + row * max_pages + j, score, mask=in_row)
+
+
+@triton.jit
+def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr,
+                                      out_ptr, max_pages, num_pages, HD, head_dim, r2t_rows, r2t_width, page_size,
+                                      GROUP: tl.constexpr, MEAN: tl.constexpr,
+                                      BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """``_quest_scores_kernel`` with the two torch steps before it folded in (one launch instead of about ten).
+
+    The physical page of logical page ``j`` is read from ``req_to_token[row, j * P] // P``
+    (``QuestAlgorithm.physical_pages``) and the signed query from the raw queries
+    ``[bs, H_q, D]`` (``split_query_sign``: the GQA group's mean, or its per-head sum, split by sign).
+    """
+    r = tl.program_id(1).to(tl.int64)
+    req = tl.load(rows_ptr + r).to(tl.int64)
+    req = tl.minimum(tl.maximum(req, 0), r2t_rows - 1)
+    j = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_row = j < max_pages
+    first_token = tl.minimum(j.to(tl.int64) * page_size, r2t_width - 1)
+    slot = tl.load(req_to_token_ptr + req * r2t_width + first_token, mask=in_row, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(slot // page_size, 0), num_pages - 1)  # never read outside the pool
+    valid = tl.load(valid_ptr + page, mask=in_row, other=0) != 0
+    read = in_row & valid
+    base = page * HD
+    q_row = q_ptr + r * HD * GROUP  # this request's H_q * D query values
+    acc = tl.zeros([BLOCK_P, BLOCK_HD], dtype=tl.float32)
+    for start in range(0, HD, BLOCK_HD):
+        d = start + tl.arange(0, BLOCK_HD)
+        in_hd = d < HD
+        q_offs = (d // head_dim) * GROUP * head_dim + d % head_dim  # query head kvh * GROUP + g, element d % D
+        if MEAN:
+            q = tl.zeros([BLOCK_HD], dtype=tl.float32)
+            for g in tl.static_range(GROUP):
+                q += tl.load(q_row + q_offs + g * head_dim, mask=in_hd, other=0.0).to(tl.float32)
+            q = q / GROUP
+            qp = tl.maximum(q, 0.0)
+            qn = tl.minimum(q, 0.0)
+        else:
+            qp = tl.zeros([BLOCK_HD], dtype=tl.float32)
+            qn = tl.zeros([BLOCK_HD], dtype=tl.float32)
+            for g in tl.static_range(GROUP):
+                x = tl.load(q_row + q_offs + g * head_dim, mask=in_hd, other=0.0).to(tl.float32)
+                qp += tl.maximum(x, 0.0)
+                qn += tl.minimum(x, 0.0)
+        acc += _bound_terms(page_min_ptr, page_max_ptr, base, d, read, in_hd, qp, qn)
+    score = tl.sum(acc, axis=1)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_ptr + r * max_pages + j, score, mask=in_row)
+
+
+PROGRAMS_PER_SM = 2  # the default blocks aim for at least this many programs per SM (memory latency hiding)
+# Launch knobs (powers of two; None: the defaults of _default_blocks). Vary them with sparse_ref.kernels.tuning.
+TUNING = {"block_p": None, "block_hd": None, "num_warps": None}
+
+
+def _default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_HD)``: 16 pages x 256 values per step, or fewer pages (and wider steps) when few programs.
+
+    At bs=1 and 32K tokens (2048 pages) 16 pages per program leave 128 programs on a 132-SM H200:
+    one per SM, bound by memory latency. There a program takes fewer pages and a wider slice of
+    ``H_kv*D`` per step (the tile stays 4096 values), so the grid has a few programs per SM. Two
+    per SM measured best on the H200 at bs=1 (32 heads, bf16 bounds): 4 pages x 1024 values at
+    32K (16.5 us against 16.9 with 2 pages), 16 x 256 at 128K (42.5 against 44.0 with 8).
+    """
+    block_p, tile = 16, 4096
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(index).multi_processor_count
+        while block_p > 2 and bs * triton.cdiv(max_pages, block_p) < want:
+            block_p //= 2
+    return block_p, min(tile // block_p, triton.next_power_of_2(max(hd, 16)))
+
+
+def _block_sizes(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_P, BLOCK_HD, num_warps)``: the ``TUNING`` knobs where set, else the defaults."""
+    block_p, block_hd, num_warps = TUNING["block_p"], TUNING["block_hd"], TUNING["num_warps"]
+    default_p, default_hd = _default_blocks(hd, bs, max_pages, device)
+    block_hd = default_hd if block_hd is None else block_hd
+    block_p = default_p if block_p is None else block_p
+    num_warps = 4 if num_warps is None else num_warps
+    for name, v, lo in (("block_p", block_p, 2), ("block_hd", block_hd, 8), ("num_warps", num_warps, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
+            fail(name, f"a power of two >= {lo}", repr(v), f"leave {name}=None for the default.", SparseRefError)
+    return block_p, block_hd, num_warps
+
+
+def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
+                      page_valid: torch.Tensor, pages: torch.Tensor, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[bs, max_pages]`` Quest page scores; equals ``quest_page_scores_reference`` (see module docstring).
+
+    ``out`` (fp32 ``[bs, max_pages]``, contiguous) receives the scores if given.
+    """
+    num_pages, hd = checks.check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out)
+    bs, max_pages = pages.shape
+    device = page_min.device
+    block_p, block_hd, num_warps = _block_sizes(hd, bs, max_pages, device)
+    if out is None:
+        out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
+    if bs == 0 or max_pages == 0:
+        return out
+    grid = (triton.cdiv(max_pages, block_p), bs)  # requests on axis 1 (<= 65535 of them)
+    _quest_scores_kernel[grid](q_pos, q_neg, page_min, page_max, page_valid.view(torch.uint8), pages, out,
+                               max_pages, num_pages, hd, BLOCK_P=block_p, BLOCK_HD=block_hd,
+                               num_warps=num_warps)
+    return out
+
+
+def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
+                                   page_valid: torch.Tensor, req_to_token: torch.Tensor,
+                                   req_pool_indices: torch.Tensor, page_size: int, max_pages: int,
+                                   gqa_mode: str = "mean", *, out: torch.Tensor | None = None,
+                                   check_values: bool = True) -> torch.Tensor:
+    """fp32 ``[bs, max_pages]`` Quest scores straight from the raw queries and ``req_to_token``, in one launch.
+
+    Equals ``quest_page_scores(*split_query_sign(queries, H_kv, D, gqa_mode), page_min, page_max,
+    page_valid, pages)`` with ``pages = req_to_token[req_pool_indices, j * P] // P`` clamped into
+    the pool (``QuestAlgorithm.physical_pages``); scores may differ in the last bits (the group
+    sum is taken in another order). ``queries``: ``[bs, H_q, D]`` or ``[bs, H_q * D]``, fp32/bf16/fp16;
+    ``gqa_mode``: "mean" or "per_kv_head".
+    ``check_values=False`` skips the host-side range checks of index values when the caller has made
+    them (one host sync per call, not two); the kernel still clamps every index it reads.
+    """
+    num_pages, hd, head_dim, group, page_size, max_pages = checks.check_quest_scores_from_queries(
+        queries, page_min, page_max, page_valid, req_to_token, req_pool_indices, page_size, max_pages, gqa_mode,
+        out, check_values)
+    bs = req_pool_indices.shape[0]
+    r2t_rows, r2t_width = req_to_token.shape
+    device = page_min.device
+    block_p, block_hd, num_warps = _block_sizes(hd, bs, max_pages, device)
+    if out is None:
+        out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
+    if bs == 0 or max_pages == 0:
+        return out
+    grid = (triton.cdiv(max_pages, block_p), bs)
+    _quest_scores_from_queries_kernel[grid](
+        queries.contiguous(), page_min, page_max, page_valid.view(torch.uint8), req_to_token.contiguous(),
+        req_pool_indices.contiguous(), out, max_pages, num_pages, hd, head_dim, r2t_rows, r2t_width, page_size,
+        GROUP=group, MEAN=gqa_mode == "mean", BLOCK_P=block_p, BLOCK_HD=block_hd, num_warps=num_warps)
+    return out

@@ -1,0 +1,319 @@
+"""Exact batched top-k: one read of the row, then exact work on a few thousand candidates only.
+
+Semantics: ``sparse_ref.selection.topk_reference`` (candidates are ``j < length`` whose score is
+not NaN and not -inf; ties go to the lower id; -0.0 == +0.0; -1 padding at the end).
+
+The design, in five steps:
+
+1. **Keys.** Each score becomes an int32 key whose *signed* order is the float order
+   (``i ^ ((i >> 31) & 0x7FFFFFFF)`` on the float bits, -0.0 folded into +0.0). Entries that may
+   not be selected (NaN, -inf, past the row's length) get ``NONE = INT32_MIN``, below every real key.
+2. **Delegates.** View the row as ``[N / G, G]`` and take the maximum of every column: delegate
+   ``j`` is the largest of the strided elements ``j, j + G, j + 2G, ...`` (strided, so a sorted row
+   cannot hide its top in a few columns). With ``G >= 2k`` this is one plain read of the row.
+3. **Threshold.** ``T`` = (a lower bound of) the k-th largest delegate. The k delegates at or above
+   ``T`` are row elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For
+   random rows that set holds ``~0.7 G`` candidates (a few percent of a long row). ``T`` need not be
+   exact, only tight: it is the lower edge of the bin holding the k-th delegate in one 256-bin histogram
+   round over the delegates' own range [min, max] (``_narrow``, a *window round*: unlike radix rounds on
+   fixed bits, it adapts to values packed within a few percent). More rounds, each over the kept bin's
+   own range, run only when too many delegates share the bin (ties, clusters, plateaus: then ``T``
+   becomes the exact k-th delegate, so that equal keys *equal* ``T``). With at most
+   ``TUNING["local_threshold"]`` delegates programs per row, each program finds that threshold for its
+   own delegates and its share ``ceil(k / S)`` of k, and T is the highest of those that k delegates
+   reach: no histogram round over the G delegates waits at the end. With more programs per row (few
+   rows), the row's last program takes the k-th delegate cut to 16 bits (two radix rounds, the first
+   from the programs' merged histograms), exact when many delegates share the cut.
+4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
+   k-th key ``t``. Long rows: every chunk program counts its keys > T and == T and adds its candidates
+   to the row's count (one atomic add). Then the candidates reach the row's slots in one of two modes,
+   chosen by the number of chunk programs (``TUNING["bitmask_programs"]``). **Runs** (few rows: the
+   chunk programs are few, and whatever they do costs little): each chunk copies its candidates (key
+   and id, ascending id) to the run of slots its atomic add returned, and the select launch's first
+   program per row selects among them at once. **Bitmask** (many rows, where the per-chunk prefix sum and
+   scattered stores cost 7-28 µs): each chunk only marks them in the row's bitmask (a dense store), the
+   select launch's programs each copy their span's set bits into the slots at the offset the chunk counts
+   give (``_bits_to_slots``: ascending ids, a store per candidate, no prefix sum over the columns), and
+   the row's last program selects. Either way the selecting program bins the slots' keys in a 256-bin
+   histogram over ``[T, row max]`` (atomic adds into a zeroed histogram in memory), walks it to the bin
+   holding the k-th key, ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``,
+   and stores every ``key > t`` plus the first ``key == t`` (ties to the lower id) at its place in id
+   order (one prefix sum over the slots; the runs mode corrects for the order the runs landed in).
+   Ascending ids, no sort. A crossing bin of more than ``pair_rank`` keys (ties, bf16 scores) first
+   narrows by window rounds over its own range. Register rows do the same in registers: a bitmask word
+   per 32 columns gives the slots, window rounds over ``[T, row max]`` and a pairwise rank give ``t``.
+5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
+   a period of G, more than half the row wanted) is flagged on the device and takes an exact
+   fallback (``select.py``): the tie path; or, when k or more keys are above ``T`` and
+   they fit the slots, the selection again on those keys only; or at worst a whole-row radix select.
+
+``order="score"`` then sorts the <= k winners of each row (``sort.py``).
+
+Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
+keeps it in registers (one launch, this module; the tie path runs in registers too). Longer rows use
+three launches: delegates (``threshold.py``: a few programs per row; the last one to
+finish computes ``T``), candidates (``candidates.py``: a light program per chunk, no serial
+tail) and select (``select.py``: a few programs per row, ``select_programs`` in
+all, each a span of the row: in the runs mode the first writes the row's answer while the others return
+at once; in the bitmask mode every one copies its span's candidates and the last one selects; on a
+flagged row every program writes its span of the fallback). The selection is a launch of its own so
+that the wide per-chunk pass runs with few warps and the one serial step per row with many; the
+fallback shares the select launch because a launch of its own cost 3-10 µs even when no row needed it.
+"Last program of the row" is an atomic counter that the last program resets, and the select launch
+resets the row's candidate count, so nothing is read back to the host and the call can be captured in
+a CUDA graph. This module plans the launches and checks the inputs; the device helpers every kernel
+shares (keys, radix and window rounds, ranks, ordered writes, the per-row state) are in
+``common.py``, the one module the others import from.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_ref import checks
+from sparse_ref.checks import capturing
+from sparse_ref.kernels.topk import candidates, select, sort, threshold
+from sparse_ref.kernels.topk.common import (
+    FLAG,
+    HEAD,
+    PAIR_SCRATCH,
+    SYNC,
+    T_,
+    _pad,
+    _row_k_len,
+    _select_in_registers,
+)
+
+NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
+# Launch knobs (module level so tests can force paths and benchmarks can try variants).
+TUNING = {
+    "register_row": 8192,  # rows up to this many columns: one program per row, row in registers
+    "min_delegates": 256,  # G = max(this, next_pow2(2 k)), at most max_delegates
+    "max_delegates": 8192,
+    "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
+    "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
+    "chunk": 2048,  # columns per candidate program
+    "bitmask_programs": 1024,  # at least this many candidates programs (rows x chunks): the bitmask mode
+    "delegate_cols": 2048,  # delegate columns per delegate program (at most; halved while the programs are fewer
+    # than min_programs: 1024 at 64 rows and G = 4096, 2048 at 128 rows, where two programs per row fit in one wave)
+    "num_warps": 8,  # register rows (one program per row) and the fused page selection
+    "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
+    "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
+    "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
+    "reverse_rows": True,  # the candidates launch takes the rows last-first (the delegates launch read them last)
+    "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
+    "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
+    "tie_tile": 2048,  # columns per load of a flagged row's select program, and per tile of its -1 padding (a
+    # power of two; at least one chunk)
+    "local_threshold": 4,  # up to this many delegates programs per row: T from their own thresholds
+    "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
+    "block": 1024,  # tile of the whole-row kernel's loops (k too wide for delegates)
+    "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
+    "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
+    "sort_run_warps": 4,
+    "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
+    "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
+}
+MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
+ORDERS = ("score", "index", "none")
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
+                         N_PAD: tl.constexpr, G: tl.constexpr,
+                         SLOTS: tl.constexpr, PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """One program = one row of at most N_PAD columns, held in registers: the whole top-k, one launch."""
+    r = tl.program_id(0)
+    k, length = _row_k_len(r, N, W, k, lengths)
+    out_row = out + r.to(tl.int64) * W
+    k_eff, path = _select_in_registers(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
+                                       scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
+    tl.store(flags + r, path)
+    _pad(out_row, k_eff, W, BLOCK_OUT)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+_SYNC: dict = {}
+
+
+def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
+    """Zeroed per-row counters and histograms [R, SYNC]; the kernels leave them at zero again.
+
+    One buffer per device: two top-k calls running at the same time on different streams would
+    share it (not supported)."""
+    key = str(device)
+    buf = _SYNC.get(key)
+    if buf is None or buf.shape[0] < R:
+        buf = torch.zeros((max(R, 64), SYNC.value), dtype=torch.int32, device=device)
+        if not capturing():  # a buffer made during a capture belongs to that graph's memory pool
+            _SYNC[key] = buf
+    return buf
+
+
+def work_width(c_pad: int, G: int) -> int:
+    """Ints per row of the long-row kernels' ``work`` buffer (the layout in ``common.py``; as ``_work_row``)."""
+    return HEAD.value + 4 * c_pad + G + PAIR_SCRATCH.value
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch (``_after_previous_launch``): the constexpr and
+    ``launch_pdl`` on a Hopper-or-later GPU when ``TUNING["pdl"]``; off on the CPU interpreter."""
+    on = (TUNING["pdl"] and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+def plan(R: int, N: int, width: int) -> dict:
+    """Launch constants for R rows of N columns and at most ``width`` winners (see TUNING)."""
+    n_pad = max(32, triton.next_power_of_2(N))  # (at least one bitmask word)
+    G = max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * width, 1)))
+    register = N <= TUNING["register_row"]
+    if register:
+        G = min(G, n_pad)
+    slots = TUNING["slots"] or TUNING["slots_per_delegate"] * G
+    chunk, cols = max(32, min(TUNING["chunk"], n_pad, 1 << 15)), min(TUNING["delegate_cols"], G)  # (chunk: whole
+    # bitmask words; < 2**16: two counts packed in one int32)
+    while R * triton.cdiv(N, chunk) < TUNING["min_programs"] and chunk > 1024:  # few rows: more, smaller
+        chunk //= 2  # programs per row
+    while R * (G // cols) < TUNING["min_programs"] and cols > 64:
+        cols //= 2
+    slots = min(slots, n_pad, 1 << 14)  # (< 2**15: the select program packs two counts in one int32)
+    pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
+    return dict(register=register, n_pad=n_pad, G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
+                force_fallback=not register and G > TUNING["max_delegates"])
+
+
+def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
+    """The kernel launches of one top-k call (no checks), as ``[(name, fn), ...]``: calling every ``fn``
+    in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
+    benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
+
+    ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
+    2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
+    select) and on the long-row path the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
+    equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
+    ``slots``, the select programs' ``span`` of columns, and the bitmask (``bits``) or each chunk's run
+    (``counts``, ``run_starts``), valid after the launches ran.
+    """
+    R, N = scores.shape
+    W = out.shape[1]
+    device = scores.device
+    p = plan(R, N, W)
+    stats = {} if stats is None else stats
+    stats["plan"] = p
+    nw = TUNING["num_warps" if p["register"] else "delegate_warps"] if device.type == "cuda" else 1
+    row_args = dict(k=k_tensor if k_tensor is not None else min(k_scalar, N), lengths=lengths)
+    stride = scores.stride(0)
+    if p["register"]:
+        scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
+        stats["flags"] = flags = torch.empty((R,), dtype=torch.int32, device=device)
+        return [("register_row", lambda: _register_row_kernel[(R,)](
+            scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
+            PAIR=p["pair"], BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
+    block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p["n_pad"])
+    G, cols, chunk = p["G"], p["cols"], p["chunk"]
+    C = triton.cdiv(N, chunk)
+    log_c = max(1, (C - 1).bit_length())
+    if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
+        stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
+        return [("whole_row", lambda: select.whole_row_kernel[(R,)](
+            scores, stride, out, N, W, **row_args, BLOCK=block, num_warps=nw))]
+
+    def warps(knob):
+        return TUNING[knob] if device.type == "cuda" else 1
+
+    pdl = pdl_options(device)
+
+    sync = _sync_buffer(device, R)
+    work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
+    bitmask = R * C >= TUNING["bitmask_programs"]
+    n_words = C * (chunk // 32) if bitmask else 0
+    cand = torch.empty((R, n_words + p["slots"]), dtype=torch.int32 if bitmask else torch.int64, device=device)
+    head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: common.py)
+    stats.update(above=work[:, head[0]:head[0] + C], ties=work[:, head[1]:head[1] + C], threshold=work[:, T_.value],
+                 flags=work[:, FLAG.value], bitmask=bitmask, slots=cand[:, n_words:])
+    if bitmask:
+        stats["bits"] = cand[:, :n_words]
+    else:
+        stats.update(counts=work[:, head[2]:head[2] + C], run_starts=work[:, head[3]:head[3] + C])
+    rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BITMASK=bitmask)
+    tile = max(chunk, min(TUNING["tie_tile"], p["n_pad"]))  # a flagged row: its select programs' loads
+    spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
+    span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
+    # bitmask words, and _bits_to_slots' blocks of words must be a power of two)
+    assert span % chunk == 0 and chunk % 32 == 0
+    stats["span"] = span
+    return [
+        ("delegates", lambda: threshold.delegates_kernel[(R * (G // cols),)](
+            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
+            LOCAL=G // cols <= TUNING["local_threshold"], num_warps=nw, **pdl)),
+        ("candidates", lambda: candidates.candidates_kernel[(R * C,)](
+            scores, stride, cand, work, sync, N, W, **row_args, **shape, REVERSE=TUNING["reverse_rows"],
+            num_warps=warps("candidate_warps"), **pdl)),
+        ("select", lambda: select.select_kernel[(R, triton.cdiv(N, span))](
+            scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], SPAN=span, TILE=tile,
+            num_warps=warps("select_warps"), **pdl)),
+    ]
+
+
+def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
+    """Run the kernels (no checks; see ``launches``). Returns the per-row path flags, for tests."""
+    stats = {} if stats is None else stats
+    for _, fn in launches(scores, k_scalar, k_tensor, lengths, out, stats):
+        fn()
+    return stats.get("flags")
+
+
+def sort_winners(scores, out):
+    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id. Rows wider
+    than ``TUNING["sort_run"]``: runs of that many sorted by parallel programs, then merged (two launches).
+
+    The first sort launch waits for the selection the plain way, without programmatic dependent launch:
+    launched early, its programs would be placed while the selection's long programs still hold most
+    SMs, crowd onto the free ones, and then sort there (measured on an H200: PDL there made score order
+    6.5 µs slower at 64 x 65536)."""
+    R, W = out.shape
+    w_pad = max(16, triton.next_power_of_2(W))
+    run = TUNING["sort_run"]
+    if 0 < run < w_pad:
+        runs = torch.empty((R, w_pad), dtype=torch.int64, device=out.device)
+        nw = TUNING["sort_run_warps"] if scores.is_cuda else 1
+        pdl = pdl_options(out.device)
+        sort.sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
+                                                       num_warps=nw, PDL=False)
+        sort.merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw, **pdl)
+        return out
+    num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
+    sort.sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps,
+                                         PDL=False)
+    return out
+
+
+def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order: str = "score",
+         width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact top-k ids per row: int32 ``[R, width]``, -1 padded; matches ``topk_reference``.
+
+    ``k``: an int (then ``width = k`` and the call never syncs with the host: CUDA-graph safe),
+    or an int tensor ``[R]`` (pass ``width``; without it, ``width = k.max()`` is read eagerly).
+    ``lengths``: int32/int64 ``[R]`` valid lengths (None: every row is full).
+    ``order``: ``"score"`` (descending score, ties by lower id), ``"index"`` (ascending ids) or
+    ``"none"`` (the cheapest: here also ascending ids).
+    """
+    k_scalar, k_tensor, lengths, width, out = checks.check_topk(scores, k, lengths, order, width, out,
+                                                                ORDERS, MAX_SORT_WIDTH)
+    R, N = scores.shape
+    if R == 0 or width == 0:
+        return out
+    if N == 0:
+        return out.fill_(-1)
+    launch_topk(scores, k_scalar, k_tensor, lengths, out)
+    if order == "score":
+        sort_winners(scores, out)
+    return out

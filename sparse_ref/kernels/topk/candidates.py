@@ -1,0 +1,70 @@
+"""Launch 2 of the long-row top-k: the candidates, every element ``>= T`` of a row.
+
+One light program per chunk of a row. It counts its keys above and equal to ``T`` (the select
+launch's offsets, and the tie path's plan if the row overflows) and adds its candidates to the row's
+count (one atomic add). Then, in the *bitmask* mode (many rows), it marks them in the row's bitmask
+(a dense store: nothing over the read); in the *runs* mode (few rows) it copies them as
+``key << 32 | id`` to the run of the row's slots its atomic add returned.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sparse_ref.kernels.topk.common import (
+    CNT,
+    HEAD,
+    SYNC,
+    T_,
+    _after_previous_launch,
+    _bitmask_words,
+    _hit_ranks,
+    _keys,
+    _row_k_len,
+    _work_row,
+)
+
+
+@triton.jit
+def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
+                       G: tl.constexpr, CHUNK: tl.constexpr,
+                       SLOTS: tl.constexpr, LOG_C: tl.constexpr, BITMASK: tl.constexpr, REVERSE: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One program = one CHUNK of a row: its elements >= T are the candidates. It adds their count to the
+    row's (one atomic add) and stores its counts of keys > T and == T (the select launch's offsets, and the
+    tie path's plan if the row overflows). Then, BITMASK: it marks them in the row's bitmask (CHUNK / 32
+    words, a dense store: nothing over the read); else it copies them (``key << 32 | id``, ascending id)
+    to the run of the row's slots that its atomic add returned (each at its rank from bitmask words,
+    ``_hit_ranks``, and a store per candidate: with few rows there are few programs and this costs
+    little; with many, several µs).
+    No tail and no histogram, so this one runs with light programs. Row-major order, the last rows first
+    when REVERSE: the delegates launch read those last, so more of them are still in L2."""
+    _after_previous_launch(PDL)
+    C_PAD: tl.constexpr = 1 << LOG_C
+    WORDS: tl.constexpr = CHUNK // 32
+    C = tl.cdiv(N, CHUNK)
+    r = tl.program_id(0) // C
+    if REVERSE:
+        r = tl.num_programs(0) // C - 1 - r
+    c = tl.program_id(0) % C
+    k, length = _row_k_len(r, N, W, k, lengths)
+    work_row = _work_row(work, r, LOG_C, G)
+    T = tl.load(work_row + T_)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    key = _keys(tl.load(scores + r.to(tl.int64) * stride_r + offs, mask=offs < length, other=0.0), offs < length)
+    is_cand = (key >= T) & (key != -2147483648)
+    both = tl.sum(is_cand.to(tl.int32) + ((key > T).to(tl.int32) << 16), axis=0)  # two counts (CHUNK < 2**16)
+    n_c = both & 0xFFFF
+    tl.store(work_row + HEAD + c, both >> 16)  # keys > T
+    tl.store(work_row + HEAD + C_PAD + c, n_c - (both >> 16))  # keys == T
+    base = tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")  # (runs: [base, base + n_c))
+    if BITMASK:
+        tl.store(cand + r.to(tl.int64) * (C * WORDS + SLOTS) + c * WORDS + tl.arange(0, WORDS),
+                 _bitmask_words(is_cand, WORDS))
+    else:
+        tl.store(work_row + HEAD + 2 * C_PAD + c, n_c)
+        tl.store(work_row + HEAD + 3 * C_PAD + c, base)
+        if base + n_c <= SLOTS:  # (their ranks from bitmask words: no prefix sum over the chunk)
+            tl.store(cand + r.to(tl.int64) * SLOTS + base + _hit_ranks(is_cand, WORDS),
+                     (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_cand)

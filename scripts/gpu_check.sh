@@ -1,58 +1,67 @@
 #!/usr/bin/env bash
-# The one GPU check, run from the repository root on a CUDA machine:
-#   kernel tests compiled -> benchmarks (JSON per suite) -> notebooks at GPU sizes (nbmake).
+# The one GPU check (`make gpu-check` runs it), from the repository root on a CUDA machine:
+#   kernel tests compiled, the GPU-only cases included -> every notebook at GPU sizes (nbmake) -> a bench smoke.
 #
-#   STAGES="tests bench notebooks" OUT=gpu_out bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh                      # all three stages; logs and JSON in build/gpu-check/
+#   STAGES="tests notebooks" OUT=/tmp/gc bash scripts/gpu_check.sh
 #
-# Each stage has its own time limit (T_TESTS, T_BENCH, T_NOTEBOOKS seconds), so a slow stage cannot
-# eat the others; logs and bench JSON go to $OUT. Works without installing the package (a GPU box
-# may have no network and an older setuptools): sparse_ref is assembled in /tmp with kernels/ as
-# sparse_ref/kernels, the same mapping pyproject.toml installs. Wheels carried in .whl/ (nbmake and
-# its dependencies) are installed into /tmp/site.
+# It runs the checkout as it is (sparse_ref is imported from the repository root; nothing is installed or
+# copied). On a machine without network, carry the missing Python packages (nbmake and its dependencies) as
+# wheels in .whl/ (README: "CI on your own GPU runner"): they are installed into a private folder first.
+# Each stage has its own time limit (T_TESTS, T_NOTEBOOKS, T_BENCH seconds), so a slow stage cannot eat the
+# others. The exit status is 0 only when every stage passed.
 set -u -o pipefail
-OUT="${OUT:-$PWD/gpu_out}"
+OUT="${OUT:-$PWD/build/gpu-check}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-STAGES="${STAGES:-tests bench notebooks}"
+STAGES="${STAGES:-tests notebooks bench}"
 status=0
+# Every test file that launches a kernel (the GPU-only cases among them) and the sm_90 compile under this Triton.
+KERNEL_TESTS="tests/test_topk.py tests/test_page_select.py tests/test_page_table.py tests/test_decode_attention.py
+  tests/test_dsa_kernel.py tests/test_quest_kernel.py tests/test_quest_fused.py tests/test_cuda_graph.py
+  tests/test_engine.py tests/test_engine_graph.py tests/test_retrieval.py tests/test_dsa.py tests/test_indexer.py
+  tests/test_bench.py tests/test_aot_compile.py"
 log() { echo "$*" | tee -a "$OUT/gpu_check.log"; }
 
-log "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
-if ! "$PY" -c "import sparse_ref.kernels.topk" 2>/dev/null; then
-  src=/tmp/sparse_ref_src
-  rm -rf "$src" && mkdir -p "$src" && cp -r sparse_ref "$src/" && cp -r kernels "$src/sparse_ref/kernels"
-  export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"
-fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's sparse_ref, whatever else is installed
 if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >>"$OUT/gpu_check.log" 2>&1 && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  site="${WHEEL_SITE:-/tmp/sparse_ref_site}"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    >>"$OUT/gpu_check.log" 2>&1 || { log "== could not install the wheels in .whl/ (see $OUT/gpu_check.log)"; exit 1; }
+  export PYTHONPATH="$site:$PYTHONPATH"
 fi
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu_check.log"
+log "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" \
+  | tee -a "$OUT/gpu_check.log"
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  log "== pytest: kernel tests, compiled (GPU-only tests included)"
-  files=$(ls tests/test_{topk,page_select,page_table,decode_attention,dsa_kernel,quest_kernel,quest_fused,cuda_graph}.py 2>/dev/null)
-  timeout "${T_TESTS:-240}" "$PY" -m pytest $files -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -n 25 \
-    || status=1
-fi
-
-if [[ " $STAGES " == *" bench "* ]]; then
-  log "== benchmarks"
-  for suite in ${SUITES:-topk select quest decode dsa}; do
-    timeout "${T_SUITE:-150}" "$PY" -m sparse_ref.bench "$suite" ${BENCH_ARGS:---quick} --out "$OUT/h200_$suite.json" \
-      2>&1 | tee "$OUT/bench_$suite.log" | tail -n 30 || status=1
-  done
+  log "== pytest: kernel and engine tests, compiled (the GPU-only cases included)"
+  start=$(date +%s)
+  timeout "${T_TESTS:-540}" "$PY" -m pytest ${TEST_FILES:-$KERNEL_TESTS} -q -p no:cacheprovider --durations=10 2>&1 \
+    | tee "$OUT/pytest.log" | tail -n 25 || status=1
+  log "   tests: $(( $(date +%s) - start )) s"
 fi
 
 if [[ " $STAGES " == *" notebooks "* ]]; then
   if "$PY" -c "import nbmake" 2>/dev/null; then
     log "== notebooks (nbmake, GPU sizes)"
-    timeout "${T_NOTEBOOKS:-420}" "$PY" -m pytest --nbmake --nbmake-timeout=400 notebooks -q -p no:cacheprovider \
-      --durations=0 2>&1 | tee "$OUT/nbmake.log" | tail -n 30 || status=1
+    start=$(date +%s)
+    timeout "${T_NOTEBOOKS:-540}" "$PY" -m pytest --nbmake --nbmake-timeout=400 ${NOTEBOOK_FILES:-notebooks} -q \
+      -p no:cacheprovider --durations=0 2>&1 | tee "$OUT/nbmake.log" | tail -n 30 || status=1
+    log "   notebooks: $(( $(date +%s) - start )) s"
   else
-    log "== notebooks skipped: nbmake is not installed (carry it and its dependencies as wheels in .whl/)"
+    log "== notebooks: FAILED, nbmake is not installed (carry it and its dependencies as wheels in .whl/)"
+    status=1
   fi
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
+  log "== bench smoke (--quick)"
+  for suite in ${SUITES:-topk select quest decode dsa engine}; do
+    timeout "${T_BENCH:-240}" "$PY" -m sparse_ref.bench "$suite" ${BENCH_ARGS:---quick} --out "$OUT/h200_$suite.json" \
+      2>&1 | tee "$OUT/bench_$suite.log" | tail -n 12 || status=1
+  done
 fi
 log "== done, status $status; logs in $OUT"
 exit $status

@@ -75,5 +75,12 @@ def execution_mode() -> str:
 
 
 def describe_run() -> str:
-    """The mode line plus whether fast mode is on; what each notebook's first cell prints."""
-    return f"{execution_mode()} | fast mode: {'on' if fast_mode() else 'off'} ({FAST_ENV})"
+    """The mode line plus whether fast mode is on, and why; what each notebook's first cell prints."""
+    fast = fast_mode()
+    if os.environ.get(FAST_ENV, "").strip():
+        why = f"{FAST_ENV}={os.environ[FAST_ENV].strip()}"
+    elif fast:
+        why = f"no GPU, so small sizes; {FAST_ENV}=0 forces realistic ones"
+    else:
+        why = f"a GPU, so realistic sizes; {FAST_ENV}=1 forces small ones"
+    return f"{execution_mode()} | fast mode: {'on' if fast else 'off'} ({why})"

@@ -1,27 +1,36 @@
-"""Every Triton kernel of ``sparse_ref.kernels`` compiles for sm_90 ahead of time, without a GPU.
+"""Every Triton kernel that is launched compiles for sm_90 ahead of time, without a GPU, under each Triton.
 
-Triton's interpreter runs kernels as Python and accepts code the real compiler refuses (a
-loop-carried variable that changes type, say), so CI compiles each kernel for an H100/H200
-target (``GPUTarget("cuda", 90, 32)``) through ``triton.compile(ASTSource(...))``. Nothing is
-launched, so no GPU is needed.
+Triton's interpreter runs kernels as Python and accepts code the real compiler refuses (a variable
+that changes type in a branch, say one that starts as the constexpr an int argument of 1 becomes), so
+CI compiles each kernel for an H100/H200 target (``GPUTarget("cuda", 90, 32)``) through
+``triton.compile(ASTSource(...))``. Nothing is launched, so no GPU is needed. Two sources of variants:
 
-The variants live in ``tests/aot_variants.py`` (the constexpr variants the launchers pick at the
-GPU shapes). **Every module-level ``triton.JITFunction`` of ``sparse_ref.kernels`` whose name ends
-in ``_kernel`` (i.e. everything that is launched) must appear there**; ``@triton.jit`` helpers
-(other names) are compiled as part of the kernels that call them. Modules are discovered by walking
-the package, so a new kernel module is checked without editing this file. All compiles run in one
-subprocess with ``TRITON_INTERPRET=0``.
+* ``tests/aot_variants.py``: the constexpr variants the package's launchers pick at the GPU shapes.
+  **Every module-level ``triton.JITFunction`` of ``sparse_ref.kernels`` named ``*_kernel`` (everything
+  that is launched) must appear there**; helpers are compiled as part of the kernels that call them.
+* every launch this session made through the interpreter (``launch_recorder.py``): the package's kernels
+  at the tests' sizes, the tests' own kernels and the notebooks' (``make test`` runs both in one
+  session); this test runs last (``conftest.py``) to see them all.
+
+The compiles run in subprocesses with ``TRITON_INTERPRET=0``: once with the installed Triton, and once
+with each other Triton found under ``build/tritons/<version>/`` (``.ci/run`` installs 3.6 there, the GPU
+machine's version), so both supported Tritons compile every variant. Distinct variants are spread over
+the machine's cores.
 """
 
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import launch_recorder
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+OTHER_TRITONS = REPO / "build" / "tritons"
 
 SCRIPT = r"""
 import importlib, json, os, pkgutil, sys, time
@@ -31,11 +40,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import sparse_ref.kernels
 
-sys.path.insert(0, sys.argv[1])
+tests, part, parts, records_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sys.path.insert(0, tests)
 from aot_variants import VARIANTS
 
 target = GPUTarget("cuda", 90, 32)
-report = {"compiled": [], "failed": [], "uncovered": []}
+report = {"triton": triton.__version__, "compiled": 0, "failed": [], "uncovered": [], "seconds": 0.0}
+start = time.time()
 kernels = set()
 for info in pkgutil.walk_packages(sparse_ref.kernels.__path__, "sparse_ref.kernels."):
     module = importlib.import_module(info.name)
@@ -43,28 +54,74 @@ for info in pkgutil.walk_packages(sparse_ref.kernels.__path__, "sparse_ref.kerne
                 if isinstance(v, triton.JITFunction) and k.endswith("_kernel") and v.fn.__module__ == info.name}
 covered = {f"{v[0].fn.__module__}.{v[0].fn.__name__}" for v in VARIANTS}
 report["uncovered"] = sorted(kernels - covered)
-for kernel, signature, constexprs, options in VARIANTS:
-    signature = {**signature, **{c: "constexpr" for c in constexprs}}
-    label = f"{kernel.fn.__module__}.{kernel.fn.__name__} {constexprs} {options}"
-    t = time.time()
+
+
+def notebook_kernel(entry):
+    # a kernel defined in a notebook: its namespace's jit functions, rebuilt from their sources
+    namespace = {"triton": triton, "tl": triton.language}
+    for module, name in entry["imports"]:
+        namespace[name] = getattr(importlib.import_module(module), name)
+    for src in entry["sources"][::-1]:
+        exec(compile(src, "<notebook>", "exec"), namespace)
+    return namespace[entry["kernel"]]
+
+
+jobs = [(kernel, sig, ce, opts, "variant") for kernel, sig, ce, opts in VARIANTS]
+if records_path != "-" and os.path.exists(records_path):
+    for line in open(records_path):
+        e = json.loads(line)
+        if e["module"] == "__main__":
+            kernel = notebook_kernel(e)
+        else:
+            kernel = getattr(importlib.import_module(e["module"]), e["kernel"])
+        sig = {k: tuple(v) if isinstance(v, list) else v for k, v in e["signature"].items()}
+        ce = {tuple(int(i) for i in k.split(",")) if "," in k else k: v for k, v in e["constexprs"].items()}
+        jobs.append((kernel, sig, ce, e["options"] or {}, "launch"))
+for i, (kernel, sig, ce, opts, kind) in enumerate(jobs):
+    if i % parts != part:
+        continue
+    sig = {**sig, **{c: "constexpr" for c in ce if isinstance(c, str)}}
     try:
-        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                       options=options)
-        report["compiled"].append(f"{label} ({time.time() - t:.1f} s)")
+        triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=ce), target=target, options=opts)
+        report["compiled"] += 1
     except Exception as e:  # noqa: BLE001
-        report["failed"].append(f"{label}: {type(e).__name__}: {str(e)[-600:]}")
+        label = f"{kind} {kernel.fn.__module__}.{kernel.fn.__name__} {ce} {opts}"
+        report["failed"].append(f"{label}: {type(e).__name__}: {str(e)[-700:]}")
+report["seconds"] = round(time.time() - start, 1)
 print("AOT-REPORT " + json.dumps(report))
 """
 
 
-def test_every_kernel_compiles_for_sm90():
-    pytest.importorskip("triton")
+def tritons() -> list[tuple[str, dict]]:
+    """``(name, environment)`` per Triton to compile with: the installed one, then each under build/tritons/."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(TESTS)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-REPORT ")]
-    assert proc.returncode == 0 and lines, f"compile script failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    report = json.loads(lines[-1][len("AOT-REPORT "):])
-    assert not report["uncovered"], f"kernels missing from tests/aot_variants.py: {report['uncovered']}"
-    assert not report["failed"], "sm_90 compile failures:\n" + "\n".join(report["failed"])
-    assert report["compiled"], "nothing was compiled"
+    found = [("installed", env)]
+    for folder in sorted(OTHER_TRITONS.glob("*")) if OTHER_TRITONS.is_dir() else []:
+        found.append((folder.name, {**env, "PYTHONPATH": os.pathsep.join([str(folder), env.get("PYTHONPATH", "")])}))
+    return found
+
+
+def compile_all(env: dict, records: str, parts: int) -> list[dict]:
+    def one(part):
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(TESTS), str(part), str(parts), records],
+                              capture_output=True, text=True, env=env, timeout=1500)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-REPORT ")]
+        assert proc.returncode == 0 and lines, f"compile script failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return json.loads(lines[-1][len("AOT-REPORT "):])
+
+    with ThreadPoolExecutor(parts) as pool:
+        return list(pool.map(one, range(parts)))
+
+
+@pytest.mark.parametrize("name, env", tritons(), ids=[name for name, _ in tritons()])
+def test_every_launched_kernel_compiles_for_sm90(name, env):
+    pytest.importorskip("triton")
+    records = os.environ.get(launch_recorder.ENV, "-")
+    reports = compile_all(env, records, parts=max(1, min(4, os.cpu_count() or 1)))
+    failed = [f for r in reports for f in r["failed"]]
+    uncovered = reports[0]["uncovered"]
+    print(f"triton {reports[0]['triton']} ({name}): {sum(r['compiled'] for r in reports)} variants compiled, "
+          f"{max(r['seconds'] for r in reports)} s")
+    assert not uncovered, f"kernels missing from tests/aot_variants.py: {uncovered}"
+    assert not failed, f"sm_90 compile failures under triton {reports[0]['triton']}:\n" + "\n".join(failed)
+    assert sum(r["compiled"] for r in reports) >= 100, "fewer variants than the GPU-shape table alone holds"

@@ -38,7 +38,8 @@ PROBE = (
 def test_no_gpu_sets_interpreter_before_kernels():
     interp, dev, fast, line = run_clean(PROBE).splitlines()
     assert interp == "'1'" and dev == "cpu" and fast == "True"
-    assert line.startswith("CPU: Triton interpreter") and "fast mode: on (SPARSE_REF_FAST)" in line
+    assert line.startswith("CPU: Triton interpreter")
+    assert "fast mode: on (no GPU, so small sizes; SPARSE_REF_FAST=0 forces realistic ones)" in line  # says why
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU path")
@@ -95,6 +96,8 @@ def test_interpreter_forces_cpu(monkeypatch):
 def test_describe_run_format(monkeypatch):
     monkeypatch.setenv("SPARSE_REF_FAST", "1")
     line = sparse_ref.describe_run()
-    assert line == f"{sparse_ref.execution_mode()} | fast mode: on (SPARSE_REF_FAST)"
+    assert line == f"{sparse_ref.execution_mode()} | fast mode: on (SPARSE_REF_FAST=1)"
+    monkeypatch.setenv("SPARSE_REF_FAST", " off ")
+    assert sparse_ref.describe_run().endswith("| fast mode: off (SPARSE_REF_FAST=off)")
     assert torch.__version__ in line
     assert sparse_ref.has_gpu() is torch.cuda.is_available()

@@ -53,6 +53,18 @@ def test_notebook_is_committed_clean(path):
         assert cell.get("execution_count") is None, f"{path.name} cell {i}: execution_count must be null"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
+def test_notebook_is_in_the_exact_form_clean_notebooks_writes(path):
+    """``make clean-notebooks`` (nbconvert --clear-output) on a fresh clone changes nothing: the committed file
+    is byte for byte what it writes (key order, indentation, the final newline)."""
+    from nbconvert.preprocessors import ClearOutputPreprocessor
+
+    nb = nbformat.read(path, as_version=4)
+    nb, _ = ClearOutputPreprocessor().preprocess(nb, {})
+    assert nbformat.writes(nb) + "\n" == path.read_text(encoding="utf-8"), (
+        f"{path.name} differs from what make clean-notebooks writes. Fix: make clean-notebooks")
+
+
 def _calls(source: str) -> set[str]:
     """Dotted names of every function called in ``source`` (e.g. 'sparse_ref.fast_mode', 'print')."""
     names = set()

@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
     gpu = torch.cuda.get_device_name() if not on_cpu else "CPU (Triton interpreter) - NOT GPU numbers"
     print(f"sparse_ref.bench on {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     copy_bw = copy_bandwidth(device, timer)
-    print(f"device-to-device copy bandwidth: {copy_bw:.2f} TB/s", flush=True)
+    print(f"device-to-device copy bandwidth: {'n/a on CPU' if on_cpu else f'{copy_bw:.2f} TB/s'}", flush=True)
     suites = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
     rows = []
     for i, name in enumerate(suites):
@@ -90,10 +90,15 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(result, indent=1))
     print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
           f"{'TB/s':>7}{'%copy':>7}")
+    def cell(value, digits=2):
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
     for r in rows:
         print(f"{r['op']:<15}{r['shape']:<24}{r['k'] if r['k'] is not None else '-':>6} {r['distribution']:<10}"
-              f"{r['l2']:<5}{r['torch_us']:>10.1f}{r['ours_us']:>10.1f}{r['speedup']:>7.2f}{r['tbps']:>7.2f}"
-              f"{r['pct_copy_bw'] if r['pct_copy_bw'] is not None else '-':>7}")
+              f"{r['l2']:<5}{r['torch_us']:>10.1f}{r['ours_us']:>10.1f}{cell(r['speedup']):>7}{cell(r['tbps']):>7}"
+              f"{cell(r['pct_copy_bw'], 1):>7}")
+    if on_cpu:
+        print("(CPU run through Triton's interpreter: speedups and bandwidth are n/a on CPU; these are not GPU numbers)")
     print(f"wrote {out}")
     return result
 

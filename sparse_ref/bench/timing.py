@@ -160,18 +160,21 @@ def eager_cold(timer, fn, reps):
 # Suites
 # ------------------------------------------------------------------------------------------
 def row(shape, k, dist, l2, torch_us, ours_us, bytes_moved, copy_bw, op, **extra):
-    """One result row (and its progress line)."""
-    tbps = bytes_moved / (ours_us * 1e-6) / 1e12 if ours_us and ours_us > 0 else float("nan")
+    """One result row (and its progress line). Bandwidth is reported on a GPU only (``copy_bw`` is NaN on CPU,
+    where interpreter timings say nothing about bytes): there the row holds None and the line says n/a."""
+    on_gpu = math.isfinite(copy_bw)
+    tbps = bytes_moved / (ours_us * 1e-6) / 1e12 if on_gpu and ours_us and ours_us > 0 else None
+    speedup = torch_us / ours_us if ours_us and math.isfinite(torch_us) else None
     row = dict(op=op, shape=shape, k=k, distribution=dist, l2=l2, torch_us=round(torch_us, 2),
-               ours_us=round(ours_us, 2), speedup=round(torch_us / ours_us, 2), bytes=int(bytes_moved),
-               tbps=round(tbps, 3), pct_copy_bw=round(100 * tbps / copy_bw, 1) if math.isfinite(copy_bw) else None)
+               ours_us=round(ours_us, 2), speedup=None if speedup is None else round(speedup, 2),
+               bytes=int(bytes_moved), tbps=None if tbps is None else round(tbps, 3),
+               pct_copy_bw=None if tbps is None else round(100 * tbps / copy_bw, 1))
     row.update(extra)
     k_txt = "-" if k is None else k
+    rate = "n/a on CPU" if tbps is None else f"{tbps:6.2f} TB/s ({row['pct_copy_bw']}% of copy)"
     print(f"  {op:<14} {shape:<22} k={k_txt:<5} {dist:<10} L2 {l2:<4} torch {torch_us:9.1f} us | ours "
-          f"{ours_us:9.1f} us | x{torch_us / ours_us:6.2f} | {tbps:6.2f} TB/s "
-          f"({row['pct_copy_bw']}% of copy)", flush=True)
+          f"{ours_us:9.1f} us | {'x  n/a' if speedup is None else f'x{speedup:6.2f}'} | {rate}", flush=True)
     return row
-
 
 
 def tuned(table: dict, knobs: dict, fn, *args, **kwargs):

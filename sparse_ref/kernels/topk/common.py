@@ -273,6 +273,8 @@ def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: 
     Returns ``(lo, member, m, k_rem)``: a lower bound of the kept keys (at least the original k_rem keys are
     >= it: the bin's lower edge, or their min), the kept keys, their count, and how many of them the k-th
     takes. When they are one value, ``lo`` is the k-th key itself."""
+    m, k_rem = m + tl.zeros([], tl.int32), k_rem + tl.zeros([], tl.int32)  # (scalars, even from an int arg of 1,
+    # which arrives as a constexpr: the rounds below redefine them, and a branch may not change their type)
     over = m - k_rem if EXCESS else m
     if (over > limit) & (lo < hi):
         lo, member, m, k_rem = _window_round(key, member, k_rem, lo, hi)

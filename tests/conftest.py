@@ -44,7 +44,8 @@ def pytest_configure(config):
     out = Path(os.environ.get(launch_recorder.ENV) or Path(config.rootpath, "build", "aot",
                                                             f"launches-{os.getpid()}.jsonl"))  # (one per session)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("")
+    if not os.environ.get(launch_recorder.ENV):
+        out.write_text("")  # a fresh file of this session's own (a file the caller names is added to)
     os.environ[launch_recorder.ENV] = str(out.resolve())
     startup = out.parent / f"ipython-{os.getpid()}" / "profile_default" / "startup" / "00-record-launches.py"
     startup.parent.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
               f"{r['l2']:<5}{r['torch_us']:>10.1f}{r['ours_us']:>10.1f}{cell(r['speedup']):>7}{cell(r['tbps']):>7}"
               f"{cell(r['pct_copy_bw'], 1):>7}")
     if on_cpu:
-        print("(CPU run through Triton's interpreter: speedups and bandwidth are n/a on CPU; these are not GPU numbers)")
+        print("(a CPU run through Triton's interpreter: bandwidth is n/a on CPU, and these are not GPU numbers)")
     print(f"wrote {out}")
     return result
 

@@ -292,6 +292,9 @@ def check_set_kv(pool, layer, loc, k, v) -> int:
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, shape=want, device=pool.device, error=PoolError,
                      fix=f"one [H_kv, D] row per slot, on the pool's device {pool.device}.")
+        if not t.is_floating_point():  # (complex and integer K/V would be cast, silently)
+            fail(name, "a real floating tensor", f"dtype {t.dtype}", "pass real K/V (e.g. float32 or bfloat16).",
+                 PoolError)
     check_range("loc", loc, pool.page_size, pool.num_slots - 1, "page 0 is padding: write real slots only.",
                 PoolError)
     return layer
@@ -528,6 +531,17 @@ def check_forward_batch(fb) -> None:
     if extend and int(fb.extend_seq_lens.sum()) != new_tokens:
         fail("ForwardBatch.extend_seq_lens", f"a sum of {new_tokens} (the new tokens of positions)",
              f"a sum of {int(fb.extend_seq_lens.sum())}", _FIX_BUILD, BatchError)
+    if bs and fb.req_pool_indices.unique().numel() != bs:
+        fail("ForwardBatch.req_pool_indices", "each request's row once", str(fb.req_pool_indices.tolist()),
+             "batch each request once.", BatchError)
+    if extend and new_tokens:  # each request's new tokens are positions prefix .. seq_len - 1, in order
+        starts = torch.repeat_interleave(fb.extend_prefix_lens, fb.extend_seq_lens, output_size=new_tokens)
+        firsts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+        offsets = torch.arange(new_tokens, device=fb.positions.device) - torch.repeat_interleave(
+            firsts, fb.extend_seq_lens, output_size=new_tokens)
+        if not torch.equal(fb.positions, starts + offsets):
+            fail("ForwardBatch.positions", "each request's positions extend_prefix_len .. seq_len - 1, in order",
+                 str(fb.positions.tolist()[:16]), _FIX_BUILD, BatchError)
 
 
 def _int_or_none(value) -> int | None:
@@ -828,6 +842,7 @@ def check_algorithm_batch(algo, fn: str, forward_batch) -> None:
                 "pass rows of this algorithm's req_to_token.", BatchError)
     check_range("forward_batch.seq_lens", forward_batch.seq_lens, 0, max_len,
                 f"lengths are at most max_context_len={max_len} of req_to_token.", BatchError)
+    check_batch_slots(algo.req_to_token_pool.req_to_token, forward_batch)
 
 
 def check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, kwargs: dict):
@@ -863,6 +878,10 @@ def check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, kwarg
         fail("req_pool_indices", f"forward_batch.req_pool_indices {batch_rows.tolist()} (the same requests, in "
              "the same order: seq_lens bound each row)", str(req_pool_indices.tolist()),
              "pass forward_batch.req_pool_indices, or build the batch for these requests.", RetrievalError)
+    from sparse_ref.batch import ForwardBatch
+
+    if isinstance(forward_batch, ForwardBatch):
+        check_batch_slots(algo.req_to_token_pool.req_to_token, forward_batch)
     return forward_batch
 
 
@@ -1121,9 +1140,14 @@ def check_dsa_retrieve(algo, layer_id, req_pool_indices, sparse_mask, kwargs: di
 
 # --------------------------------------------------------------------------------------------- engine.py
 def check_engine(workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len,
-                 known_algorithms, backends) -> tuple[list, list]:
-    """``(algorithms, configs)`` of a ``DecodeEngine``: one entry per workload layer each."""
+                 num_pages, compare_dense, dsa_topk, device, known_algorithms, backends):
+    """``(algorithms, configs, num_pages, device)`` of a ``DecodeEngine``: one algorithm and config per workload
+    layer; ``num_pages`` None is enough pages for every request at ``max_context_len``."""
     from sparse_ref.config import SparseConfig
+    from sparse_ref.workloads import PlantedEngineWorkload
+
+    if not isinstance(workload, PlantedEngineWorkload):
+        fail("workload", "a PlantedEngineWorkload", describe(workload), error=ConfigError)
 
     algorithms = list(algorithms)
     if len(algorithms) != workload.num_layers or any(name not in known_algorithms for name in algorithms):
@@ -1135,15 +1159,115 @@ def check_engine(workload, algorithms, config, attention_backend, page_size, max
         raise ConfigError(f"config: expected one SparseConfig, or one per layer ({len(algorithms)}), got "
                           f"{len(configs)}.")
     for name, value, low in (("page_size", page_size, 1), ("max_requests", max_requests, 1),
-                             ("max_context_len", max_context_len, 1)):
+                             ("max_context_len", max_context_len, 1), ("dsa_topk", dsa_topk, 1)):
         check_int(name, value, low=low)
-    return algorithms, configs
+    if num_pages is None:
+        num_pages = max_requests * -(-max_context_len // page_size) + 1
+    num_pages = check_int("num_pages", num_pages, low=2, fix="leave num_pages=None: enough pages for every request "
+                          "at max_context_len (page 0 is padding).")
+    if not isinstance(compare_dense, bool):
+        fail("compare_dense", "True or False", describe(compare_dense), error=ConfigError)
+    return algorithms, configs, num_pages, check_device("device", device)
 
 
 def check_finish(engine, req) -> None:
-    if req not in engine.live:
-        raise PoolError(f"finish: expected a live request of this engine, got {req!r} (finished already, or "
-                        "never added). Fix: call finish once per request returned by add_request.")
+    """``req`` is one of the engine's live requests, by identity (an equal request of another engine is not)."""
+    if not any(r is req for r in engine.live) or engine.manager.requests.get(getattr(req, "rid", None)) is not req:
+        raise PoolError(f"finish: expected a live request of this engine, got {req!r} (finished already, never "
+                        "added, or another engine's). Fix: call finish once per request its add_request returned.")
+
+
+def check_request_begin(coordinator, req, prompt_len) -> None:
+    check_request("on_request_begin(req)", req)
+    check_int("on_request_begin(prompt_len)", prompt_len, low=0, error=PoolError)
+    if req.req_pool_idx in coordinator.prompt_lens:
+        raise PoolError(f"on_request_begin: the request in req_to_token row {req.req_pool_idx} has begun already "
+                        "(each request begins once). Fix: call on_request_end first, once it finishes.")
+
+
+def check_request_end(coordinator, req) -> None:
+    check_request("on_request_end(req)", req)
+    if req.req_pool_idx not in coordinator.prompt_lens:
+        raise PoolError(f"on_request_end: no request in req_to_token row {req.req_pool_idx} has begun (ended "
+                        "already, or never begun). Fix: call on_request_begin and on_request_end once each.")
+
+
+def check_coordinator_layer(coordinator, layer) -> int:
+    """A layer of the engine, ``[0, num_layers)`` (``-1`` is refused: it would wrap to the last layer)."""
+    return check_int("layer", layer, low=0, high=len(coordinator.algorithms) - 1, error=PoolError,
+                     fix=f"the engine has layers [0, {len(coordinator.algorithms)}).")
+
+
+def check_batch_slots(req_to_token, fb, batch: str = "forward_batch.", error=BatchError) -> None:
+    """Eager: every new token's ``out_cache_loc`` is the slot req_to_token keeps for it (``req_pool_indices``,
+    ``positions``), so a K/V or key write lands where its own request reads it (skipped while capturing)."""
+    if capturing() or fb.positions.numel() == 0:
+        return
+    from sparse_ref.batch import ForwardMode
+
+    counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else torch.ones_like(fb.seq_lens)
+    rows = torch.repeat_interleave(fb.req_pool_indices.to(req_to_token.device), counts.to(req_to_token.device))
+    positions = fb.positions.to(req_to_token.device)
+    if int(rows.max()) >= req_to_token.shape[0] or int(positions.max()) >= req_to_token.shape[1]:
+        fail(f"{batch}positions", f"rows and positions inside req_to_token {tuple(req_to_token.shape)}",
+             f"row {int(rows.max())}, position {int(positions.max())}", "build the batch from these pools.", error)
+    want = req_to_token[rows, positions].long().to(fb.out_cache_loc.device)
+    if bool((want == 0).any()):  # slot 0 lies in padding page 0: no request's token is ever kept there
+        t = int((want == 0).nonzero()[0, 0])
+        fail(f"{batch}seq_lens", "lengths within each request's tokens (every new token has a slot in "
+             "req_to_token)", f"new token {t} at position {int(positions[t])} of row {int(rows[t])}, which holds "
+             "no token", "build the batch for these requests after allocating their tokens (build_decode_batch "
+             "/ decode_step).", error)
+    if not torch.equal(want, fb.out_cache_loc):
+        t = int((want != fb.out_cache_loc).nonzero()[0, 0])
+        fail(f"{batch}out_cache_loc[{t}]", f"slot {int(want[t])}, where req_to_token keeps that token (a write to "
+             "another slot lands where its request never reads it, or in another request's KV)",
+             str(int(fb.out_cache_loc[t])), "build the batch from the pool (build_decode_batch / decode_step).", error)
+
+
+def check_engine_forward(engine, batch, inputs) -> None:
+    """Eager: ``batch`` is the DECODE batch of the engine's live requests as they are now (a batch built before a
+    request left, joined or grew is refused), and ``inputs`` has one entry per layer."""
+    from sparse_ref.batch import ForwardBatch, ForwardMode
+
+    if not isinstance(batch, ForwardBatch) or batch.forward_mode is not ForwardMode.DECODE:
+        fail("batch", "a DECODE ForwardBatch (decode_step)", describe(batch), error=BatchError)
+    layers = engine.manager.token_to_kv_pool.num_layers
+    if not isinstance(inputs, (list, tuple)) or len(inputs) != layers:
+        fail("inputs", f"one (q, k, v, x, q_lora) per layer ({layers})", describe(inputs), error=BatchError)
+    if capturing():
+        return
+    live = engine.live
+    rows = torch.tensor([r.req_pool_idx for r in live], dtype=torch.int64)
+    seq_lens = torch.tensor([r.seq_len for r in live], dtype=torch.int64)
+    if batch.batch_size != len(live) or not torch.equal(batch.req_pool_indices.cpu(), rows) or \
+            not torch.equal(batch.seq_lens.cpu(), seq_lens):
+        fail("batch", f"the batch of the live requests now (rows {rows.tolist()}, seq_lens {seq_lens.tolist()})",
+             f"rows {batch.req_pool_indices.tolist()}, seq_lens {batch.seq_lens.tolist()}",
+             "build it after the last add_request / finish / grow (decode_step), or call engine.step().", BatchError)
+    check_batch_slots(engine.manager.req_to_token_pool.req_to_token, batch, "batch.")
+
+
+def check_graphed_engine(engine) -> None:
+    from sparse_ref.engine import DecodeEngine
+
+    if not isinstance(engine, DecodeEngine):
+        fail("engine", "a sparse_ref.engine.DecodeEngine", describe(engine), error=ConfigError)
+
+
+def check_graph_current(step) -> None:
+    """The static tensors of a ``GraphedDecodeStep`` still describe the engine's requests: loaded by ``step()``,
+    and no request admitted, grown or released since (the manager's generation). Host-side only."""
+    generation = step.engine.manager.generation
+    if step.generation is None:
+        raise BatchError("GraphedDecodeStep: nothing to replay yet. Fix: call step(), which loads the batch.")
+    if generation != step.generation:
+        raise BatchError(
+            f"GraphedDecodeStep: the engine changed since step() loaded the batch (a request joined, left or grew: "
+            f"generation {step.generation} -> {generation}); a replay would write K/V into slots and read pages "
+            "that no longer belong to these requests. Fix: call step() (the host half, then the replay), or "
+            "capture a new GraphedDecodeStep(engine) after requests join or leave."
+        )
 
 
 # --------------------------------------------------------------------------------------------- attention.py
@@ -1579,3 +1703,37 @@ def check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size
     check_range("kv_lens", kv_lens, 0, width * page_size,
                 f"kv_lens[r] counts tokens of the row's {width} table entries of {page_size} slots.")
     return page_size, scale, num_pages
+
+
+# --------------------------------------------------------------------------------------------- the command lines
+def cli_positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (``--context 0`` or ``--steps -3`` exit 2 naming the flag)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def cli_output_file(text: str):
+    """An argparse type: a file path that can be written (its folder is created now), not a folder, not empty."""
+    import argparse
+    import os
+    from pathlib import Path
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file path, got an empty string")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file path, got the folder {text!r}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot create the folder {str(path.parent)!r}: {e.strerror}") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return path

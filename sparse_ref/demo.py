@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from sparse_ref.checks import cli_output_file, cli_positive_int
 from sparse_ref.config import SparseConfig
 from sparse_ref.device import default_device, describe_run
 from sparse_ref.engine import DecodeEngine
@@ -140,13 +141,17 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparse_ref.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny run (CI smoke test)")
-    parser.add_argument("--context", type=int, help="tokens per request (default 4096, or 32768 on a GPU)")
-    parser.add_argument("--batch", type=int, default=3, help="requests per step (default 3)")
-    parser.add_argument("--steps", type=int, help="decode steps per run (default 3)")
-    parser.add_argument("--budgets", type=int, nargs="+", help="token budgets (default 128 256 512 1024)")
+    parser.add_argument("--context", type=cli_positive_int, help="tokens per request (default 4096, or 32768 on a GPU)")
+    parser.add_argument("--batch", type=cli_positive_int, default=3, help="requests per step (default 3)")
+    parser.add_argument("--steps", type=cli_positive_int, help="decode steps per run (default 3)")
+    parser.add_argument("--budgets", type=cli_positive_int, nargs="+", help="token budgets (default 128 256 512 1024)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("build") / "demo.png", help="where to save the plot")
+    parser.add_argument("--out", type=cli_output_file, default=Path("build") / "demo.png",
+                        help="where to save the plot (its folder is created)")
     args = parser.parse_args(argv)
+    if args.context is not None and args.context < 8 * args.batch:
+        parser.error(f"argument --context: expected at least {8 * args.batch} tokens for {args.batch} requests "
+                     f"(each request is 7 tokens shorter than the one before), got {args.context}")
     device = default_device()
     gpu = device.type == "cuda"
     context = args.context or (512 if args.quick else 32768 if gpu else 4096)

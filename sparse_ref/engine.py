@@ -120,9 +120,11 @@ class SparseCoordinator:
         return "dense" if algo is None else algo.name
 
     def on_request_begin(self, req: Request, prompt_len: int) -> None:
+        checks.check_request_begin(self, req, prompt_len)
         self.prompt_lens[req.req_pool_idx] = prompt_len
 
     def on_request_end(self, req: Request) -> None:
+        checks.check_request_end(self, req)
         del self.prompt_lens[req.req_pool_idx]
 
     def forward_begin(self, batch: ForwardBatch) -> None:
@@ -136,7 +138,7 @@ class SparseCoordinator:
 
     def attention_begin(self, layer: int, queries: torch.Tensor, batch: ForwardBatch, **kwargs) -> Metadata:
         """Sparse mask -> ``retrieve_topk`` -> adaptor; the dense metadata for a dense layer."""
-        algo = self.algorithms[layer]
+        algo = self.algorithms[checks.check_coordinator_layer(self, layer)]
         if algo is None:
             return self.dense
         req_to_token = self.manager.req_to_token_pool.req_to_token
@@ -155,7 +157,7 @@ class SparseCoordinator:
 
     def attention_end(self, layer: int, batch: ForwardBatch) -> None:
         """Build representations after a prefill, refresh them after a decode step."""
-        algo = self.algorithms[layer]
+        algo = self.algorithms[checks.check_coordinator_layer(self, layer)]
         if algo is None:
             return
         k_buffer = self.manager.token_to_kv_pool.get_key_buffer(layer)
@@ -176,10 +178,10 @@ class DecodeEngine:
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
                  attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
                  bounds_dtype=torch.float32, device="cpu"):
-        algorithms, configs = checks.check_engine(workload, algorithms, config, attention_backend, page_size,
-                                                  max_requests, max_context_len, ALGORITHMS, ATTENTION_BACKENDS)
-        self.workload, self.device, self.compare_dense = workload, torch.device(device), compare_dense
-        num_pages = num_pages or max_requests * -(-max_context_len // page_size) + 1
+        algorithms, configs, num_pages, self.device = checks.check_engine(
+            workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len, num_pages,
+            compare_dense, dsa_topk, device, ALGORITHMS, ATTENTION_BACKENDS)
+        self.workload, self.compare_dense = workload, compare_dense
         self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
                                              num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
                                              num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
@@ -227,9 +229,9 @@ class DecodeEngine:
 
     def finish(self, req: Request) -> None:
         """The request leaves: its pages and row are freed (Quest bounds and indexer keys with them)."""
-        checks.check_finish(self, req)
+        checks.check_finish(self, req)  # a live request of this engine (by identity), before anything changes
         self.coordinator.on_request_end(req)
-        self.live.remove(req)
+        self.live = [r for r in self.live if r is not req]
         del self.plans[req.rid]
         self.manager.release(req)
 
@@ -253,6 +255,7 @@ class DecodeEngine:
         -> attention -> ``attention_end``. No host sync and no host bookkeeping here (for dense and
         Quest layers), so ``sparse_ref.engine_graph`` can capture exactly this in one CUDA graph.
         """
+        checks.check_engine_forward(self, batch, inputs)  # the live requests' batch now (eager; not while capturing)
         coord, pool, traces = self.coordinator, self.manager.token_to_kv_pool, []
         coord.forward_begin(batch)
         dense = coord.dense

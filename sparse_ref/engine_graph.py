@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_ref import checks
 from sparse_ref.batch import ForwardBatch, ForwardMode, decode_step
 from sparse_ref.checks import fail
 from sparse_ref.errors import BatchError, ConfigError
@@ -49,6 +50,7 @@ class GraphedDecodeStep:
     """The device half of ``engine``'s decode step for its current live requests, as one CUDA graph."""
 
     def __init__(self, engine):
+        checks.check_graphed_engine(engine)
         if not engine.live:
             fail("engine.live", "at least one live request to capture a step for", "none",
                  "add_request first; the graph is captured for the batch that is live now.", BatchError)
@@ -61,6 +63,7 @@ class GraphedDecodeStep:
         self.batch: ForwardBatch | None = None  # static: the graph reads these tensors' addresses
         self.inputs: list[tuple] | None = None  # static: per layer (q, k, v, x, q_lora)
         self.traces = None  # per layer: the metadata and output the last replay wrote (overwritten by the next)
+        self.generation = None  # the manager's generation when the static tensors were loaded (None: not yet)
 
     def _check_batch(self) -> None:
         rids = [r.rid for r in self.engine.live]
@@ -84,7 +87,10 @@ class GraphedDecodeStep:
                     s.copy_(f)
 
     def run_device_half(self):
-        """``engine.forward`` on the static tensors, eagerly: what the graph holds. Returns fresh traces."""
+        """``engine.forward`` on the static tensors, eagerly: what the graph holds. Returns fresh traces.
+
+        Refused (BatchError) unless the static tensors still describe the engine's requests (see ``replay``)."""
+        checks.check_graph_current(self)
         traces, _ = self.engine.forward(self.batch, self.inputs)
         return traces
 
@@ -99,9 +105,17 @@ class GraphedDecodeStep:
             self.traces = self.run_device_half()  # recorded, not run: these tensors are the graph's outputs
 
     def replay(self) -> None:
-        """Run the captured device half on whatever the static tensors hold now (the bench times this)."""
+        """Run the captured device half again on the static tensors (the bench times this).
+
+        Refused (BatchError) when the engine changed since ``step()`` loaded them: a request joined, left or
+        grew (the manager's generation moved), so the graph would write K/V into slots and read pages that no
+        longer belong to these requests. Replaying the same step twice writes the same K/V and bounds again."""
+        checks.check_graph_current(self)
+        self._replay()
+
+    def _replay(self) -> None:
         if self.graph is None:
-            self.traces = self.run_device_half()
+            self.traces = self.engine.forward(self.batch, self.inputs)[0]
         else:
             self.graph.replay()
 
@@ -114,7 +128,8 @@ class GraphedDecodeStep:
         engine = self.engine
         batch = decode_step(engine.manager, engine.live)
         self._load(batch, [engine.decode_inputs(layer) for layer in range(engine.manager.token_to_kv_pool.num_layers)])
+        self.generation = engine.manager.generation
         if self.graph is None and engine.device.type == "cuda":
             self._capture()
-        self.replay()
+        self._replay()
         return self.traces

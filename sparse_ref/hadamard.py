@@ -22,7 +22,7 @@ from sparse_ref.errors import ShapeError
 
 
 def is_power_of_two(n: int) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0  # (True is no size)
 
 
 def hadamard_matrix(n: int, dtype=torch.float32, device="cpu") -> torch.Tensor:

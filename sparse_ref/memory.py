@@ -143,9 +143,11 @@ class TokenToKVPool:
         self.v_buffer[layer][loc.long()] = v.to(self.dtype)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """A live request: its row in req_to_token, its length and the pages it owns (logical order)."""
+    """A live request: its row in req_to_token, its length and the pages it owns (logical order).
+
+    Requests compare by identity: two requests with equal fields (of two managers, say) are two requests."""
 
     rid: int
     req_pool_idx: int
@@ -165,6 +167,7 @@ class KVCacheManager:
         self.allocator = token_to_kv_pool.allocator  # shared: listeners on the pool hear the manager's frees
         self.requests: dict[int, Request] = {}
         self._next_rid = 0
+        self.generation = 0  # +1 whenever a request is admitted, grows or is released: a batch's tensors go stale
 
     @classmethod
     def create(cls, *, max_requests: int, max_context_len: int, num_pages: int, page_size: int,
@@ -185,6 +188,7 @@ class KVCacheManager:
         """Take a request slot and enough pages for ``num_tokens`` tokens; fill its req_to_token row."""
         num_tokens = checks.check_admit(self, num_tokens)  # (also: enough pages, so nothing is left behind)
         (slot,) = self.req_to_token_pool.alloc(1)
+        self.generation += 1
         req = Request(rid=self._next_rid, req_pool_idx=slot, seq_len=0)
         self._next_rid += 1
         self.requests[req.rid] = req
@@ -204,6 +208,7 @@ class KVCacheManager:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         row[req.seq_len:new_len] = slots.to(row.device, torch.int32)
         req.seq_len = new_len
+        self.generation += 1
         return slots.to(self.req_to_token_pool.device)
 
     def release(self, req: Request) -> None:
@@ -219,6 +224,7 @@ class KVCacheManager:
         req.released = True
         req.pages = []
         del self.requests[req.rid]
+        self.generation += 1
 
     def pages_needed(self, req: Request, num_tokens: int = 1) -> int:
         """How many new pages growing ``req`` by ``num_tokens`` tokens takes (0 while its last page has room)."""

@@ -383,7 +383,8 @@ CASES = [
     ("quest-construct-kbuf-shape", lambda e: e.algo.construct_representations(0, e.ext, kbuf(e)[:8]), "k_buffer"),
     ("quest-construct-seq-past", lambda e: e.algo.construct_representations(0, dataclasses.replace(
         e.ext, seq_lens=e.ext.seq_lens + 8, extend_seq_lens=e.ext.extend_seq_lens + 8,
-        positions=torch.arange(31), out_cache_loc=torch.arange(31)), kbuf(e)), "seq_lens"),
+        positions=torch.cat([torch.arange(18), torch.arange(13)]), out_cache_loc=torch.cat(
+            [e.r2t[e.reqs[0].req_pool_idx, :18], e.r2t[e.reqs[1].req_pool_idx, :13]]).long()), kbuf(e)), "seq_lens"),
     ("quest-update-mode", lambda e: e.algo.update_representations(0, e.ext, kbuf(e)), "DECODE"),
     ("quest-update-fb-namespace", lambda e: e.algo.update_representations(0, fb_with(e.dec), kbuf(e)),
      "forward_batch"),

@@ -38,7 +38,14 @@ def _resolve(name: str) -> type:
     entry = _REGISTRY[name]
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
+        try:
+            entry = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise UnknownAlgorithmError(
+                f"Unknown sparse algorithm: {name}. Its registry entry {entry!r} does not import "
+                f"({type(e).__name__}: {e}). Fix: register_sparse_algorithm({name!r}, cls) with an importable "
+                "'module:Class' path or the class itself."
+            ) from e
     return entry
 
 

@@ -31,6 +31,7 @@ from sparse_ref.bench.engine import bench_engine
 from sparse_ref.bench.quest import bench_quest, bench_retrieve
 from sparse_ref.bench.timing import COPY_DETAIL, Timer, copy_bandwidth
 from sparse_ref.bench.topk import bench_select, bench_topk
+from sparse_ref.checks import cli_output_file
 
 SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,
           "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine}
@@ -41,7 +42,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m sparse_ref.bench", description=__doc__.split("\n")[0])
     parser.add_argument("suite", nargs="+", choices=[*SUITES, "all"], help="one or more suites, or all")
     parser.add_argument("--quick", action="store_true", help="fewer distributions and repetitions")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--out", default=None, type=cli_output_file,
                         help=f"where to write the JSON (default: {DEFAULT_OUT}, e.g. build/bench/topk-gpu.json; "
                              f"committed GPU results go to {RESULTS_DIR}/ only with an explicit --out)")
     parser.add_argument("--allow-cpu", action="store_true",
@@ -55,7 +56,7 @@ def main(argv=None) -> dict:
                          "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu "
                          "for a smoke run whose results are labelled as CPU results (never commit them as GPU "
                          "numbers).")
-    out = Path(args.out) if args.out else default_out(args.suite, on_cpu)
+    out = args.out or default_out(args.suite, on_cpu)
     if on_cpu and _in_results_dir(out):
         raise SystemExit(f"sparse_ref.bench: --out {out} is inside {RESULTS_DIR}/, which holds the committed GPU "
                          "results; a CPU run must not overwrite them. Drop --out (it defaults to "

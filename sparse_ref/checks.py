@@ -720,6 +720,18 @@ def check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_
     return page_size
 
 
+def check_tokens_on_real_pages(seq_lens, rows, req_to_token, page_size: int, name: str = "seq_lens") -> None:
+    """Eager: every token ``[0, seq_len)`` of each row lies on a real page (req_to_token never names page 0)."""
+    if seq_lens.numel() == 0 or capturing():
+        return
+    t = torch.arange(req_to_token.shape[1], device=req_to_token.device)
+    padding = (t[None, :] < seq_lens.to(t.device)[:, None]) & (req_to_token[rows.to(t.device).long()] < page_size)
+    if bool(padding.any()):
+        r, tok = (int(x) for x in padding.nonzero()[0])
+        fail(name, "lengths within each request's tokens", f"row {r} has seq_len {int(seq_lens[r])} but token {tok} "
+             "maps to padding page 0", "pass the batch built for these requests.")
+
+
 def check_selection_values(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size: int,
                            batch: str = "") -> None:
     """Eager value checks of a selection against its batch (host syncs; skipped while a graph captures): lengths
@@ -731,12 +743,7 @@ def check_selection_values(selected, lengths, sparse_mask, seq_lens, rows, req_t
     check_range(f"{batch}seq_lens", seq_lens, 0, req_to_token.shape[1])
     check_range(f"{batch}req_pool_indices", rows, 0, req_to_token.shape[0] - 1)
     check_range("lengths", lengths, 0, width, "(the width of selected).")
-    t = torch.arange(req_to_token.shape[1], device=selected.device)
-    padding = (t[None, :] < seq_lens[:, None]) & (req_to_token[rows.long()] < page_size)
-    if bool(padding.any()):
-        r, tok = (int(x) for x in padding.nonzero()[0])
-        fail(f"{batch}seq_lens", "lengths within each request's tokens", f"row {r} has seq_len "
-             f"{int(seq_lens[r])} but token {tok} maps to padding page 0", "pass the batch built for these requests.")
+    check_tokens_on_real_pages(seq_lens, rows, req_to_token, page_size, f"{batch}seq_lens")
     n = -(-seq_lens.long() // page_size)  # pages per request
     cols = torch.arange(width, device=selected.device)
     live = cols[None, :] < lengths[:, None]
@@ -899,6 +906,20 @@ def check_retrieve_metadata(algo, queries, layer_id, forward_batch, algorithm_cl
 
 
 # --------------------------------------------------------------------------------------------- algorithms/quest.py
+def check_quest_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages) -> None:
+    """The inputs of ``quest_page_scores_reference``: shapes that agree, and every page id in ``[0, num_pages)``."""
+    check_tensor("page_min", page_min, dtype=FLOAT_DTYPES, dims=3, fix="pass the bounds [num_pages, H_kv, D].")
+    num_pages, h_kv, d = page_min.shape
+    check_tensor("page_max", page_max, dtype=FLOAT_DTYPES, shape=(num_pages, h_kv, d), device=page_min.device.type)
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), device=page_min.device.type)
+    check_tensor("pages", pages, dtype=INDEX_DTYPES, dims=2, device=page_min.device.type,
+                 fix="pass physical pages [bs, max_pages] (req_to_token at each page's first token // page_size).")
+    for name, q in (("q_pos", q_pos), ("q_neg", q_neg)):
+        check_tensor(name, q, dtype=FLOAT_DTYPES, shape=(pages.shape[0], h_kv, d), device=page_min.device.type,
+                     fix="pass split_query_sign(queries) [bs, H_kv, D].")
+    check_range("pages", pages, 0, num_pages - 1, f"physical page ids lie in [0, {num_pages}) (page 0 is padding).")
+
+
 def check_quest_queries(queries, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """Decode queries as ``[bs, H_q, D]``; SGLang's Quest messages (verbatim, then the fix) for shapes it refuses."""
     bs = queries.shape[0]
@@ -1484,6 +1505,7 @@ def check_select_to_table(scores, seq_lens, sparse_mask, page_size, config, req_
     if check_values:
         check_range(f"{fn}: req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass rows of req_to_token.")
         check_range(f"{fn}: seq_lens", seq_lens, 0, r2t_width, "every request fits in req_to_token.")
+        check_tokens_on_real_pages(seq_lens, req_pool_indices, req_to_token, page_size, f"{fn}: seq_lens")
     return page_size, W, out_width, shapes
 
 

@@ -21,9 +21,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparse_ref.batch import build_decode_batch
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
-from sparse_ref.errors import ConfigError
+from sparse_ref.engine_graph import GraphedDecodeStep
+from sparse_ref.errors import BatchError, ConfigError
 from sparse_ref.workloads import PlantedEngineWorkload
 
 PAGE = 4
@@ -115,15 +117,51 @@ def check_no_stale_state(engine):
 
 
 OPS = st.lists(st.one_of(st.tuples(st.just("add"), st.integers(1, 30)), st.just(("step",)), st.just(("step",)),
-                         st.just(("step",)), st.tuples(st.just("finish"), st.integers(0, 3))), min_size=4, max_size=16)
+                         st.just(("step",)), st.just(("graph",)), st.just(("stale",)),
+                         st.tuples(st.just("finish"), st.integers(0, 3))), min_size=4, max_size=16)
+
+
+def engine_state(e):
+    """Everything a forward can write (K/V, req_to_token, Quest bounds, indexer keys) and the host bookkeeping."""
+    pool, m = e.manager.token_to_kv_pool, e.manager
+    tensors = [*pool.k_buffer, *pool.v_buffer, m.req_to_token_pool.req_to_token]
+    for layer, algo in enumerate(e.coordinator.algorithms):
+        if algo is not None and algo.name == "quest":
+            tensors += [algo.page_min[layer], algo.page_max[layer], algo.page_valid[layer]]
+    for layer, indexer in e.coordinator.indexers.items():
+        tensors += [indexer.cache.written[layer].clone()]
+    return [t.clone() for t in tensors], m.generation, m.allocator.available_pages(), [r.seq_len for r in e.live]
+
+
+def replay_stale(e, saved):
+    """Replay the last step's batch (eager forward and graphed replay): refused once the engine moved on, the
+    same writes again before; either way nothing changes."""
+    generation, batch, inputs, graph = saved
+    before = engine_state(e)
+    for replay in (lambda: e.forward(batch, inputs), None if graph is None else graph.replay):
+        if replay is None:
+            continue
+        if generation != e.manager.generation:
+            with pytest.raises(BatchError):
+                replay()
+        else:
+            replay()
+        after = engine_state(e)
+        assert after[1:] == before[1:] and all(torch.equal(a, b) for a, b in zip(after[0], before[0], strict=True))
 FIRST = st.lists(st.tuples(st.just("add"), st.integers(1, 30)), min_size=1, max_size=2)
 
 
 def run(ops, engines):
     """Apply the same joins/leaves/steps to each engine; yield the step results side by side."""
     history = {}  # rid -> (prompt_len, steps, last outputs per layer, last selections per layer)
+    saved = {}  # engine index -> (generation, batch, inputs, graph) of its last step
     for op in ops:
         ref = engines[0]
+        if op[0] == "stale":
+            for i, e in enumerate(engines):
+                if i in saved:
+                    replay_stale(e, saved[i])
+            continue
         if op[0] == "add":
             pages = -(-op[1] // PAGE) + 1
             if len(ref.live) < 4 and ref.manager.allocator.available_pages() >= pages:
@@ -134,16 +172,22 @@ def run(ops, engines):
             i = op[1] % len(ref.live)
             for e in engines:
                 e.finish(e.live[i])
-        elif op[0] == "step" and ref.live:
+        elif op[0] in ("step", "graph") and ref.live:
             need = sum(ref.manager.pages_needed(r) for r in ref.live)
             if need > ref.manager.allocator.available_pages() or max(r.seq_len for r in ref.live) >= MAX_CTX:
                 continue
-            results = [e.step() for e in engines]
-            for row, rid in enumerate(results[-1].rids):
-                history[rid][1] += 1
-                history[rid][2] = [(t.out[row].clone(), None if t.metadata.selected is None else
-                                    t.metadata.selected[row].clone()) for t in results[-1].layers]
-            yield engines, results
+            graphs = [GraphedDecodeStep(e) if op[0] == "graph" else None for e in engines]
+            results = [e.step() if g is None else g.step() for e, g in zip(engines, graphs, strict=True)]
+            layers = results[-1] if op[0] == "graph" else results[-1].layers
+            for i, (e, g) in enumerate(zip(engines, graphs, strict=True)):  # the batch this step ran
+                saved[i] = (e.manager.generation, build_decode_batch(e.manager, e.live),
+                            [e.decode_inputs(layer) for layer in range(len(LAYERS))], g)
+            for row, r in enumerate(ref.live):
+                history[r.rid][1] += 1
+                history[r.rid][2] = [(t.out[row].clone(), None if t.metadata.selected is None else
+                                      t.metadata.selected[row].clone()) for t in layers]
+            if op[0] == "step":
+                yield engines, results
     yield engines, history
 
 

@@ -80,6 +80,12 @@ def quest_page_scores_reference(q_pos: torch.Tensor, q_neg: torch.Tensor, page_m
     physical page ids in ``[0, num_pages)``. Gathers the bounds of every logical page into
     ``[bs, max_pages, H_kv*D]`` and runs ``bmm``: simple, and the reference for the Triton kernel.
     """
+    checks.check_quest_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages)
+    return _page_scores(q_pos, q_neg, page_min, page_max, page_valid, pages)
+
+
+def _page_scores(q_pos, q_neg, page_min, page_max, page_valid, pages) -> torch.Tensor:
+    """``quest_page_scores_reference`` on checked inputs (no host sync: it runs inside the scoring path)."""
     bs, max_pages = pages.shape
     num_pages = page_min.shape[0]
     hd = page_min.shape[1] * page_min.shape[2]
@@ -234,4 +240,4 @@ class QuestAlgorithm(SparseAlgorithm):
                                         self.config.gqa_mode)
         bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
                   self.physical_pages(req_pool_indices))
-        return quest_page_scores_reference(q_pos, q_neg, *bounds)
+        return _page_scores(q_pos, q_neg, *bounds)  # pages checked by check_score_pages

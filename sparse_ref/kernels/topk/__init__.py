@@ -189,10 +189,10 @@ def plan(R: int, N: int, width: int) -> dict:
                 force_fallback=not register and G > TUNING["max_delegates"])
 
 
-def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
+def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
     """The kernel launches of one top-k call (no checks), as ``[(name, fn), ...]``: calling every ``fn``
     in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
-    benchmark can time each launch on its own (``benchmarks/gpu_topk.py``).
+    benchmark can time each launch on its own (``sparse_ref.bench.topk``). Private: ``topk`` checks first.
 
     ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
     2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
@@ -263,15 +263,15 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     ]
 
 
-def launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
-    """Run the kernels (no checks; see ``launches``). Returns the per-row path flags, for tests."""
+def _launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
+    """Run the kernels (no checks; see ``_launches``). Returns the per-row path flags, for tests."""
     stats = {} if stats is None else stats
-    for _, fn in launches(scores, k_scalar, k_tensor, lengths, out, stats):
+    for _, fn in _launches(scores, k_scalar, k_tensor, lengths, out, stats):
         fn()
     return stats.get("flags")
 
 
-def sort_winners(scores, out):
+def _sort_winners(scores, out):
     """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id. Rows wider
     than ``TUNING["sort_run"]``: runs of that many sorted by parallel programs, then merged (two launches).
 
@@ -313,7 +313,7 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
         return out
     if N == 0:
         return out.fill_(-1)
-    launch_topk(scores, k_scalar, k_tensor, lengths, out)
+    _launch_topk(scores, k_scalar, k_tensor, lengths, out)
     if order == "score":
-        sort_winners(scores, out)
+        _sort_winners(scores, out)
     return out

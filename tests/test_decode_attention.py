@@ -248,3 +248,21 @@ def test_default_split_counts_on_an_h200_sized_gpu(monkeypatch):
     assert da.choose_num_splits(1, 32, 100, 32, cuda) == 4  # at most one split per block of 32 tokens
     assert da.choose_num_splits(1, 1, 10**7, 32, cuda) == da.MAX_SPLITS
     assert da.choose_num_splits(0, 8, 0, 64, cuda) == 1
+
+
+@pytest.mark.parametrize("rising", [True, False])
+@pytest.mark.parametrize("num_splits, block_n", [(1, 16), (3, 16), (2, 32)])
+def test_the_running_max_moves_late_within_and_across_splits(rising, num_splits, block_n):
+    """Scores that rise (or fall) steeply with the position: the running max moves in every block, so a
+    sum or output not rescaled when it moves is off by orders of magnitude, within a split and in the merge."""
+    page_size, n = 4, 77
+    q = torch.ones(1, 2, 8)
+    pos = torch.arange(24 * page_size, dtype=torch.float32)
+    k = (pos if rising else -pos)[:, None, None].expand(-1, 1, 8) * 0.1  # score_t = +-0.1 * t * sqrt(8)
+    v = torch.randn(24 * page_size, 1, 8, generator=torch.Generator().manual_seed(4))
+    table = torch.arange(24, dtype=torch.int32)[None, :20]  # logical page j -> physical page j
+    kv_lens = torch.tensor([n], dtype=torch.int32)
+    case = [t.to(DEVICE) for t in (q, k.contiguous(), v, table, kv_lens)]
+    got = check_against_reference(case, page_size, num_splits=num_splits, block_n=block_n)
+    p = torch.softmax(0.1 * pos[:n] * (1 if rising else -1) * math.sqrt(8), 0)  # by hand, no reference
+    torch.testing.assert_close(got[0, 0].cpu(), p @ v[:n, 0], rtol=1e-4, atol=1e-5)

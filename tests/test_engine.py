@@ -306,3 +306,18 @@ def test_cuda_engine_matches_cpu_engine():
             differing += int((~same).sum())
             torch.testing.assert_close(b.out.cpu()[same], a.out[same], rtol=1e-3, atol=1e-4)
     assert differing <= rows // 20, f"{differing} of {rows} rows selected differently on the GPU"
+
+
+@pytest.mark.parametrize("layers", [["quest"], ["deepseek_dsa"]])
+def test_the_coordinator_goes_sparse_at_exactly_min_sparse_seq_len(layers):
+    """Rows of exactly min_sparse_seq_len tokens are sparse and one token shorter dense, on both layer kinds;
+    the dense row then reads its whole context (its kv_len is its seq_len)."""
+    wl = PlantedEngineWorkload(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
+                               num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=3)
+    cfg = SparseConfig(page_budget=1, num_recent_pages=1, min_sparse_seq_len=21)
+    e = DecodeEngine(wl, layers, cfg, dsa_topk=4, page_size=PAGE, max_requests=2, max_context_len=MAX_CTX,
+                     num_pages=30, attention_backend="torch")
+    e.add_request(20), e.add_request(19)  # the step decodes token 21 and token 20
+    md = e.step().layers[0].metadata
+    assert md.sparse_mask.tolist() == [True, False]
+    assert int(md.kv_lens[1]) == 20 and int(md.kv_lens[0]) < 21

@@ -431,3 +431,22 @@ def test_an_integer_scalar_page_size_is_taken_as_its_int():
         want = select(scores, seq, mask, PAGE, cfg)
         for page in (torch.tensor(PAGE), np.int32(PAGE)):
             assert all(torch.equal(a, b) for a, b in zip(select(scores, seq, mask, page, cfg), want, strict=True))
+
+
+@pytest.mark.parametrize("pad", [0, 2, -2])
+def test_entries_after_a_rows_length_must_be_minus_one_in_the_adaptor_and_the_launcher(pad):
+    """A stale id after ``lengths[r]`` (a buffer reused without its -1 padding) is refused by both."""
+    from sparse_ref.adaptor import to_attention_metadata
+
+    m, req = launcher_env()
+    r2t = m.req_to_token_pool.req_to_token
+    fb = build_decode_batch(m, [req])
+    sel = torch.tensor([[0, 2, pad]], dtype=torch.int32)
+    lens, mask = torch.tensor([2], dtype=torch.int32), torch.tensor([True])
+    with pytest.raises(SparseRefError, match="-1 after"):
+        to_attention_metadata(sel, lens, mask, fb, r2t, PAGE)
+    with pytest.raises(SparseRefError, match="-1 after"):
+        page_table_from_selection(sel, lens, mask, fb.seq_lens, fb.req_pool_indices, r2t, PAGE)
+    sel[0, 2] = -1
+    table, kv_lens, _ = to_attention_metadata(sel, lens, mask, fb, r2t, PAGE)
+    assert kv_lens.tolist() == [PAGE + fb.seq_lens.item() - 2 * PAGE]

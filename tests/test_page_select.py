@@ -79,6 +79,27 @@ def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, n
         topk_module.TUNING["slots"] = saved
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_min_sparse_seq_len_boundary_through_the_kernel(page_size):
+    """A row of exactly ``min_sparse_seq_len`` tokens goes sparse; one token shorter stays dense (``>=``)."""
+    cfg = SparseConfig(page_budget=1, num_recent_pages=1, min_sparse_seq_len=6 * page_size + 1)
+    at = cfg.min_sparse_seq_len
+    seq = torch.tensor([at, at - 1, at + 1], device=DEVICE)
+    sel, lens = check_against_references(page_scores(3, 8, 1, False, False), seq, torch.ones(3, dtype=torch.bool,
+                                         device=DEVICE), page_size, cfg)
+    assert lens.tolist()[0] == 2 and lens.tolist()[1] == 0 and lens.tolist()[2] == 2, lens
+
+
+def test_rows_with_fewer_pages_than_sink_and_recent_stay_dense():
+    """n < sink + recent: the history is empty, the budget table is read at entry 0 (the kernel clamps that read)."""
+    cfg = SparseConfig(page_budget=2, num_recent_pages=3, num_sink_pages=2)
+    seq = torch.tensor([1, 4, 9, 17, 20, 0], device=DEVICE)  # 1 .. 5 pages of 4, and an empty row
+    sel, lens = check_against_references(page_scores(6, 6, 2, False, False), seq,
+                                         torch.ones(6, dtype=torch.bool, device=DEVICE), 4, cfg)
+    assert lens[:5].tolist() == [0] * 5 and int(lens[5]) == 0, "no row of <= sink + recent pages goes sparse"
+    assert bool((sel[:5] == -1).all())
+
+
 def test_typical_batch_and_explicit_widths():
     """Long rows, short rows, a dense row; then wider static widths (narrower ones are refused)."""
     config = SparseConfig(keep_ratio=0.25, num_recent_pages=2, num_sink_pages=1)

@@ -142,6 +142,49 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
+@pytest.mark.parametrize("above", [0, 1, 17, 36])
+def test_tie_path_takes_exactly_the_lowest_ties_it_needs(monkeypatch, above):
+    """``above`` keys over a plateau of ties spread across every chunk: the tie path must take exactly
+    k - above ties, the lowest ids first, counting the ties of earlier chunks (its prefix count)."""
+    for name, value in PATHS["long"].items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
+    monkeypatch.setitem(topk_module.TUNING, "slots", 16)
+    g = torch.Generator().manual_seed(above)
+    rows = []
+    for period in (2, 3, 11):
+        row = torch.rand(1000, generator=g) - 2.0  # below the plateau
+        row[torch.arange(1000) % period == 1] = 0.5  # the plateau: ties in every chunk
+        row[torch.randperm(1000, generator=g)[:above]] = 1.0 + torch.rand(above, generator=g)  # (over some ties)
+        rows.append(row)
+    x = torch.stack(rows).to(DEVICE)
+    out = torch.empty(3, 37, dtype=torch.int32, device=DEVICE)
+    flags = topk_module._launch_topk(x, 37, None, None, out)
+    want = topk_reference(x.cpu(), 37, order="index")
+    assert torch.equal(out.cpu(), want)
+    assert flags.tolist() == [2, 2, 2]
+    ties = (x.cpu().gather(1, want.long()) == 0.5).sum(1)
+    assert ties.tolist() == [37 - above] * 3
+
+
+@pytest.mark.parametrize("above", [0, 45, 99])
+def test_whole_row_radix_counts_ties_across_its_tiles(monkeypatch, above):
+    """k too wide for delegates: the whole-row radix, tile by tile. Its k-th key is a plateau with ties in
+    every tile; it must keep exactly k - above of them, the lowest ids, counting earlier tiles' ties."""
+    monkeypatch.setitem(topk_module.TUNING, "register_row", 0)
+    monkeypatch.setitem(topk_module.TUNING, "max_delegates", 128)  # k = 100 > 128 / 2: no delegates
+    monkeypatch.setitem(topk_module.TUNING, "min_delegates", 128)
+    monkeypatch.setitem(topk_module.TUNING, "block", 64)
+    g = torch.Generator().manual_seed(above)
+    x = torch.rand(2, 700, generator=g) - 2.0
+    x[:, torch.arange(700) % 3 == 0] = 0.5  # 234 ties, in every tile of 64
+    for r in range(2):
+        x[r, torch.randperm(700, generator=g)[:above]] = 1.0 + torch.rand(above, generator=g)
+    want = topk_reference(x, 100, order="index")
+    got = topk(x.to(DEVICE), 100, order="index").cpu()
+    assert torch.equal(got, want)
+    assert ((x.gather(1, want.long()) == 0.5).sum(1) == 100 - above).all()
+
+
 def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
     """A plateau at 0.3 (its key has low bits below the 16-bit cut): every delegate is 0.3, so the cut T
     would sit below the plateau and every plateau key would be > T (the slow whole-row radix). The

@@ -56,7 +56,9 @@ def _plan_row(r, seq_lens, sparse_mask, budget, N, rules):
     n = ((seq + page_size - 1) // page_size).to(tl.int32)
     recent_start = n - tl.minimum(n, n_recent)
     sink_end = tl.minimum(recent_start, n_sink)
-    k = tl.load(budget + recent_start - sink_end)
+    # The history's page count indexes the budget table, clamped to it by construction (a row with fewer
+    # pages than sink + recent reads entry 0, never one before the table, whatever the windows above say).
+    k = tl.load(budget + tl.minimum(tl.maximum(recent_start - sink_end, 0), N))
     on = tl.load(sparse_mask + r).to(tl.int32) != 0
     sparse = on & (seq >= min_seq) & (n > 0) & (sink_end + k + n - recent_start < n)  # else: stays dense
     return n, recent_start, sink_end, tl.where(sparse, k, 0), sparse

@@ -47,7 +47,10 @@ if [[ " $STAGES " == *" notebooks "* ]]; then
   if "$PY" -c "import nbmake" 2>/dev/null; then
     log "== notebooks (nbmake, GPU sizes)"
     start=$(date +%s)
-    timeout "${T_NOTEBOOKS:-540}" "$PY" -m pytest --nbmake --nbmake-timeout=400 ${NOTEBOOK_FILES:-notebooks} -q \
+    # the kernels' own profile: no start-up warning about unencrypted local TCP in every notebook's log
+    mkdir -p /tmp/sparse_ref_ipython/profile_default
+    echo 'c.IPKernelApp.log_level = "ERROR"' > /tmp/sparse_ref_ipython/profile_default/ipython_kernel_config.py
+    IPYTHONDIR=/tmp/sparse_ref_ipython timeout "${T_NOTEBOOKS:-540}" "$PY" -m pytest --nbmake --nbmake-timeout=400 ${NOTEBOOK_FILES:-notebooks} -q \
       -p no:cacheprovider --durations=0 2>&1 | tee "$OUT/nbmake.log" | tail -n 30 || status=1
     log "   notebooks: $(( $(date +%s) - start )) s"
   else

@@ -37,29 +37,33 @@ launch_recorder.install()
 
 
 def pytest_configure(config):
-    """Record this session's launches into a fresh file (``SPARSE_REF_RECORD_LAUNCHES``, or one under build/aot/),
-    in this process and in every notebook kernel it starts (an IPython start-up file under ``IPYTHONDIR``)."""
+    """Give the notebook kernels this session starts a profile of their own (``IPYTHONDIR``): quiet start-up
+    logs (ipykernel warns that its local TCP sockets are unencrypted, which nbmake would print for each
+    notebook). Under the interpreter, also record this session's launches into a fresh file
+    (``SPARSE_REF_RECORD_LAUNCHES``, or one under build/aot/), here and in every kernel (a start-up file)."""
+    profile = Path(config.rootpath, "build", "aot", f"ipython-{os.getpid()}", "profile_default")
+    (profile / "startup").mkdir(parents=True, exist_ok=True)
+    (profile / "ipython_kernel_config.py").write_text('c.IPKernelApp.log_level = "ERROR"\n')
+    os.environ["IPYTHONDIR"] = str(profile.parent)
     if os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes"):
         return
-    out = Path(os.environ.get(launch_recorder.ENV) or Path(config.rootpath, "build", "aot",
-                                                            f"launches-{os.getpid()}.jsonl"))  # (one per session)
+    out = Path(os.environ.get(launch_recorder.ENV) or profile.parents[1] / f"launches-{os.getpid()}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.environ.get(launch_recorder.ENV):
         out.write_text("")  # a fresh file of this session's own (a file the caller names is added to)
     os.environ[launch_recorder.ENV] = str(out.resolve())
-    startup = out.parent / f"ipython-{os.getpid()}" / "profile_default" / "startup" / "00-record-launches.py"
-    startup.parent.mkdir(parents=True, exist_ok=True)
-    startup.write_text(STARTUP.format(tests=str(Path(__file__).parent)))
-    os.environ["IPYTHONDIR"] = str(startup.parents[2])
+    (profile / "startup" / "00-record-launches.py").write_text(STARTUP.format(tests=str(Path(__file__).parent)))
     launch_recorder.install()
 
 
 def pytest_unconfigure(config):
-    """Remove this session's own record file (one named by the caller's SPARSE_REF_RECORD_LAUNCHES is kept)."""
+    """Remove this session's kernel profile and its own record file (one named by SPARSE_REF_RECORD_LAUNCHES
+    is kept)."""
+    aot = Path(config.rootpath, "build", "aot")
+    shutil.rmtree(aot / f"ipython-{os.getpid()}", ignore_errors=True)
     path = Path(os.environ.get(launch_recorder.ENV, ""))
     if path.name == f"launches-{os.getpid()}.jsonl":
         path.unlink(missing_ok=True)
-        shutil.rmtree(path.parent / f"ipython-{os.getpid()}", ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

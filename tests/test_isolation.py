@@ -11,7 +11,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import triton
 
+import sparse_ref
 from sparse_ref import (
     BatchError,
     ConfigError,
@@ -34,6 +36,7 @@ from sparse_ref.kernels.page_table import page_table_from_selection
 from sparse_ref.selection import selection_width, topk_reference
 from sparse_ref.workloads import PlantedEngineWorkload
 
+DEVICE = sparse_ref.default_device()  # the kernel launchers' tensors: CUDA on a GPU machine, else CPU (interpreter)
 PAGE = 4
 INDEXER = IndexerConfig(hidden_size=24, q_lora_rank=32, n_heads=2, head_dim=16, rope_dim=4, index_topk=8)
 
@@ -166,7 +169,8 @@ def test_update_representations_refuses_another_requests_slots_before_writing_bo
 
 # ---------------------------------------------------------------- 2. a launcher applies the adaptor's contract
 def launcher_env():
-    m = KVCacheManager.create(max_requests=2, max_context_len=32, num_pages=12, page_size=PAGE, head_dim=4)
+    m = KVCacheManager.create(max_requests=2, max_context_len=32, num_pages=12, page_size=PAGE, head_dim=4,
+                              device=DEVICE)
     req = m.admit(9)  # 3 pages
     return m, req
 
@@ -175,22 +179,24 @@ def launcher_env():
 def test_page_table_from_selection_refuses_what_the_adaptor_refuses(case):
     m, req = launcher_env()
     r2t = m.req_to_token_pool.req_to_token
-    rows, seq = torch.tensor([req.req_pool_idx]), torch.tensor([9])
+    rows, seq = torch.tensor([req.req_pool_idx], device=DEVICE), torch.tensor([9], device=DEVICE)
     sel, lens = {"all-padding-long": ([-1, -1], 0), "past-the-request": ([0, 3], 2), "negative": ([-2, 2], 2),
                  "duplicate": ([2, 2], 2), "not-last": ([0, 1], 2)}[case]
     if case == "all-padding-long":
-        seq = torch.tensor([30])  # a 9-token request read as 30 tokens: 12..29 from padding page 0
+        seq = torch.tensor([30], device=DEVICE)  # a 9-token request read as 30 tokens: 12..29 from padding page 0
     with pytest.raises(SparseRefError):
-        page_table_from_selection(torch.tensor([sel], dtype=torch.int32), torch.tensor([lens], dtype=torch.int32),
-                                  torch.tensor([True]), seq, rows, r2t, PAGE)
+        page_table_from_selection(torch.tensor([sel], dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([lens], dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([True], device=DEVICE), seq, rows, r2t, PAGE)
 
 
 def test_page_table_from_selection_accepts_the_adaptor_contract():
     m, req = launcher_env()
     r2t = m.req_to_token_pool.req_to_token
+    t = dict(device=DEVICE)
     table, kv_lens, cu = page_table_from_selection(
-        torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), torch.tensor([True]),
-        torch.tensor([9]), torch.tensor([req.req_pool_idx]), r2t, PAGE)
+        torch.tensor([[0, 2]], dtype=torch.int32, **t), torch.tensor([2], dtype=torch.int32, **t),
+        torch.tensor([True], **t), torch.tensor([9], **t), torch.tensor([req.req_pool_idx], **t), r2t, PAGE)
     pages = r2t[req.req_pool_idx, ::PAGE][:3].long() // PAGE
     assert table[0, :2].tolist() == [int(pages[0]), int(pages[2])]
     assert kv_lens.tolist() == [PAGE + 1] and cu.tolist() == [0, PAGE + 1]
@@ -382,13 +388,14 @@ def launcher_cases():
     from sparse_ref.kernels.topk import topk
 
     m, req = launcher_env()
-    r2t, rows = m.req_to_token_pool.req_to_token, torch.tensor([req.req_pool_idx])
+    t = dict(device=DEVICE)
+    r2t, rows = m.req_to_token_pool.req_to_token, torch.tensor([req.req_pool_idx], **t)
     kb = m.token_to_kv_pool.get_key_buffer(0)
-    q, table = torch.randn(1, 2, 4), torch.tensor([[1, 2, 3]], dtype=torch.int32)
-    kv = torch.tensor([9], dtype=torch.int32)
-    bounds = (torch.zeros(12, 1, 4), torch.zeros(12, 1, 4), torch.ones(12, dtype=torch.bool))
-    cfg, scores = SparseConfig(page_budget=1, num_recent_pages=1), torch.randn(1, 3)
-    seq, mask = torch.tensor([9]), torch.tensor([True])
+    q, table = torch.randn(1, 2, 4, **t), torch.tensor([[1, 2, 3]], dtype=torch.int32, **t)
+    kv = torch.tensor([9], dtype=torch.int32, **t)
+    bounds = (torch.zeros(12, 1, 4, **t), torch.zeros(12, 1, 4, **t), torch.ones(12, dtype=torch.bool, **t))
+    cfg, scores = SparseConfig(page_budget=1, num_recent_pages=1), torch.randn(1, 3, **t)
+    seq, mask = torch.tensor([9], **t), torch.tensor([True], **t)
     return {
         "attention-page-past-the-pool": (lambda: paged_decode_attention(q, kb, kb, table + 20, kv, PAGE), "page_table"),
         "attention-kv-past-the-table": (lambda: paged_decode_attention(q, kb, kb, table, kv + 4, PAGE), "kv_lens"),
@@ -401,10 +408,10 @@ def launcher_cases():
         "select-page-size-1d-tensor": (lambda: select_pages_triton(scores, seq, mask, torch.tensor([PAGE]), cfg),
                                        "page_size"),
         "select-seq-past-the-scores": (lambda: select_pages_triton(scores, seq + 8, mask, PAGE, cfg), "seq_lens"),
-        "select-table-seq-on-padding": (lambda: select_pages_to_table(torch.randn(1, 8), seq + 20, mask, PAGE, cfg,
-                                                                      rows, r2t), "seq_lens"),
+        "select-table-seq-on-padding": (lambda: select_pages_to_table(torch.randn(1, 8, **t), seq + 20, mask, PAGE,
+                                                                      cfg, rows, r2t), "seq_lens"),
         "topk-negative-k": (lambda: topk(scores, -1), "k"),
-        "topk-lengths-past-the-row": (lambda: topk(scores, 2, torch.tensor([4])), "lengths"),
+        "topk-lengths-past-the-row": (lambda: topk(scores, 2, torch.tensor([4], **t)), "lengths"),
     }
 
 
@@ -414,7 +421,8 @@ def test_public_launchers_refuse_bad_input_before_launching(case, monkeypatch):
     import triton.runtime.interpreter as interpreter
 
     launched = []
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", lambda *a, **k: launched.append(a))
+    for cls in (interpreter.InterpretedFunction, triton.runtime.JITFunction):  # CPU and GPU launches
+        monkeypatch.setattr(cls, "run", lambda *a, **k: launched.append(a))
     with pytest.raises(SparseRefError, match=name):
         call()
     assert launched == [], "nothing launched before the refusal"
@@ -428,6 +436,8 @@ def test_an_integer_scalar_page_size_is_taken_as_its_int():
     cfg = SparseConfig(page_budget=1, num_recent_pages=1)
     scores, seq, mask = torch.randn(2, 5), torch.tensor([17, 9]), torch.tensor([True, True])
     for select in (select_pages, select_pages_triton):
+        if select is select_pages_triton:
+            scores, seq, mask = scores.to(DEVICE), seq.to(DEVICE), mask.to(DEVICE)
         want = select(scores, seq, mask, PAGE, cfg)
         for page in (torch.tensor(PAGE), np.int32(PAGE)):
             assert all(torch.equal(a, b) for a, b in zip(select(scores, seq, mask, page, cfg), want, strict=True))
@@ -441,8 +451,8 @@ def test_entries_after_a_rows_length_must_be_minus_one_in_the_adaptor_and_the_la
     m, req = launcher_env()
     r2t = m.req_to_token_pool.req_to_token
     fb = build_decode_batch(m, [req])
-    sel = torch.tensor([[0, 2, pad]], dtype=torch.int32)
-    lens, mask = torch.tensor([2], dtype=torch.int32), torch.tensor([True])
+    sel = torch.tensor([[0, 2, pad]], dtype=torch.int32, device=DEVICE)
+    lens, mask = torch.tensor([2], dtype=torch.int32, device=DEVICE), torch.tensor([True], device=DEVICE)
     with pytest.raises(SparseRefError, match="-1 after"):
         to_attention_metadata(sel, lens, mask, fb, r2t, PAGE)
     with pytest.raises(SparseRefError, match="-1 after"):

@@ -67,7 +67,8 @@ def test_quest_retrieve_topk_replays_like_eager(backend):
         static_mask.copy_(mask)
         g.replay()
         torch.cuda.synchronize()
-        fb = dataclasses.replace(setup.forward_batch, seq_lens=seq.clone(), positions=seq - 1)
+        slots = r2t[setup.req_pool_indices, seq - 1].long()  # where each request keeps its new token
+        fb = dataclasses.replace(setup.forward_batch, seq_lens=seq.clone(), positions=seq - 1, out_cache_loc=slots)
         ref = eager(algo, q, setup.req_pool_indices, mask, fb, r2t, P)
         assert int(ref[1].max()) > 0, "some row must go sparse"
         for name, got, want in zip(("selected", "lengths", "page_table", "kv_lens", "cu_kv_lens"), outs, ref,

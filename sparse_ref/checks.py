@@ -1167,8 +1167,10 @@ def check_engine(workload, algorithms, config, attention_backend, page_size, max
     from sparse_ref.config import SparseConfig
     from sparse_ref.workloads import PlantedEngineWorkload
 
-    if not isinstance(workload, PlantedEngineWorkload):
-        fail("workload", "a PlantedEngineWorkload", describe(workload), error=ConfigError)
+    needs = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "request", "prefill", "decode", "indexer")
+    if not isinstance(workload, PlantedEngineWorkload) and not all(hasattr(workload, n) for n in needs):
+        fail("workload", "a PlantedEngineWorkload (or an object with its attributes, as "
+             "tensor_parallel.RankWorkload)", describe(workload), error=ConfigError)
 
     algorithms = list(algorithms)
     if len(algorithms) != workload.num_layers or any(name not in known_algorithms for name in algorithms):
@@ -1274,6 +1276,37 @@ def check_graphed_engine(engine) -> None:
 
     if not isinstance(engine, DecodeEngine):
         fail("engine", "a sparse_ref.engine.DecodeEngine", describe(engine), error=ConfigError)
+
+
+def check_tensor_parallel(workload, quest_mode, dsa_mode, group, device, quest_modes, dsa_modes) -> torch.device:
+    """What a ``TensorParallelEngine`` needs before its first exchange (rank-local, so every rank refuses)."""
+    import torch.distributed as dist
+
+    from sparse_ref.workloads import PlantedEngineWorkload
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("tensor parallel: torch.distributed is not initialised. Fix: launch with torchrun "
+                          "(torchrun --nproc-per-node 2 ...) and call torch.distributed.init_process_group first.")
+    if not isinstance(workload, PlantedEngineWorkload):
+        fail("workload", "a PlantedEngineWorkload", describe(workload), error=ConfigError)
+    check_choice("quest_mode", quest_mode, quest_modes)
+    check_choice("dsa_mode", dsa_mode, dsa_modes)
+    world = dist.get_world_size(group)
+    if workload.num_kv_heads % world:
+        fail("workload.num_kv_heads", f"a multiple of the world size {world} (each rank holds whole KV heads)",
+             str(workload.num_kv_heads), "choose a world size that divides the KV heads.", ConfigError)
+    dev = check_device("device", device)
+    check_tp_backend(dist.get_backend(group), dev)
+    return dev
+
+
+def check_tp_backend(backend: str, device: torch.device) -> None:
+    """NCCL moves CUDA tensors, gloo CPU tensors: the process group's backend must fit the engine's device."""
+    want = "nccl" if device.type == "cuda" else "gloo"
+    if backend != want:
+        fail("backend", f"'{want}' for an engine on {device.type}", repr(backend),
+             f"init_process_group('{want}'), or put the engine on "
+             f"{'cpu' if backend == 'gloo' else 'cuda (one GPU per rank)'}.", ConfigError)
 
 
 def check_graph_current(step) -> None:

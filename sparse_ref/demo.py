@@ -8,6 +8,7 @@ accuracy measures against the budget is saved (``--out``, default ``build/demo.p
 
     python -m sparse_ref.demo            # the default run (well under a minute on a laptop CPU)
     python -m sparse_ref.demo --quick    # the smoke test CI runs
+    torchrun --standalone --nproc-per-node 2 -m sparse_ref.demo --tp 2   # heads over 2 ranks (demo_tp)
 """
 
 from __future__ import annotations
@@ -148,7 +149,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=cli_output_file, default=Path("build") / "demo.png",
                         help="where to save the plot (its folder is created)")
+    parser.add_argument("--tp", type=cli_positive_int, default=1,
+                        help="tensor-parallel ranks: run under torchrun --standalone --nproc-per-node N (see demo_tp)")
+    parser.add_argument("--json", type=cli_output_file, help="with --tp: write rank 0's results there as JSON")
     args = parser.parse_args(argv)
+    if args.tp > 1:
+        from sparse_ref.demo_tp import main_tp
+
+        return main_tp(args, default_workload(args.seed))
     if args.context is not None and args.context < 8 * args.batch:
         parser.error(f"argument --context: expected at least {8 * args.batch} tokens for {args.batch} requests "
                      f"(each request is 7 tokens shorter than the one before), got {args.context}")

@@ -1,0 +1,220 @@
+"""Tensor parallelism: the decode engine with its attention heads split over ``torch.distributed`` ranks.
+
+Rank ``r`` of ``W`` holds KV heads ``[r H_kv / W, (r + 1) H_kv / W)`` and the query heads that read them
+(query head ``h`` reads KV head ``h // G``, so a rank's query heads are contiguous too): its slice of the
+KV pool and of the Quest bounds. ``req_to_token`` and the page allocator are the same on every rank,
+because every rank admits, grows and frees the same requests in the same order (checked after each
+join and leave). Each rank computes attention for its own heads; ``step`` gathers them.
+
+Quest, two modes (``quest_mode``):
+
+* ``"per_rank"`` (what SGLang does): each rank scores pages on its own heads and selects alone, with
+  no communication. Each rank equals a one-process engine on its own heads; the ranks may keep
+  different pages, and neither equals one process over all heads.
+* ``"global"``: each rank's scores are its heads' share of the sum over heads that a page score is
+  (in both GQA modes), so one all-reduce (``bs x max_pages`` fp32 per layer) before the selection makes
+  every rank select what one process selects over all heads, in the same ``gqa_mode``. Exact up to the
+  fp32 rounding of the sum: two pages whose one-process scores differ by a few ulps may swap.
+
+DSA (``dsa_mode``): the indexer reads ``x`` and ``q_lora``, which every rank holds whole, so it is
+replicated and every rank computes the same logits and top-k. sparse_ref's top-k is deterministic (ties
+to the lower id), so the ranks agree bit for bit; ``"check"`` all-gathers a hash of each selection and
+refuses a disagreement on every rank (eager only: it reads the hash on the host); ``"broadcast"`` sends
+rank 0's selection instead, the fix SGLang adopted when its ranks disagreed (CUDA-graph safe).
+
+Every exchange first agrees on a tag (what, layer, sequence number) across the ranks, eagerly: a rank
+that calls the engine out of order makes every rank raise ``BatchError`` instead of pairing the wrong
+collectives or hanging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from sparse_ref import checks
+from sparse_ref.checks import capturing
+from sparse_ref.engine import DecodeEngine, StepResult
+from sparse_ref.errors import BatchError, ConfigError, PoolError, RetrievalError
+
+QUEST_MODES = ("per_rank", "global")
+DSA_MODES = ("check", "broadcast")
+_KINDS = {"config": 1, "pools": 2, "scores": 3, "selection": 4, "outputs": 5}
+_ERRORS = {"config": ConfigError, "pools": PoolError, "selection": RetrievalError}
+
+
+class RankWorkload:
+    """This rank's heads of a ``PlantedEngineWorkload``: the same numbers, sliced after they are made."""
+
+    def __init__(self, workload, rank: int, world: int):
+        self.full = workload
+        self.num_layers, self.head_dim, self.indexer_config = workload.num_layers, workload.head_dim, \
+            workload.indexer_config
+        self.num_kv_heads, self.num_q_heads = workload.num_kv_heads // world, workload.num_q_heads // world
+        self.kv = slice(rank * self.num_kv_heads, (rank + 1) * self.num_kv_heads)
+        self.q = slice(rank * self.num_q_heads, (rank + 1) * self.num_q_heads)
+
+    def request(self, key, prompt_len, needle_depths=None):
+        return self.full.request(key, prompt_len, needle_depths)
+
+    def indexer(self, layer, index_topk=None, device="cpu"):
+        return self.full.indexer(layer, index_topk, device)  # replicated: the same weights on every rank
+
+    def prefill(self, req, layer, with_hidden=True):
+        k, v, x = self.full.prefill(req, layer, with_hidden)
+        return k[:, self.kv], v[:, self.kv], x
+
+    def decode(self, req, layer, position, with_hidden=True):
+        q, k, v, x, q_lora = self.full.decode(req, layer, position, with_hidden)
+        return q[self.q], k[:, self.kv], v[:, self.kv], x, q_lora
+
+
+def tensor_hash(t: torch.Tensor) -> torch.Tensor:
+    """An int64 0-d hash of an integer tensor's values and their order (two's-complement wrap-around)."""
+    v = t.reshape(-1).long()
+    weights = (torch.arange(v.numel(), device=v.device) * 2 + 1) * 0x9E3779B1  # odd, position-dependent
+    return ((v + 3) * weights).sum()
+
+
+class RankGroup:
+    """This rank's exchanges with the others. Each agrees on a tag first (eagerly), then runs."""
+
+    def __init__(self, group=None):
+        self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
+        self.root = dist.get_global_rank(group, 0) if group is not None else 0
+        self.calls = 0
+        self.stats: dict[str, list] = {}  # what -> [exchanges, bytes sent per rank, host seconds] (eager calls)
+
+    def _count(self, what: str, t: torch.Tensor, start: float) -> None:
+        entry = self.stats.setdefault(what, [0, 0, 0.0])
+        entry[0] += 1
+        entry[1] += t.numel() * t.element_size()
+        entry[2] += time.perf_counter() - start  # CPU (gloo): the exchange; CUDA (NCCL): its launch only
+
+    def _agree(self, what: str, layer: int, device) -> None:
+        """Every rank is at the same exchange (what, layer, how many before it); else all raise BatchError."""
+        self.calls += 1
+        if capturing():
+            return
+        tag = (self.calls * 4096 + layer + 1) * 8 + _KINDS[what]
+        t = torch.tensor([tag, -tag], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[0]) != -int(t[1]):
+            raise BatchError(f"tensor parallel: rank {self.rank} is at exchange {self.calls} ({what}, layer {layer}) "
+                             "but another rank is not: the ranks are out of step. Fix: call add_request, finish "
+                             "and step (and any hook) in the same order, with the same arguments, on every rank.")
+
+    def same_everywhere(self, what: str, value: torch.Tensor, layer: int = -1, detail: str = "") -> None:
+        """Refuse, on every rank, unless ``value`` (an int64 0-d tensor) is equal on every rank. Eager."""
+        self._agree(what, layer, value.device)
+        if capturing():
+            return
+        both, start = torch.stack([value, -value]).to(torch.int64), time.perf_counter()
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        self._count(what, both, start)
+        if int(both[0]) != -int(both[1]):
+            noun = {"config": "settings", "pools": "pools", "selection": "selections"}[what]
+            raise _ERRORS[what](f"tensor parallel: the ranks' {noun} differ{detail}. Fix: " + {
+                "config": "launch every rank with the same workload, algorithms, config and modes.",
+                "pools": "admit and finish the same requests in the same order on every rank.",
+                "selection": "select with a deterministic top-k (ties to the lower id, as sparse_ref's), or "
+                             "use dsa_mode='broadcast' to send rank 0's selection."}[what])
+
+    def all_reduce_sum(self, t: torch.Tensor, what: str, layer: int) -> torch.Tensor:
+        self._agree(what, layer, t.device)
+        start = time.perf_counter()
+        dist.all_reduce(t, group=self.group)
+        self._count(what, t, start)
+        return t
+
+    def broadcast(self, t: torch.Tensor, what: str, layer: int) -> torch.Tensor:
+        self._agree(what, layer, t.device)
+        start = time.perf_counter()
+        dist.broadcast(t, src=self.root, group=self.group)
+        self._count(what, t, start)
+        return t
+
+    def gather_heads(self, t: torch.Tensor, layer: int) -> torch.Tensor:
+        """``[bs, H_q / W, D]`` from every rank -> ``[bs, H_q, D]`` (rank order is head order)."""
+        self._agree("outputs", layer, t.device)
+        parts, start = [torch.empty_like(t) for _ in range(self.world)], time.perf_counter()
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        self._count("outputs", t, start)
+        return torch.cat(parts, dim=1)
+
+
+def settings_hash(*settings) -> torch.Tensor:
+    """An int64 hash of the settings' reprs (workloads and configs are dataclasses: their repr is their value)."""
+    digest = hashlib.sha256(repr(settings).encode()).digest()
+    return torch.tensor(int.from_bytes(digest[:8], "little", signed=True))
+
+
+class TensorParallelEngine:
+    """``DecodeEngine`` on this rank's heads, with Quest's all-reduce and DSA's agreement (module docstring).
+
+    Call every method in the same order with the same arguments on every rank (as ``torchrun`` runs one
+    script per rank). ``step()`` returns this rank's ``StepResult`` (its heads; recall and mass kept
+    against its own dense attention) and the gathered outputs of every layer, ``[bs, H_q, D]``.
+    """
+
+    def __init__(self, workload, algorithms: Sequence[str | None] = ("quest",), config=None, *,
+                 quest_mode: str = "global", dsa_mode: str = "check", group=None, **engine_kwargs):
+        device = checks.check_tensor_parallel(workload, quest_mode, dsa_mode, group, engine_kwargs.get("device", "cpu"),
+                                              QUEST_MODES, DSA_MODES)
+        self.comm, self.quest_mode, self.dsa_mode = RankGroup(group), quest_mode, dsa_mode
+        shared = {k: v for k, v in engine_kwargs.items() if k != "device"}  # (each rank has its own GPU)
+        self.comm.same_everywhere("config", settings_hash(workload, list(algorithms), config, quest_mode, dsa_mode,
+                                                          sorted(shared.items(), key=str)).to(device))
+        self.engine = DecodeEngine(RankWorkload(workload, self.comm.rank, self.comm.world), algorithms, config,
+                                   **engine_kwargs)
+        for algo in self.engine.coordinator.algorithms:  # the two exchanges, wrapped around the algorithms
+            if algo is not None and algo.name == "quest" and quest_mode == "global":
+                algo.score_pages = self._summed_over_ranks(algo.score_pages)
+            elif algo is not None and algo.name == "deepseek_dsa":
+                algo.retrieve_topk = self._agreed(algo.retrieve_topk)
+
+    def _summed_over_ranks(self, own_scores):
+        def score_pages(queries, layer_id, req_pool_indices, forward_batch):
+            scores = own_scores(queries, layer_id, req_pool_indices, forward_batch)  # this rank's heads' share
+            return self.comm.all_reduce_sum(scores.contiguous(), "scores", layer_id)  # the sum over all heads
+        return score_pages
+
+    def _agreed(self, own_selection):
+        def retrieve_topk(queries, layer_id, *args, **kwargs):
+            selected, lengths = own_selection(queries, layer_id, *args, **kwargs)
+            if self.dsa_mode == "broadcast":
+                self.comm.broadcast(selected, "selection", layer_id)
+            else:
+                self.comm.same_everywhere("selection", tensor_hash(selected), layer_id,
+                                          f" at layer {layer_id} (DSA, replicated indexer)")
+            return selected, lengths
+        return retrieve_topk
+
+    # ------------------------------------------------------------------ the engine's calls, on every rank
+    @property
+    def live(self):
+        return self.engine.live
+
+    def _check_pools(self) -> None:
+        """req_to_token and the free pages are the same on every rank (deterministic allocation)."""
+        m = self.engine.manager
+        value = tensor_hash(m.req_to_token_pool.req_to_token) + m.allocator.available_pages()
+        self.comm.same_everywhere("pools", value, detail=" (req_to_token or the free pages)")
+
+    def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None):
+        req = self.engine.add_request(prompt_len, key, needle_depths)
+        self._check_pools()
+        return req
+
+    def finish(self, req) -> None:
+        self.engine.finish(req)
+        self._check_pools()
+
+    def step(self) -> tuple[StepResult, list[torch.Tensor]]:
+        """One decode step on every rank: this rank's result, and each layer's output over all heads."""
+        result = self.engine.step()
+        return result, [self.comm.gather_heads(t.out, t.layer) for t in result.layers]

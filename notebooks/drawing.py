@@ -1,15 +1,115 @@
 """Figures the notebooks draw, one function per figure, so that the lessons' cells hold the lesson.
 
 Each function returns a matplotlib figure with a title; the notebook shows it with
-``sparse_ref.figures.show_figure(fig, alt)``.
+``sparse_ref.figures.show_figure(fig, alt)`` (``show_*`` functions do both, with their own alt text).
 """
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+from sparse_ref.figures import show_figure
 
 RANK_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+
+
+# ---------------------------------------------------------------- 00_overview
+def _box(ax, xy, w, h, title, body, color):
+    """A rounded box with a bold title and a smaller body text; returns its centre-left/right anchors."""
+    x, y = xy
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08",
+                                facecolor=color, edgecolor="0.25", linewidth=1.2))
+    ax.text(x + w / 2, y + h - 0.17, title, ha="center", va="top", fontsize=10.5, fontweight="bold")
+    ax.text(x + w / 2, y + h / 2 - 0.16, body, ha="center", va="center", fontsize=8.2, linespacing=1.35)
+    return (x, y + h / 2), (x + w, y + h / 2)
+
+
+def _arrow(ax, start, end, label=""):
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, linewidth=1.3, color="0.2",
+                                 connectionstyle="arc3,rad=0.0"))
+    if not label:
+        return
+    mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
+    if start[1] == end[1]:  # horizontal: write the label above the arrow
+        ax.text(mx, my + 0.08, label, ha="center", va="bottom", fontsize=7.5, color="0.25", style="italic")
+    else:
+        ax.text(mx, my, label, ha="center", va="center", fontsize=7.5, color="0.25", style="italic",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
+
+
+def decode_step_pipeline():
+    """One decode step, one layer: req_to_token -> Quest / DSA scores -> top-k -> adaptor -> attention."""
+    fig, ax = plt.subplots(figsize=(15, 4.6))
+    ax.set_xlim(0, 15.2)
+    ax.set_ylim(0, 4.6)
+    ax.axis("off")
+    w, h = 2.3, 1.45
+    r2t = _box(ax, (0.1, 1.55), w, h, "req_to_token",
+               "row per request:\nlogical token t\n-> physical KV slot\n(paged, page 0 = padding)", "#dbe9f6")
+    quest = _box(ax, (3.3, 2.75), w, h, "Quest: score pages",
+                 "per page: min m, max M key\nbound Σ_d max(q·M, q·m)\n-> one score per page", "#fde2c8")
+    dsa = _box(ax, (3.3, 0.35), w, h, "DSA: score tokens",
+               "lightning indexer (FP8)\nΣ_h w_h · relu(q_h · k)\n-> one score per token", "#fde2c8")
+    topk = _box(ax, (6.5, 1.55), w, h, "top-k", "best k of the history\n+ recent (+ sink) pages\nties -> lower id; "
+                "NaN never\n-> logical ids, -1 padded", "#e2f0d9")
+    adapt = _box(ax, (9.7, 1.55), w, h, "adaptor",
+                 "logical -> physical pages\nvia req_to_token\nKV length per request,\ncumulative lengths", "#e7dff2")
+    attn = _box(ax, (12.8, 1.55), w, h, "attention", "over the selected KV only\n(dense rows: all of it)", "#f6d5d5")
+    _arrow(ax, r2t[1], quest[0], "pages of the row")
+    _arrow(ax, r2t[1], dsa[0], "tokens of the row")
+    _arrow(ax, quest[1], topk[0], "[bs, pages]")
+    _arrow(ax, dsa[1], topk[0], "[tokens, ctx]")
+    _arrow(ax, topk[1], adapt[0], "selected, lengths")
+    _arrow(ax, adapt[1], attn[0], "page table")
+    ax.set_title("One decode step, one layer: five stages", fontsize=12)
+    return fig
+
+
+# ---------------------------------------------------------------- 01_req_to_token_pool
+def show_pools(manager, reqs: dict, title: str) -> None:
+    """req_to_token coloured by physical page (left) beside the physical pages, in the same colours, labelled
+    with their owner (right): one colour means one physical page in both panels."""
+    table = manager.req_to_token_pool.req_to_token.cpu()
+    P, num_pages = manager.page_size, manager.allocator.num_pages
+    rows, cols = table.shape
+    fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(15, 3.6), gridspec_kw={"width_ratios": [3, 1.3]})
+    lens, name_of_row, owner = torch.zeros(rows, dtype=torch.long), {}, ["free"] * num_pages
+    owner[0] = "pad"
+    for name, req in reqs.items():
+        lens[req.req_pool_idx], name_of_row[req.req_pool_idx] = req.seq_len, name
+        for p in req.pages:
+            owner[p] = name
+    live = torch.arange(cols)[None, :] < lens[:, None]
+    cmap = plt.get_cmap("tab20", num_pages).copy()
+    cmap.set_bad("#f7f7f7")
+    im = ax_t.imshow(np.ma.masked_array((table // P).numpy(), mask=~live.numpy()), cmap=cmap, vmin=-0.5,
+                     vmax=num_pages - 0.5, aspect="auto")
+    for r in range(rows):
+        for t in range(int(lens[r])):
+            ax_t.text(t, r, int(table[r, t]), ha="center", va="center", fontsize=7)
+    ax_t.set_yticks(range(rows), [f"row {r} ({name_of_row.get(r, 'free')})" for r in range(rows)])
+    ax_t.set_xlabel("logical token position t   (cell text: physical slot)")
+    ax_t.set_xticks(range(0, cols, P))
+    for x in range(P, cols, P):
+        ax_t.axvline(x - 0.5, color="white", linewidth=2)
+    fig.colorbar(im, ax=ax_t, label="physical page", ticks=range(num_pages))
+    ax_t.set_title(f"req_to_token ({title})")
+    owned = np.ma.masked_array(np.arange(num_pages)[None, :], mask=[[o in ("free", "pad") for o in owner]])
+    ax_p.imshow(owned, cmap=cmap, vmin=-0.5, vmax=num_pages - 0.5)
+    for p, o in enumerate(owner):
+        ax_p.text(p, 0, f"{p}\n{o}", ha="center", va="center", fontsize=7)
+    ax_p.set_yticks([])
+    ax_p.set_xticks([])
+    ax_p.set_xlabel("physical page (same colours; text: id and owner)")
+    ax_p.set_title("page ownership")
+    plt.tight_layout()
+    show_figure(fig, f"Left: the req_to_token table ({title}), one row per request row and one column per logical "
+                "token; each live cell shows its physical slot and is coloured by its physical page. Right: one "
+                "square per physical page in the same colours, labelled with its owner; free pages and the "
+                "reserved padding page 0 are blank.")
 
 
 # ---------------------------------------------------------------- 08_tensor_parallel

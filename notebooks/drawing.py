@@ -182,3 +182,107 @@ def tensor_parallel_results(rows):
                  fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- 03_quest
+def quality_against_budget(budgets, results, oracle_k, pages_label):
+    """Recall, mass kept and needle pages kept against the page budget, one line per scoring method."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    titles = (f"recall of the oracle's top {oracle_k} pages", "attention mass kept", "planted needle pages kept")
+    for ax, key, title in zip(axes, ("recall", "mass", "needles"), titles, strict=True):
+        for name, style in zip(results, ("o-", "s--", "x:"), strict=True):
+            ax.plot(budgets, results[name][key], style, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel(f"page budget ({pages_label})")
+        ax.set_title(title)
+        ax.set_ylim(0, 1.05)
+    axes[0].legend()
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------- 06_triton_scoring
+def quest_program_grid(block_p: int, seed: int):
+    """The Quest kernel's grid (page block, request), and the scattered pool rows one program reads."""
+    from matplotlib.patches import Rectangle
+
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.2), gridspec_kw={"width_ratios": [1.1, 1]})
+    ax, shown_blocks, shown_rows = axes[0], 8, 4
+    for r in range(shown_rows):
+        for blk in range(shown_blocks):
+            picked = (r, blk) == (1, 2)
+            ax.add_patch(Rectangle((blk, shown_rows - 1 - r), 0.92, 0.88, color="C3" if picked else "C0",
+                                   alpha=0.85 if picked else 0.35))
+            ax.text(blk + 0.46, shown_rows - 1 - r + 0.44, f"({blk},{r})", ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, shown_blocks)
+    ax.set_ylim(0, shown_rows)
+    ax.set_xticks(np.arange(shown_blocks) + 0.46, [f"pages {block_p * k}..{block_p * k + block_p - 1}"
+                                                    for k in range(shown_blocks)], rotation=45, fontsize=8)
+    ax.set_yticks(np.arange(shown_rows) + 0.44, [f"request {r}" for r in reversed(range(shown_rows))])
+    ax.set_title(f"Grid: program (pid0, pid1) = (page block, request)\nBLOCK_P = {block_p}", fontsize=10)
+    ax, pool_rows = axes[1], 24
+    ax.add_patch(Rectangle((0, 0), 8, pool_rows, fill=False, lw=1))
+    phys = np.random.default_rng(seed).choice(np.arange(1, pool_rows), block_p, replace=False)
+    for i, p in enumerate(phys):
+        y = pool_rows - 1 - p
+        ax.add_patch(Rectangle((0, y), 8, 1, color="C3", alpha=0.8))
+        ax.annotate(f"logical page {2 * block_p + i} -> physical {p}", (8, y + 0.5), (9, 20 - 3 * i), fontsize=8,
+                    arrowprops={"arrowstyle": "->", "lw": 0.8}, va="center")
+    ax.add_patch(Rectangle((0, pool_rows + 1), 8, 0.8, color="C2", alpha=0.7))
+    ax.text(4, pool_rows + 1.4, "q⁺, q⁻ of request 1 ([H_kv·D] each, loaded once)", ha="center", va="center",
+            fontsize=8)
+    for h in range(1, 4):
+        ax.axvline(2 * h, ymax=pool_rows / (pool_rows + 2.5), color="grey", lw=0.5, ls=":")
+    ax.text(4, -1.2, "H_kv·D bound values per row (KV head 0 | 1 | 2 | 3 ...)", ha="center", fontsize=8)
+    ax.set_xlim(-0.5, 17)
+    ax.set_ylim(-2, pool_rows + 2.5)
+    ax.axis("off")
+    ax.set_title("What program (2, 1) reads:\nBLOCK_P rows of the max pool (and of the min pool)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def dsa_program_diagram(d: int, h: int, page: int):
+    """One DSA logits program on one page: K_page x Q^T -> S -> relu . w -> sum over heads -> x k_scale."""
+    from matplotlib.patches import Rectangle
+
+    fig, ax = plt.subplots(figsize=(14, 5.2))
+    ax.set_xlim(0, 29)
+    ax.set_ylim(-1.8, 9.6)
+    ax.axis("off")
+
+    def box(x, y, w, hgt, label, color, fontsize=9):
+        ax.add_patch(Rectangle((x, y), w, hgt, color=color, alpha=0.35))
+        ax.add_patch(Rectangle((x, y), w, hgt, fill=False, lw=1))
+        ax.text(x + w / 2, y + hgt / 2, label, ha="center", va="center", fontsize=fontsize)
+
+    def arrow(x0, x1, label=""):
+        ax.add_patch(FancyArrowPatch((x0, 4), (x1, 4), arrowstyle="->", mutation_scale=14))
+        ax.text((x0 + x1) / 2, 4.35, label, ha="center", fontsize=8)
+
+    box(0, 1, 4, 6, f"K page\n[{page} tok, D={d}]\nFP8: the page's\nfirst {page * d} B", "C0")
+    ax.text(4.4, 4, "×", fontsize=16, va="center")
+    box(5.1, 4.5, 3.2, 3.2, f"Qᵀ\n[D, H={h}]\nFP8, the\nquery's heads", "C1")
+    box(5.1, 1, 3.2, 0.9, "w [H] fp32", "C1")
+    arrow(8.5, 10.3, "tl.dot")
+    box(10.5, 1, 4.4, 6, "", "C2")
+    rows = page // 4
+    for k in range(4):  # the warps' bands: each holds whole token rows, so all heads of a token
+        y = 7 - 1.5 * (k + 1)
+        if k:
+            ax.plot([10.5, 14.9], [y + 1.5, y + 1.5], ls="--", color="k", lw=0.7)
+        ax.text(12.7, y + 0.75, f"warp {k}: tokens {rows * k}..{rows * k + rows - 1}\n× all {h} heads", ha="center",
+                va="center", fontsize=8)
+    ax.text(12.7, 7.3, f"S = [{page} tok, H] fp32", ha="center", fontsize=9)
+    arrow(15.1, 17.3, "relu · w[h]")
+    box(17.5, 1, 1.4, 6, "Σ over\nheads\n(inside\neach\nwarp)", "C4", fontsize=8)
+    arrow(19.1, 21.3, "× k_scale")
+    box(21.5, 1, 1.4, 6, f"{page}\nlogits\n(-inf\npast the\nbound)", "C3", fontsize=8)
+    box(25, 1, 1.6, 6, f"k_scale\n[{page}]\nfp32", "C5", fontsize=8)
+    ax.text(25.8, 0.5, f"the page's\nlast {page * 4} B", ha="center", va="top", fontsize=8)
+    arrow(24.8, 23.1)
+    ax.text(12.7, 8.6, "M = tokens (split over warps), N = heads (inside a warp), K = D", ha="center", fontsize=10)
+    ax.set_title(f"One program, one page: K_page [{page}, D] × Qᵀ [D, H] → [{page}, H] → relu·w → Σ_h → ·k_scale → "
+                 f"{page} logits")
+    return fig

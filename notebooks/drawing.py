@@ -286,3 +286,40 @@ def dsa_program_diagram(d: int, h: int, page: int):
     ax.set_title(f"One program, one page: K_page [{page}, D] × Qᵀ [D, H] → [{page}, H] → relu·w → Σ_h → ·k_scale → "
                  f"{page} logits")
     return fig
+
+
+# ---------------------------------------------------------------- 05_triton_topk
+def topk_against_context(contexts, timings, device_name: str):
+    """Measured time against the context length, one line per (torch / package, index / score order)."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for (name, t), style in zip(timings.items(), ["C0--", "C0-", "C1--", "C1-"], strict=True):
+        ax.plot(contexts, t, style, marker="o", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="context length (scores per row)", ylabel="µs (median, graph replay)",
+           title=f"Measured now on {device_name}: 64 rows, k = 2048")
+    ax.set_xticks(contexts, [f"{n // 1024}K" for n in contexts])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def topk_committed(picked: dict, shapes: list, result: dict):
+    """The committed H200 top-k rows: torch and the package, index and score order, per shape."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    pos = np.arange(len(shapes))
+    for i, (op, field, color, alpha) in enumerate([("topk(index)", "torch_us", "C0", 0.45),
+                                                    ("topk(index)", "ours_us", "C0", 1.0),
+                                                    ("topk(score)", "torch_us", "C1", 0.45),
+                                                    ("topk(score)", "ours_us", "C1", 1.0)]):
+        rows_op = [picked.get((s, op), {}) for s in shapes]
+        base = next((r["baseline"] for r in rows_op if r.get("baseline")), "torch.topk")
+        label = f"{base} (vs {op})" if field == "torch_us" else f"sparse_ref {op}"
+        ax.bar(pos + (i - 1.5) * 0.2, [r.get(field, np.nan) for r in rows_op], 0.2, color=color, alpha=alpha,
+               label=label)
+    ks = {s: (picked.get((s, "topk(index)")) or picked.get((s, "topk(score)")) or {}).get("k") for s in shapes}
+    ax.set_xticks(pos, [f"{s}\nk={ks[s]}" for s in shapes], fontsize=8)
+    ax.set(ylabel="µs (median, L2 cold)",
+           title=f"Committed H200 results, not measured now ({result.get('file')}: {result.get('gpu', '?')}, "
+                 f"{str(result.get('date', '?'))[:16]}, randn rows)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

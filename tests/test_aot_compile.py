@@ -90,8 +90,12 @@ def notebook_kernel(entry):
     name = "notebook_kernels_" + hashlib.sha1(text.encode()).hexdigest()[:12]
     folder = os.path.join(tempfile.gettempdir(), "sparse_ref_aot")
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, name + ".py"), "w") as f:
-        f.write(text)
+    path = os.path.join(folder, name + ".py")
+    if not os.path.exists(path):  # written once, atomically: parallel workers import it while others write
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
     if folder not in sys.path:
         sys.path.insert(0, folder)
     return getattr(importlib.import_module(name), entry["kernel"])

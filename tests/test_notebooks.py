@@ -139,3 +139,16 @@ def test_the_checks_reject_a_dirty_notebook(tmp_path):
     nbformat.write(nb, bad)
     with pytest.raises(AssertionError, match="show_figure"):
         test_figures_carry_alt_text(bad)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
+def test_code_cells_are_short_and_figures_carry_alt_text(path):
+    """A lesson cell holds the lesson: at most 30 lines (drawing lives in notebooks/drawing.py), and every
+    figure goes through show_figure (title and alt text), never a bare plt.show()."""
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        lines = cell.source.splitlines()
+        assert len(lines) <= 30, f"{path.name} cell {i}: {len(lines)} lines (split it, or move drawing out)"
+        assert "plt.show()" not in cell.source, f"{path.name} cell {i}: use show_figure(fig, alt) instead"

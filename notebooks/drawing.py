@@ -323,3 +323,41 @@ def topk_committed(picked: dict, shapes: list, result: dict):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- 07_end_to_end (the closing summary)
+def decode_step_summary():
+    """One decode step of one layer with SGLang's hook names, the write path, and each tensor's shape and dtype."""
+    fig, ax = plt.subplots(figsize=(17, 6.0))
+    ax.set_xlim(0, 16.6)
+    ax.set_ylim(0, 6.2)
+    ax.axis("off")
+    w, h, step = 2.3, 1.75, 2.75
+    top, low = 4.0, 0.5
+    stages = [
+        ((0.1, top), "forward_begin", "dense metadata, once\nper step (every page)\nForwardBatch DECODE:\n"
+         "seq_lens int64 [bs]", "#eeeeee"),
+        ((0.1 + step, top), "write path", "set_kv at out_cache_loc:\nk, v [bs, H_kv, D] into\nthe pool "
+         "[pages·P, H_kv, D]\n(DSA: FP8 key + scale)", "#dbe9f6"),
+        ((0.1 + 2 * step, top), "score", "attention_begin:\nQuest: fp32 [bs, pages]\nfrom [pages, H_kv, D]\n"
+         "DSA: fp32 [tokens, ctx]", "#fde2c8"),
+        ((0.1 + 3 * step, top), "select", "sink + top-k + recent\nselected int32 [bs, W]\n-1 padded; lengths "
+         "[bs]\nW static: graph-safe", "#e2f0d9"),
+        ((0.1 + 4 * step, top), "adaptor", "req_to_token: logical\n-> physical pages\npage_table int32 "
+         "[bs, W']\nkv_lens int32 [bs]", "#e7dff2"),
+        ((0.1 + 5 * step, top), "attention", "q [bs, H_q, D] over the\nselected pages; splits\n+ log-sum-exp "
+         "merge\nout fp32 [bs, H_q, D]", "#f6d5d5"),
+        ((0.1 + 5 * step, low), "attention_end", "Quest: the bounds of\nthe page this token\ncompleted", "#fde2c8"),
+        ((0.1 + 4 * step, low), "forward_end", "the next layer; then\ndecode_step grows\nevery request", "#eeeeee"),
+    ]
+    anchors = [_box(ax, xy, w, h, title, body, color) for xy, title, body, color in stages]
+    for (_, right), (left, _) in zip(anchors[:5], anchors[1:6], strict=True):
+        _arrow(ax, right, left)
+    x_attn = 0.1 + 5 * step + w / 2
+    _arrow(ax, (x_attn, top - 0.02), (x_attn, low + h + 0.02))
+    _arrow(ax, anchors[6][0], anchors[7][1])
+    ax.text(5.4, 1.35, "per layer, the hooks run in this order; every tensor keeps its shape from step to\n"
+            "step, so the whole device half is captured once as a CUDA graph (GraphedDecodeStep)", ha="center",
+            fontsize=10, style="italic", color="0.3")
+    ax.set_title("The decode step you built: hooks, the write path, and what each stage hands on", fontsize=12)
+    return fig

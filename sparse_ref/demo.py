@@ -120,14 +120,20 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     fields = ("recall", "needles_found", "mass_kept", "output_error")
+    styles = {"quest (mean)": ("o-", None), "quest (per_kv_head)": ("s--", "none"), "dsa": ("^:", None)}
     for label, *_ in METHODS:
-        mine = [r for r in rows if r.method == label]
+        mine, (fmt, face) = [r for r in rows if r.method == label], styles[label]
         for ax, field in zip(axes, fields, strict=True):
-            ax.plot([r.budget for r in mine], [getattr(r, field) for r in mine], "o-", label=label)
-    for ax, name in zip(axes, ("recall of the true top pages / tokens", "planted needles kept", "attention mass kept",
-                               "relative output error"), strict=True):
+            ax.plot([r.budget for r in mine], [getattr(r, field) for r in mine], fmt, label=label, mfc=face)
+    budgets = sorted({r.budget for r in rows})
+    for ax, name, ylabel in zip(axes, ("recall of the true top pages / tokens", "planted needles kept",
+                                       "attention mass kept", "relative output error"),
+                                ("share of the oracle's top set", "share of the needles", "attention probability",
+                                 "||out - dense|| / ||dense||"), strict=True):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("budget (tokens read per request)")
+        ax.set_ylabel(ylabel)
         ax.set_title(name)
         ax.grid(alpha=0.3)
     axes[0].legend()

@@ -325,6 +325,48 @@ def topk_committed(picked: dict, shapes: list, result: dict):
     return fig
 
 
+def topk_launch_timeline(rows: list, grids: dict, result: dict):
+    """The package top-k's launches one after another, one bar per shape: each launch as wide as its measured
+    time (the bench's ``parts_us``); under each bar, every launch's time, programs and warps."""
+    colours = {"delegates": "tab:blue", "candidates": "tab:orange", "select": "tab:green", "register_row": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(12, 1.4 + 1.0 * len(rows)))
+    for y, row in enumerate(rows):
+        t, parts = 0.0, []
+        for name, us in row["parts_us"].items():
+            ax.barh(y, us, left=t, color=colours.get(name, "0.6"), edgecolor="white", height=0.45,
+                    label=name if y == 0 or name == "register_row" else None)
+            programs, warps = grids[row["shape"]].get(name, ("?", "?"))
+            parts.append(f"{name} {us:.1f} µs ({programs} programs × {warps} warps)")
+            t += us
+        ax.text(t + 0.8, y, f"{row['ours_us']:.1f} µs in all (torch.topk {row['torch_us']:.1f})", va="center",
+                fontsize=8.5)
+        ax.text(0, y + 0.42, "  →  ".join(parts), va="center", fontsize=7.5, color="0.25")
+    ax.set_yticks(range(len(rows)), [f"{r['shape'].split()[0]}\nk={r['k']}" for r in rows])
+    ax.set_ylim(len(rows) - 0.35, -0.6)  # first shape on top; room for the last line of text
+    ax.set_xlim(0, max(r["ours_us"] for r in rows) * 1.45)
+    ax.set_xlabel("µs (each launch captured and replayed alone, L2 cold)")
+    ax.set_title(f"The package top-k, launch by launch (committed {result.get('gpu', '?')} results, "
+                 f"{str(result.get('date', '?'))[:10]}, randn rows, index order)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def show_excerpt(fn, first: str, last: str) -> None:
+    """Print the lines of ``fn``'s source from the first line containing ``first`` to the next containing ``last``,
+    with their line numbers in the package file: an excerpt of the real code that cannot go stale."""
+    import inspect
+    while hasattr(fn, "fn"):  # a @triton.jit kernel (compiled or interpreted) wraps the Python function
+        fn = fn.fn
+    lines, start = inspect.getsourcelines(fn)
+    i = next(n for n, line in enumerate(lines) if first in line)
+    j = next(n for n in range(i, len(lines)) if lines[n].strip().startswith(last))
+    path = inspect.getsourcefile(fn).split("sparse_ref/", 1)[-1]
+    print(f"# sparse_ref/{path}, lines {start + i}-{start + j}")
+    for n in range(i, j + 1):
+        print(f"{start + n:4d} {lines[n].rstrip()}")
+
+
 # ---------------------------------------------------------------- 07_end_to_end (the closing summary)
 def decode_step_summary():
     """One decode step of one layer with SGLang's hook names, the write path, and each tensor's shape and dtype."""

@@ -252,6 +252,46 @@ def check_graph_bucket(fn):
     _passed("graph_bucket")
 
 
+# ------------------------------------------------------------------ 09_decode_kernels
+def check_merge_splits(fn):
+    """``fn(outs [S, D], lses [S]) -> [D]``: the slices' outputs merged by their log-sum-exps (``-inf``: an empty
+    slice); equals the softmax over the whole row, zeros when every slice is empty."""
+    g = _gen(13)
+    for length, cuts, scale in ((37, [0, 10, 10, 30, 37], 3.0), (1, [0, 1], 1.0), (64, [0, 5, 64], 400.0)):
+        s, v = torch.randn(length, generator=g) * scale, torch.randn(length, 6, generator=g)
+        outs, lses = [], []
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            empty = a == b
+            outs.append(torch.zeros(6) if empty else torch.softmax(s[a:b], 0) @ v[a:b])
+            lses.append(torch.tensor(float("-inf")) if empty else torch.logsumexp(s[a:b], 0))
+        got = torch.as_tensor(fn(torch.stack(outs), torch.stack(lses))).float()
+        assert torch.isfinite(got).all(), f"length {length}, scale {scale}: not finite (overflow?)"
+        torch.testing.assert_close(got, torch.softmax(s, 0) @ v, msg=lambda m, n=length: f"length {n}: {m}")
+    none = torch.as_tensor(fn(torch.zeros(3, 6), torch.full((3,), float("-inf")))).float()
+    assert torch.equal(none, torch.zeros(6)), f"every slice empty: want zeros, got {none}"
+    _passed("merge_splits")
+
+
+def check_page_table_row(fn):
+    """``fn(kept, seq_len, req_to_token_row, page_size) -> (pages, kv_len)``: one request's page-table row (the
+    physical pages attention reads, in order) and its KV length; ``kept`` empty: the row is dense."""
+    g = _gen(14)
+    for _ in range(200):
+        P = int(torch.randint(1, 9, (1,), generator=g))
+        seq_len = int(torch.randint(1, 90, (1,), generator=g))
+        n = -(-seq_len // P)
+        physical = torch.randperm(n + 5, generator=g)[:n]
+        row = (physical[:, None] * P + torch.arange(P)).reshape(-1).tolist()
+        dense = bool(torch.rand(1, generator=g) < 0.25)
+        kept = [] if dense else sorted(set(torch.randint(0, n, (3,), generator=g).tolist()) | {n - 1})
+        logical = kept or list(range(n))
+        want = ([int(physical[j]) for j in logical],
+                seq_len if dense else (len(kept) - 1) * P + seq_len - (n - 1) * P)
+        got = fn(kept, seq_len, row, P)
+        assert (list(got[0]), int(got[1])) == want, f"kept {kept}, seq_len {seq_len}, P {P}: got {got}, want {want}"
+    _passed("page_table_row")
+
+
 # ------------------------------------------------------------------ 08_tensor_parallel
 def check_rank_heads(fn):
     """``fn(rank, world, num_q_heads, num_kv_heads)``: ``(query_heads, kv_heads)`` slices of that rank."""

@@ -403,3 +403,42 @@ def decode_step_summary():
             fontsize=10, style="italic", color="0.3")
     ax.set_title("The decode step you built: hooks, the write path, and what each stage hands on", fontsize=12)
     return fig
+
+
+# ---------------------------------------------------------------- 09_decode_kernels
+def split_softmax_mass(probs, slice_len: int, shares):
+    """One head's attention probabilities as bars over the tokens, the background shaded by slice, each slice
+    labelled with its share of the softmax mass (the merge's weight)."""
+    probs = torch.as_tensor(probs).float().cpu()
+    n = probs.shape[0]
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    for s, start in enumerate(range(0, n, slice_len)):
+        end = min(start + slice_len, n)
+        ax.axvspan(start - 0.5, end - 0.5, color=f"C{s}", alpha=0.12)
+        ax.bar(range(start, end), probs[start:end], color=f"C{s}", width=0.8)
+        ax.text((start + end - 1) / 2, float(probs.max()) * 1.08, f"slice {s}: {float(shares[s]):.1%} of the mass",
+                ha="center", fontsize=8.5, color=f"C{s}", fontweight="bold")
+    ax.set_ylim(0, float(probs.max()) * 1.22)
+    ax.set(xlabel="token of the row", ylabel="softmax probability",
+           title=f"Flash-decoding: {n} tokens split into slices of {slice_len}; the merge weighs each slice's "
+                 "output by its mass")
+    fig.tight_layout()
+    return fig
+
+
+def graph_against_eager(step: dict, result: dict):
+    """The committed engine step: dense and sparse, eager and as one graph replay (milliseconds per step)."""
+    bars = [("dense, eager", step["dense_eager_us"], "0.55"), ("sparse, eager", step["sparse_eager_us"], "tab:red"),
+            ("dense, one graph", step["torch_us"], "0.3"), ("sparse, one graph", step["ours_us"], "tab:green")]
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    for y, (_, us, colour) in enumerate(bars):
+        ax.barh(y, us / 1e3, color=colour)
+        ax.text(us / 1e3 + 0.15, y, f"{us / 1e3:.2f} ms", va="center", fontsize=9)
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(b[1] for b in bars) / 1e3 * 1.18)
+    ax.set_xlabel("ms per decode step (L2 cold)")
+    ax.set_title(f"One engine decode step, {step['shape']}\n(committed {result.get('gpu', '?')} results, "
+                 f"{str(result.get('date', '?'))[:10]})", fontsize=10)
+    fig.tight_layout()
+    return fig

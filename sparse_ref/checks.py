@@ -1556,6 +1556,31 @@ def _check_bounds(page_min, page_max, page_valid) -> tuple[int, int, int]:
     return tuple(page_min.shape)
 
 
+def check_page_bounds_update(k_buffer, page_min, page_max, page_valid, req_to_token, req_pool_indices, seq_lens,
+                             page_size, prefix_lens) -> None:
+    """The inputs of ``update_page_bounds`` (the Quest bounds kernel): shapes, dtypes, one device; the values are
+    the caller's (``QuestAlgorithm`` checks them eagerly; the kernel clamps every index)."""
+    fn = "update_page_bounds"
+    num_pages, num_kv_heads, head_dim = _check_bounds(page_min, page_max, page_valid)
+    page_size = check_int("page_size", page_size, low=1, fix="pass the pool's page size.", error=SparseRefError)
+    check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, shape=(num_pages * page_size, num_kv_heads, head_dim),
+                 contiguous=True, fix="pass token_to_kv_pool.get_key_buffer(layer_id) of the pool the bounds cover.")
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, contiguous=True,
+                 fix="pass ReqToTokenPool.req_to_token.")
+    check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+                 fix="pass forward_batch.req_pool_indices, one row of req_to_token per request.")
+    bs = req_pool_indices.shape[0]
+    lens = {"seq_lens": seq_lens} | ({} if prefix_lens is None else {"prefix_lens": prefix_lens})
+    for name, t in lens.items():
+        check_tensor(name, t, dtype=(torch.int32, torch.int64), shape=(bs,),
+                     fix=f"pass forward_batch.{'extend_prefix_lens' if name == 'prefix_lens' else name}, one per "
+                         "request.")
+    check_kernel_device(f"{fn}: page_min", page_min, "move the pools to the GPU, or use the torch bounds update.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "page_max": page_max, "page_valid": page_valid,
+                                       "k_buffer": k_buffer, "req_to_token": req_to_token,
+                                       "req_pool_indices": req_pool_indices, **lens})
+
+
 def check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out) -> tuple[int, int]:
     """``(num_pages, H_kv * D)`` of ``quest_page_scores``."""
     fn = "quest_page_scores"

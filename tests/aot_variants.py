@@ -8,7 +8,7 @@ module-level ``triton.JITFunction`` named ``*_kernel`` in ``sparse_ref.kernels``
 
 import torch
 
-from sparse_ref.kernels import decode_attention, dsa, page_select, page_table, quest
+from sparse_ref.kernels import decode_attention, dsa, page_select, page_table, quest, quest_bounds
 from sparse_ref.kernels import topk as topk_pkg
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 
@@ -128,6 +128,19 @@ QUEST = [
 ]
 
 
+# ----------------------------------------------------------------------------- Quest bounds update
+QUEST_BOUNDS = [  # page 16, D = 128 (the engine step's shape), decode and prefill, each bounds dtype and K dtype
+    (quest_bounds._page_bounds_kernel,
+     {"k_ptr": k_dtype, "min_ptr": b_dtype, "max_ptr": b_dtype, "valid_ptr": "*u8", "req_to_token_ptr": "*i32",
+      "rows_ptr": "*i64", "seq_lens_ptr": "*i64", "prefix_ptr": "*i64", "dims": ("i32",) * 5,
+      "P": "constexpr", "D": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr", "DECODE": "constexpr",
+      "OUT": "constexpr"},
+     {"P": 16, "D": 128, "BLOCK_P": 16, "BLOCK_D": 128, "DECODE": decode, "OUT": out}, {"num_warps": 4})
+    for k_dtype in ("*bf16", "*fp32") for b_dtype, out in (("*fp32", 0), ("*bf16", 1), ("*fp16", 2))
+    for decode in (True, False)
+]
+
+
 # ----------------------------------------------------------------------------- paged decode attention
 _TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
@@ -204,4 +217,4 @@ DSA = (
 )
 
 
-VARIANTS = TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + DECODE_ATTENTION + DSA
+VARIANTS = TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_BOUNDS + DECODE_ATTENTION + DSA

@@ -40,7 +40,9 @@ the bounds of every logical page, then ``bmm``: the reference); ``"triton"`` run
 kernel ``sparse_ref.kernels.quest.quest_page_scores_from_queries`` (one launch: the query sign split,
 the page mapping and each page's bounds read once); ``"auto"``
 picks Triton for CUDA tensors and torch otherwise. Both give the same scores up to fp32 rounding
-of the sum, and exactly ``-inf`` for pages without bounds.
+of the sum, and exactly ``-inf`` for pages without bounds. The same choice picks the bounds
+update: ``_write_bounds`` in torch (the reference), or ``sparse_ref.kernels.quest_bounds`` (one
+launch, the same bits).
 
 Recipe for a decode setup at any size (the benchmark's bs=64, 32K context, page 16):
 ``sparse_ref.workloads.make_quest_decode_setup(bs, ctx, page_size, ...)``.
@@ -184,6 +186,13 @@ class QuestAlgorithm(SparseAlgorithm):
             pages.append(req_to_token[r, first_token_of_page].long() // P)
         pages = torch.cat(pages).to(self.device)
         checks.check_real_pages(self, pages)
+        if self.uses_triton_scoring():  # one launch: every completed page of every request
+            from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
+
+            update_page_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
+                               req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, P,
+                               prefix_lens=forward_batch.extend_prefix_lens)
+            return
         for chunk in pages.split(4096):  # bounded temporaries at long context: [chunk, P, H_kv, D]
             self._write_bounds(layer_id, chunk, k_pages[chunk], torch.ones_like(chunk, dtype=torch.bool))
 
@@ -191,9 +200,26 @@ class QuestAlgorithm(SparseAlgorithm):
         """After a decode step: build the bounds of the page this step completed, if any.
 
         Batched with no host sync: every row computes the bounds of the page holding its newest
-        token, and keeps them only where ``seq_len % P == 0`` (the page just filled up).
+        token, and keeps them only where ``seq_len % P == 0`` (the page just filled up). With the
+        Triton backend: one launch, whose programs for rows that completed nothing only read two ints.
         """
         k_pages = checks.check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
+        P = self.page_size
+        req_to_token = self.req_to_token_pool.req_to_token
+        if self.uses_triton_scoring():  # one launch, no torch ops at all while a CUDA graph captures
+            from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
+
+            if not checks.capturing():
+                checks.check_real_pages(self, *self._decode_pages(forward_batch))
+            update_page_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
+                               req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, P)
+            return
+        pages, completed = self._decode_pages(forward_batch)
+        checks.check_real_pages(self, pages, completed)
+        self._write_bounds(layer_id, pages, k_pages[pages], completed)
+
+    def _decode_pages(self, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The physical page holding each request's newest token, and whether this step completed it."""
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
         seq_lens = forward_batch.seq_lens.to(req_to_token.device)
@@ -201,8 +227,7 @@ class QuestAlgorithm(SparseAlgorithm):
         newest = (seq_lens - 1).clamp(min=0)
         pages = req_to_token[rows, (newest // P) * P].long().to(self.device) // P
         completed = ((seq_lens > 0) & (seq_lens % P == 0)).to(self.device)
-        checks.check_real_pages(self, pages, completed)
-        self._write_bounds(layer_id, pages, k_pages[pages], completed)
+        return pages, completed
 
     def invalidate_pages(self, pages) -> None:
         """Forget the bounds of freed physical ``pages`` in every layer (the free-listener hook)."""

@@ -5,6 +5,8 @@
   128K context and at bs=64, 8 KV heads, 32K; bytes = the bounds of every scored page read once +
   the scores written. fp32 bounds (as ``QuestAlgorithm`` keeps them by default) and a bf16 row;
   the full run sweeps the launch knobs around the default.
+  Then the Quest bounds update after a decode step (``bench_bounds_update``): the Triton kernel
+  against the torch update, bs=64, 8 KV heads, D=128, page 16, every request completing a page.
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
   against the per-request ``retrieve_topk_loop``, bs=64, 32K context, page 16.
 """
@@ -80,7 +82,41 @@ def bench_quest(device, timer, copy_bw, quick, on_cpu):
                         bytes_note="bounds (min+max) of every scored page read once + fp32 scores written",
                         **({"launch_sweep_us": sweep} if sweep else {})))
         del inputs, page_min, page_max, want, got
-    return rows
+    return rows + bench_bounds_update(device, timer, copy_bw, on_cpu)
+
+
+def bench_bounds_update(device, timer, copy_bw, on_cpu):
+    """The Quest bounds update after a decode step: the Triton kernel against the torch update (the same hook,
+    ``QuestAlgorithm.update_representations``, on each backend). Every request completes a page (ctx is a multiple
+    of the page size): the update's worst case, every program reads its page."""
+    from sparse_ref.workloads import make_quest_decode_setup
+
+    bs, ctx, page_size = (3, 64, 16) if on_cpu else (64, 32768, 16)
+    setup = make_quest_decode_setup(bs, ctx, page_size, device=device)
+    algo, fb = setup.algorithm, setup.forward_batch
+    kb = setup.workload.manager.token_to_kv_pool.get_key_buffer(setup.layer_id)
+    update = partial(algo.update_representations, setup.layer_id, fb, kb)
+    pools = (algo.page_min[0], algo.page_max[0], algo.page_valid[0])
+
+    def with_backend(backend):
+        saved, algo.scoring_backend = algo.scoring_backend, backend
+        try:
+            update()
+        finally:
+            algo.scoring_backend = saved
+        return [t.clone() for t in pools]
+
+    identical = all(torch.equal(a, b) for a, b in zip(with_backend("torch"), with_backend("triton"), strict=True))
+    t_torch = timer.cold([partial(with_backend, "torch")])
+    m_torch = timer.mode
+    t_ours = timer.cold([partial(with_backend, "triton")])
+    h_kv, d = kb.shape[1], kb.shape[2]
+    nbytes = bs * (page_size * h_kv * d * kb.element_size() + 2 * h_kv * d * pools[0].element_size())
+    return [row(f"bs={bs} Hkv={h_kv} D={d} P={page_size} ctx={ctx} {str(kb.dtype)[6:]} keys, "
+                f"{str(pools[0].dtype)[6:]} bounds", None, "every request completes a page", "cold", t_torch, t_ours,
+                nbytes, copy_bw, "quest_bounds_update", baseline="QuestAlgorithm.update_representations, torch",
+                torch_timing=m_torch, ours_timing=timer.mode, bit_identical=identical,
+                bytes_note="the completed pages' keys read once + their min/max written")]
 
 
 def bench_retrieve(device, timer, copy_bw, quick, on_cpu):

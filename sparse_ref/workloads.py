@@ -392,14 +392,15 @@ class PlantedEngineWorkload:
 # ------------------------------------------------------------------------------------------
 # Inputs
 # ------------------------------------------------------------------------------------------
-DISTRIBUTIONS = ("randn", "indexer", "sorted", "plateau", "clustered")
+DISTRIBUTIONS = ("randn", "indexer", "sorted", "plateau", "clustered", "integers")
 
 
 def make_distribution(name: str, R: int, N: int, device, seed: int = 0) -> torch.Tensor:
     """fp32 scores [R, N] of the named distribution: the score rows that make top-k easy or hard (benchmarks,
     notebook 05). ``randn``; ``indexer`` (ReLU-weighted sums like indexer logits, through bf16: many ties);
     ``sorted`` (ascending: every winner at the end); ``plateau`` (a third of each row tied at the top value);
-    ``clustered`` (a few values plus tiny noise)."""
+    ``clustered`` (a few values plus tiny noise); ``integers`` (whole numbers 0..63: every value a long run of
+    ties)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     if name == "randn":
         x = torch.randn(R, N, generator=g)
@@ -422,6 +423,8 @@ def make_distribution(name: str, R: int, N: int, device, seed: int = 0) -> torch
         centers = torch.randn(8, generator=g) * 4
         x = centers[torch.randint(0, 8, (R, N), generator=g)] + 1e-4 * torch.randn(R, N, generator=g)
         x = x.bfloat16().float()
+    elif name == "integers":  # 64 distinct values: the k-th sits inside a run of ~N/64 ties
+        x = torch.randint(0, 64, (R, N), generator=g).float()
     else:
         raise ValueError(f"unknown distribution {name!r}; known: {DISTRIBUTIONS}")
     return x.to(device)

@@ -1,7 +1,7 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
-SUITE is ``topk``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine`` or ``all``; several may be given
-(``python -m sparse_ref.bench quest retrieve``). One module per suite (its docstring says what it
+SUITE is ``topk``, ``sweep``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine`` or ``all``; several
+may be given (``python -m sparse_ref.bench quest retrieve``). One module per suite (its docstring says what it
 measures), all timed by ``timing.py``: CUDA events around CUDA-graph replays, median of many calls,
 L2 cold (a 1 GiB buffer zeroed before each call) or warm, against the copy bandwidth measured in the
 same run, and always beside the baseline under the same output contract.
@@ -30,11 +30,11 @@ from sparse_ref.bench.dsa import bench_dsa
 from sparse_ref.bench.engine import bench_engine
 from sparse_ref.bench.quest import bench_quest, bench_retrieve
 from sparse_ref.bench.timing import COPY_DETAIL, Timer, copy_bandwidth
-from sparse_ref.bench.topk import bench_select, bench_topk
+from sparse_ref.bench.topk import bench_select, bench_topk, bench_topk_sweep
 from sparse_ref.checks import cli_output_file
 
-SUITES = {"topk": bench_topk, "select": bench_select, "quest": bench_quest, "retrieve": bench_retrieve,
-          "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine}
+SUITES = {"topk": bench_topk, "sweep": bench_topk_sweep, "select": bench_select, "quest": bench_quest,
+          "retrieve": bench_retrieve, "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine}
 
 
 

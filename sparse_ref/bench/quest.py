@@ -104,9 +104,15 @@ def bench_bounds_update(device, timer, copy_bw, on_cpu):
             update()
         finally:
             algo.scoring_backend = saved
-        return [t.clone() for t in pools]
 
-    identical = all(torch.equal(a, b) for a, b in zip(with_backend("torch"), with_backend("triton"), strict=True))
+    results = []
+    for backend in ("torch", "triton"):
+        for t in pools:
+            t.zero_()
+        with_backend(backend)
+        results.append([t.clone() for t in pools])
+    identical = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    del results
     t_torch = timer.cold([partial(with_backend, "torch")])
     m_torch = timer.mode
     t_ours = timer.cold([partial(with_backend, "triton")])

@@ -1,10 +1,11 @@
-"""Suites ``topk`` and ``select``: the exact top-k and the fused page selection against torch.
+"""Suites ``topk``, ``sweep`` and ``select``: the exact top-k and the fused page selection against torch.
 
 * **topk**: ``sparse_ref.kernels.topk.topk`` against ``torch.topk`` on the same inputs and the same
   output contract (``sorted=False`` against ``order="index"``, ``sorted=True`` against
   ``order="score"``), for five score distributions (``sparse_ref.workloads.make_distribution``):
   ``randn``, ``indexer`` (many near-ties), ``clustered``, ``sorted`` and ``plateau`` (the last three
   send rows to the exact fallback). On a GPU the randn rows also give each launch's share of the call.
+* **sweep**: ``bench_topk_sweep``, the context sweep (bs=1 and 64, 2K-128K, k=2048, four distributions).
 * **select**: the fused page selection (``select_pages_triton``) against the torch batched
   selection (``select_pages``) and ``torch.topk`` alone.
 """
@@ -50,6 +51,35 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
                 t_ours_w = timer.warm(partial(topk, x, k, order="index", out=out))
                 rows.append(row(f"{R}x{N} fp32", k, dist, "warm", t_torch_w, t_ours_w, nbytes, copy_bw,
                                 "topk(index)", baseline="torch.topk(sorted=False)"))
+    return rows
+
+
+SWEEP_CONTEXTS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+SWEEP_DISTRIBUTIONS = ("randn", "indexer", "clustered", "integers")
+
+
+def bench_topk_sweep(device, timer, copy_bw, quick, on_cpu):
+    """The context sweep where DSA decode batches live: bs=1 and bs=64, 2K-128K scores, k=2048, index order,
+    four distributions (``integers``: long runs of ties), torch.topk(sorted=False) in the same run. ``--quick``:
+    randn and integers only."""
+    from sparse_ref.kernels.topk import topk
+
+    batches, contexts, k = ((2,), (256, 512), 64) if on_cpu else ((1, 64), SWEEP_CONTEXTS, 2048)
+    dists = ("randn", "integers") if quick or on_cpu else SWEEP_DISTRIBUTIONS
+    rows = []
+    for R in batches:
+        for N in contexts:
+            for dist in dists:
+                copies = [make_distribution(dist, R, N, device, seed=s) for s in range(1 if on_cpu else 4)]
+                kk = min(k, N)
+                t_torch = timer.cold([partial(torch.topk, x, kk, dim=1, sorted=False) for x in copies])
+                m_torch = timer.mode
+                out = torch.empty(R, kk, dtype=torch.int32, device=device)
+                t_ours = timer.cold([partial(topk, x, kk, order="index", out=out) for x in copies])
+                rows.append(row(f"{R}x{N} fp32", kk, dist, "cold", t_torch, t_ours, R * N * 4 + R * kk * 4, copy_bw,
+                                "topk(index)", baseline="torch.topk(sorted=False)", torch_timing=m_torch,
+                                ours_timing=timer.mode, sweep=True))
+                del copies
     return rows
 
 

@@ -60,9 +60,10 @@ def _jit_sources(fn) -> list[str]:
 
 
 def _imports(fn) -> list[list[str]]:
-    """``[module, name]`` of the jit functions the notebook imported from modules (the package's helpers)."""
+    """``[module, name, alias]`` of the jit functions the notebook imported from modules (the package's helpers;
+    ``alias``: the name the notebook gave it, ``from module import name as alias``)."""
     kernel_type = _kernel_type()
-    return sorted([value.fn.__module__, name] for name, value in fn.__globals__.items()
+    return sorted([value.fn.__module__, value.fn.__name__, name] for name, value in fn.__globals__.items()
                   if isinstance(value, kernel_type) and value.fn.__module__ != "__main__")
 
 

@@ -85,7 +85,7 @@ def notebook_kernel(entry):
     # (triton.jit reads a function's source from its file)
     import hashlib, tempfile
     lines = ["import triton", "import triton.language as tl"]
-    lines += [f"from {module} import {name}" for module, name in entry["imports"]]
+    lines += [f"from {module} import {name} as {alias}" for module, name, alias in entry["imports"]]
     text = "\n".join(lines) + "\n\n\n" + "\n\n".join(entry["sources"][::-1])
     name = "notebook_kernels_" + hashlib.sha1(text.encode()).hexdigest()[:12]
     folder = os.path.join(tempfile.gettempdir(), "sparse_ref_aot")

@@ -199,7 +199,8 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     select) and on the long-row path the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
     equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
     ``slots``, the select programs' ``span`` of columns, and the bitmask (``bits``) or each chunk's run
-    (``counts``, ``run_starts``), valid after the launches ran.
+    (``counts``, ``run_starts``), valid after the launches ran; and ``grids``: each launch's programs and
+    warps per program as a GPU runs it (known before the launches run).
     """
     R, N = scores.shape
     W = out.shape[1]
@@ -211,6 +212,7 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     row_args = dict(k=k_tensor if k_tensor is not None else min(k_scalar, N), lengths=lengths)
     stride = scores.stride(0)
     if p["register"]:
+        stats["grids"] = {"register_row": (R, TUNING["num_warps"])}
         scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
         stats["flags"] = flags = torch.empty((R,), dtype=torch.int32, device=device)
         return [("register_row", lambda: _register_row_kernel[(R,)](
@@ -222,6 +224,7 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     log_c = max(1, (C - 1).bit_length())
     if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
         stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
+        stats["grids"] = {"whole_row": (R, TUNING["delegate_warps"])}
         return [("whole_row", lambda: select.whole_row_kernel[(R,)](
             scores, stride, out, N, W, **row_args, BLOCK=block, num_warps=nw))]
 
@@ -250,6 +253,9 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     # bitmask words, and _bits_to_slots' blocks of words must be a power of two)
     assert span % chunk == 0 and chunk % 32 == 0
     stats["span"] = span
+    stats["grids"] = {"delegates": (R * (G // cols), TUNING["delegate_warps"]),
+                      "candidates": (R * C, TUNING["candidate_warps"]),
+                      "select": (R * triton.cdiv(N, span), TUNING["select_warps"])}
     return [
         ("delegates", lambda: threshold.delegates_kernel[(R * (G // cols),)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,

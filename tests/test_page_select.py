@@ -2,8 +2,8 @@
 
 The property cases follow the retrieval tests: random batch sizes, seq_lens of 0, 1, below a
 page, exact multiples and long; keep ratios and fixed budgets; recent and sink counts; tied
-and non-finite scores; and the in-register fallback (candidates overflowing the slots) forced
-at small sizes by shrinking the slot count.
+and non-finite scores; each also without the pairwise rank of the last bin (``TUNING["short_pair"]``
+0: window rounds down to one key value), a different path to the same k-th score.
 """
 
 import types
@@ -62,21 +62,21 @@ def configs(draw):
 
 @settings(max_examples=25, deadline=None)
 @given(bs=st.integers(1, 4), page_size=st.sampled_from([1, 3, 4, 16]), max_pages=st.integers(1, 24),
-       config=configs(), ties=st.booleans(), nonfinite=st.booleans(), slots=st.sampled_from([0, 0, 2]),
+       config=configs(), ties=st.booleans(), nonfinite=st.booleans(), pair=st.sampled_from([128, 128, 0, 4]),
        seed=st.integers(0, 2**16), data=st.data())
-def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, nonfinite, slots, seed, data):
+def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, nonfinite, pair, seed, data):
     cap = max_pages * page_size
     lens = st.one_of(st.sampled_from([0, 1, min(page_size - 1, cap), cap, (cap // page_size) * page_size]),
                      st.integers(0, cap))
     seq_lens = torch.tensor(data.draw(st.lists(lens, min_size=bs, max_size=bs)), dtype=torch.int64, device=DEVICE)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), device=DEVICE)
     scores = page_scores(bs, max_pages, seed, ties, nonfinite)
-    saved = topk_module.TUNING["slots"]
-    topk_module.TUNING["slots"] = slots  # 2: every row with more than 2 candidates takes the fallback
+    saved = topk_module.TUNING["short_pair"]
+    topk_module.TUNING["short_pair"] = pair  # 0: window rounds to one key value, no pairwise rank; 4: the rank only for tiny bins
     try:
         check_against_references(scores, seq_lens, mask, page_size, config)
     finally:
-        topk_module.TUNING["slots"] = saved
+        topk_module.TUNING["short_pair"] = saved
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -113,10 +113,10 @@ def test_typical_batch_and_explicit_widths():
     check_against_references(scores, seq_lens, mask, 4, config, width=45)
 
 
-@pytest.mark.parametrize("slots", [0, 2])
-def test_adversarial_history(monkeypatch, slots):
-    """Ascending, periodic and plateau histories; with 2 slots every row takes the in-register fallback."""
-    monkeypatch.setitem(topk_module.TUNING, "slots", slots)
+@pytest.mark.parametrize("pair", [128, 0])
+def test_adversarial_history(monkeypatch, pair):
+    """Ascending, periodic and plateau histories; with and without the pairwise rank of the last bin."""
+    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)
     config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
     n = 300
     period = torch.randn(16, generator=torch.Generator().manual_seed(1))
@@ -127,12 +127,12 @@ def test_adversarial_history(monkeypatch, slots):
 
 
 @pytest.mark.parametrize("spread", [1e-3, 1e-6])
-@pytest.mark.parametrize("slots", [0, 16])
-def test_packed_scores_take_the_exact_delegate(monkeypatch, spread, slots):
-    """Scores packed in a narrow range (like Quest bounds: ~5700 +- 2%) share their top 16 bits, so the
-    16-bit delegate threshold lets every page through; the exact k-th delegate must take over (and at
-    1e-6 many scores tie exactly in fp32). 16 slots: ~85 candidates at 16 bits, 7 at the exact delegate."""
-    monkeypatch.setitem(topk_module.TUNING, "slots", slots)
+@pytest.mark.parametrize("pair", [128, 0])
+def test_packed_scores_are_exact(monkeypatch, spread, pair):
+    """Scores packed in a narrow range (like Quest bounds: ~5700 +- 2%) share their top 16 bits, so radix
+    rounds on fixed bits would see one bin; the window rounds work on the scores' own range (and at 1e-6
+    many scores tie exactly in fp32). With and without the pairwise rank of the last bin."""
+    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)
     config = SparseConfig(page_budget=7, num_recent_pages=2, num_sink_pages=1)
     g = torch.Generator().manual_seed(11)
     scores = (5700.0 * (1 + spread * torch.randn(3, 90, generator=g))).to(DEVICE)
@@ -298,8 +298,8 @@ def test_input_errors(call, match):
 # GPU
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots", [0, 2])
-def test_gpu_benchmark_shape(monkeypatch, slots):
+@pytest.mark.parametrize("pair", [128, 0])
+def test_gpu_benchmark_shape(monkeypatch, pair):
     """32 x 8192 pages, k = 128, 4 recent pages (the benchmark shape), ties and NaN included."""
     config = SparseConfig(page_budget=128, num_recent_pages=4)
     scores = page_scores(32, 8192, seed=5, ties=False, nonfinite=True, device="cuda")
@@ -307,7 +307,7 @@ def test_gpu_benchmark_shape(monkeypatch, slots):
     seq_lens = torch.randint(1, 8192 * 16 + 1, (32,), device="cuda")
     seq_lens[0] = 8192 * 16
     mask = torch.ones(32, dtype=torch.bool, device="cuda")
-    monkeypatch.setitem(topk_module.TUNING, "slots", slots)  # 2: the in-register fallback on every row
+    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)  # 0: window rounds only
     check_against_references(scores, seq_lens, mask, 16, config)
 
 

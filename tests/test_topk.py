@@ -1,12 +1,12 @@
 """The Triton top-k (kernels/topk.py) against ``topk_reference`` on awkward and adversarial inputs.
 
 The paths are tested separately, forced at interpreter sizes through ``TUNING``:
-``register`` (one program per row, row in registers), ``long`` (delegates -> candidates copied to runs of
+``register`` (one program per row, row in registers, selected directly: window rounds and a pairwise rank),
+``register_rounds`` (the same without the pairwise rank: window rounds down to one key value), ``long`` (delegates -> candidates copied to runs of
 the row's slots -> the program of span 0 selects among them), ``bitmask`` (the same with the candidates
 marked in a bitmask that the select programs copy into the slots, for the row's last one to select),
 ``fallback`` and ``bitmask_fallback`` (the slot tensor shrunk so that every row overflows and the
-device-side fallback runs: the tie path or the exact radix select over the whole row) and
-``register_fallback``. The ``gpu`` tests run realistic sizes and CUDA-graph replays.
+device-side fallback runs: the tie path or the exact radix select over the whole row). The ``gpu`` tests run realistic sizes and CUDA-graph replays.
 """
 
 import pytest
@@ -30,7 +30,7 @@ PATHS = {
     "register": {},
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
-    "register_fallback": {"slots": 2},
+    "register_rounds": {"short_pair": 0},
     "bitmask": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "bitmask_programs": 0},
     "bitmask_fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
                          "bitmask_programs": 0},
@@ -669,24 +669,42 @@ def test_forced_fallback_for_wide_k(monkeypatch):
 
 
 @pytest.mark.parametrize("N, k", [(300, 7), (3001, 100), (8192, 700)])
-def test_packed_register_rows_take_the_exact_delegate(N, k):
-    """Register rows packed within ~1% (like Quest page scores) share their top 16 bits, so the 16-bit
-    delegate threshold lets (nearly) the whole row through; the radix must continue over the delegates to
-    the exact k-th delegate instead of falling to the whole-row select (flag 1). bf16-rounded packed rows
-    (a handful of distinct values, hundreds of ties each) may take the tie path (flag 2), never flag 1."""
+@pytest.mark.parametrize("pair", [128, 0])
+def test_packed_short_rows(monkeypatch, N, k, pair):
+    """Short rows packed within ~1% (like Quest page scores) share their top 16 bits: radix rounds on fixed
+    bits would keep the whole row in one bin, the window rounds work on the row's own range. bf16-rounded
+    packed rows: a handful of distinct values, hundreds of ties each. With and without the pairwise rank."""
     assert N <= topk_module.TUNING["register_row"]
+    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)
     g = torch.Generator().manual_seed(N)
     rows = 1 + 0.01 * torch.rand(3, N, generator=g)
     rows[1] = 5700 * (1 + 0.02 * torch.randn(N, generator=g))  # Quest-like: a bound summed over heads and dims
     lengths = torch.tensor([N, N - N // 3, N - 1], device=DEVICE)
     bf16 = (1 + 0.1 * torch.rand(2, N, generator=g)).to(torch.bfloat16)
-    for x, lens, allowed in ((rows, None, {0}), (rows, lengths, {0}), (bf16, None, {0, 2})):
+    for x, lens in ((rows, None), (rows, lengths), (bf16, None)):
         x = x.to(DEVICE)
+        stats = {}
         out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
-        flags = topk_module._launch_topk(x, k, None, lens, out)
-        assert set(flags.tolist()) <= allowed, flags.tolist()
+        topk_module._launch_topk(x, k, None, lens, out, stats)
+        assert list(stats["grids"]) == ["short_row"]
         assert torch.equal(out.cpu(), topk_reference(x.cpu(), k, None if lens is None else lens.cpu(), order="index"))
         check(x, k, lens)
+
+
+@pytest.mark.parametrize("N", [700, 2049] if DEVICE.type == "cpu" else [4095, 8000])
+@pytest.mark.parametrize("fraction", [64, 8, 3, 2])
+def test_short_rows_every_k_fraction(N, fraction):
+    """Short rows at k = N/64 .. N/2: random, integer plateaus (0..63: every value a run of ties), one
+    all-equal row, NaN / -inf / -0.0 sprinkled in, lengths 0, 1, k - 1 and full; both orders."""
+    from sparse_ref.workloads import make_distribution
+
+    k = N // fraction
+    x = torch.cat([make_scores(2, N, seed=fraction, specials=True),
+                   make_distribution("integers", 2, N, DEVICE, seed=fraction), torch.full((1, N), 0.5, device=DEVICE)])
+    lengths = torch.tensor([N, 0, N, max(k - 1, 0), 1], device=DEVICE)
+    check(x, k, order="index")
+    check(x, k, lengths, order="index")
+    check(x, k, lengths, order="score")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -773,7 +791,7 @@ def test_input_errors(call, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("R, N, k", [(4, 131072, 2048), (1, 131072, 2048), (5, 10_000, 4096), (3, 20_000, 100),
                                      (2, 1 << 20, 4096), (64, 65536, 2048), (7, 6000, 2047),
-                                     (64, 32832, 2048), (128, 40_000, 2048)])
+                                     (64, 32832, 2048), (128, 40_000, 2048), (64, 4096, 2048), (16, 8192, 64)])
 # (few compile variants; 64 x 32832: the DSA indexer's rows; 128 rows: two delegates programs of 2048 columns per row)
 def test_gpu_large_rows(R, N, k):
     x = make_scores(R, N, seed=8, device="cuda")

@@ -40,8 +40,7 @@ The design, in five steps:
    and stores every ``key > t`` plus the first ``key == t`` (ties to the lower id) at its place in id
    order (one prefix sum over the slots; the runs mode corrects for the order the runs landed in).
    Ascending ids, no sort. A crossing bin of more than ``pair_rank`` keys (ties, bf16 scores) first
-   narrows by window rounds over its own range. Register rows do the same in registers: a bitmask word
-   per 32 columns gives the slots, window rounds over ``[T, row max]`` and a pairwise rank give ``t``.
+   narrows by window rounds over its own range.
 5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
    a period of G, more than half the row wanted) is flagged on the device and takes an exact
    fallback (``select.py``): the tie path; or, when k or more keys are above ``T`` and
@@ -50,7 +49,8 @@ The design, in five steps:
 ``order="score"`` then sorts the <= k winners of each row (``sort.py``).
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
-keeps it in registers (one launch, this module; the tie path runs in registers too). Longer rows use
+keeps it in registers and skips steps 2-5 (``_short_row_kernel``, one launch): window rounds over the
+whole row and a pairwise rank give ``t``, one prefix sum places the winners. Longer rows use
 three launches: delegates (``threshold.py``: a few programs per row; the last one to
 finish computes ``T``), candidates (``candidates.py``: a light program per chunk, no serial
 tail) and select (``select.py``: a few programs per row, ``select_programs`` in
@@ -83,13 +83,15 @@ from sparse_ref.kernels.topk.common import (
     T_,
     _pad,
     _row_k_len,
-    _select_in_registers,
+    _select_direct,
 )
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
 TUNING = {
-    "register_row": 8192,  # rows up to this many columns: one program per row, row in registers
+    "register_row": 8192,  # rows up to this many columns: one program per row, row in registers, selected directly
+    "short_pair": 128,  # such rows: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
+    "scores_per_warp": 512,  # such rows (and page histories): warps = N_PAD / this, from 8 to 32
     "min_delegates": 256,  # G = max(this, next_pow2(2 k)), at most max_delegates
     "max_delegates": 8192,
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
@@ -98,7 +100,7 @@ TUNING = {
     "bitmask_programs": 1024,  # at least this many candidates programs (rows x chunks): the bitmask mode
     "delegate_cols": 2048,  # delegate columns per delegate program (at most; halved while the programs are fewer
     # than min_programs: 1024 at 64 rows and G = 4096, 2048 at 128 rows, where two programs per row fit in one wave)
-    "num_warps": 8,  # register rows (one program per row) and the fused page selection
+    "num_warps": 8,  # the Quest bounds update (sparse_ref.kernels.quest_bounds)
     "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
@@ -124,16 +126,17 @@ ORDERS = ("score", "index", "none")
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _register_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
-                         N_PAD: tl.constexpr, G: tl.constexpr,
-                         SLOTS: tl.constexpr, PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
-    """One program = one row of at most N_PAD columns, held in registers: the whole top-k, one launch."""
+def _short_row_kernel(scores, stride_r, out, scratch, N, W, k, lengths,
+                      N_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """One program = one row of at most N_PAD columns, held in registers and selected directly
+    (``_select_direct``; notebook 05 section 1, with window rounds for radix rounds; ``scratch``: PAIR int32
+    per row). No delegates, no candidates: on short rows they were two more passes of the same cost
+    (measured on an H200: 64 x 4096, k = 2048, 35.8 -> 15.1 us)."""
     r = tl.program_id(0)
     k, length = _row_k_len(r, N, W, k, lengths)
     out_row = out + r.to(tl.int64) * W
-    k_eff, path = _select_in_registers(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
-                                       scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
-    tl.store(flags + r, path)
+    k_eff = _select_direct(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
+                           scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR)
     _pad(out_row, k_eff, W, BLOCK_OUT)
 
 
@@ -169,13 +172,18 @@ def pdl_options(device: torch.device) -> dict:
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
+def short_row_warps(n_pad: int) -> int:
+    """Warps of a program that holds a row of ``n_pad`` scores in registers (``_select_direct``): one per
+    ``TUNING["scores_per_warp"]`` scores, 8 to 32 (on an H200, 64 x 2048: 4 warps 16.5 us, 8 warps 14.4;
+    64 x 8192: 8 warps 51.8, 16 warps 28.7; 16384: 16 warps 65.4, 32 warps 56.5)."""
+    return min(32, max(8, n_pad // TUNING["scores_per_warp"]))
+
+
 def plan(R: int, N: int, width: int) -> dict:
     """Launch constants for R rows of N columns and at most ``width`` winners (see TUNING)."""
     n_pad = max(32, triton.next_power_of_2(N))  # (at least one bitmask word)
     G = max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * width, 1)))
     register = N <= TUNING["register_row"]
-    if register:
-        G = min(G, n_pad)
     slots = TUNING["slots"] or TUNING["slots_per_delegate"] * G
     chunk, cols = max(32, min(TUNING["chunk"], n_pad, 1 << 15)), min(TUNING["delegate_cols"], G)  # (chunk: whole
     # bitmask words; < 2**16: two counts packed in one int32)
@@ -194,9 +202,9 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
     benchmark can time each launch on its own (``sparse_ref.bench.topk``). Private: ``topk`` checks first.
 
-    ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates,
+    ``stats`` (a dict) receives the plan and, on the long-row path, the per-row path ``flags`` (0 = exact select on the candidates,
     2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
-    select) and on the long-row path the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
+    select), the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
     equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
     ``slots``, the select programs' ``span`` of columns, and the bitmask (``bits``) or each chunk's run
     (``counts``, ``run_starts``), valid after the launches ran; and ``grids``: each launch's programs and
@@ -208,16 +216,17 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     p = plan(R, N, W)
     stats = {} if stats is None else stats
     stats["plan"] = p
-    nw = TUNING["num_warps" if p["register"] else "delegate_warps"] if device.type == "cuda" else 1
     row_args = dict(k=k_tensor if k_tensor is not None else min(k_scalar, N), lengths=lengths)
     stride = scores.stride(0)
     if p["register"]:
-        stats["grids"] = {"register_row": (R, TUNING["num_warps"])}
-        scratch = torch.empty((R, p["slots"]), dtype=torch.int32, device=device)
-        stats["flags"] = flags = torch.empty((R,), dtype=torch.int32, device=device)
-        return [("register_row", lambda: _register_row_kernel[(R,)](
-            scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
-            PAIR=p["pair"], BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
+        nw = short_row_warps(p["n_pad"]) if device.type == "cuda" else 1
+        stats["grids"] = {"short_row": (R, nw)}
+        pair = TUNING["short_pair"]
+        scratch = torch.empty((R, max(pair, 1)), dtype=torch.int32, device=device)
+        return [("short_row", lambda: _short_row_kernel[(R,)](
+            scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], PAIR=pair,
+            BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
+    nw = TUNING["delegate_warps"] if device.type == "cuda" else 1
     block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p["n_pad"])
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
     C = triton.cdiv(N, chunk)

@@ -328,13 +328,13 @@ def topk_committed(picked: dict, shapes: list, result: dict):
 def topk_launch_timeline(rows: list, grids: dict, result: dict):
     """The package top-k's launches one after another, one bar per shape: each launch as wide as its measured
     time (the bench's ``parts_us``); under each bar, every launch's time, programs and warps."""
-    colours = {"delegates": "tab:blue", "candidates": "tab:orange", "select": "tab:green", "register_row": "tab:purple"}
+    colours = {"delegates": "tab:blue", "candidates": "tab:orange", "select": "tab:green", "short_row": "tab:purple"}
     fig, ax = plt.subplots(figsize=(12, 1.4 + 1.0 * len(rows)))
     for y, row in enumerate(rows):
         t, parts = 0.0, []
         for name, us in row["parts_us"].items():
             ax.barh(y, us, left=t, color=colours.get(name, "0.6"), edgecolor="white", height=0.45,
-                    label=name if y == 0 or name == "register_row" else None)
+                    label=name if y == 0 or name == "short_row" else None)
             programs, warps = grids[row["shape"]].get(name, ("?", "?"))
             parts.append(f"{name} {us:.1f} µs ({programs} programs × {warps} warps)")
             t += us

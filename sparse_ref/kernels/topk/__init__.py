@@ -90,7 +90,7 @@ NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
 TUNING = {
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers, selected directly
-    "short_pair": 128,  # such rows: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
+    "short_pair": 32,  # such rows: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
     "scores_per_warp": 512,  # such rows (and page histories): warps = N_PAD / this, from 8 to 32
     "min_delegates": 256,  # G = max(this, next_pow2(2 k)), at most max_delegates
     "max_delegates": 8192,

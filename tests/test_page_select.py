@@ -72,7 +72,7 @@ def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, n
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), device=DEVICE)
     scores = page_scores(bs, max_pages, seed, ties, nonfinite)
     saved = topk_module.TUNING["short_pair"]
-    topk_module.TUNING["short_pair"] = pair  # 0: window rounds to one key value, no pairwise rank; 4: the rank only for tiny bins
+    topk_module.TUNING["short_pair"] = pair  # 0: window rounds to one key value, no pairwise rank; 4: tiny bins
     try:
         check_against_references(scores, seq_lens, mask, page_size, config)
     finally:

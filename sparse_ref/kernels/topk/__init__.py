@@ -203,8 +203,8 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     benchmark can time each launch on its own (``sparse_ref.bench.topk``). Private: ``topk`` checks first.
 
     ``stats`` (a dict) receives the plan and, on the long-row path, the per-row path ``flags`` (0 = exact
-    select on the candidates, 2 = tie path, 3 = exact select on the keys above the threshold, copied again, 1 = whole-row radix
-    select), the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
+    select on the candidates, 2 = tie path, 3 = exact select on the keys above the threshold, copied again,
+    1 = whole-row radix select), the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
     equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
     ``slots``, the select programs' ``span`` of columns, and the bitmask (``bits``) or each chunk's run
     (``counts``, ``run_starts``), valid after the launches ran; and ``grids``: each launch's programs and

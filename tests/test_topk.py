@@ -4,7 +4,8 @@ The paths are tested separately, forced at interpreter sizes through ``TUNING``:
 ``register`` (one program per row, row in registers, selected directly: window rounds and a pairwise rank),
 ``register_rounds`` (the same without the pairwise rank: window rounds down to one key value), ``long``
 (delegates -> candidates copied to runs of the row's slots -> the program of span 0 selects among them),
-``bitmask`` (the same with the candidates marked in a bitmask that the select programs copy into the slots, for the row's last one to select),
+``bitmask`` (the same with the candidates marked in a bitmask that the select programs copy into the
+slots, for the row's last one to select),
 ``fallback`` and ``bitmask_fallback`` (the slot tensor shrunk so that every row overflows and the
 device-side fallback runs: the tie path or the exact radix select over the whole row). The ``gpu`` tests
 run realistic sizes and CUDA-graph replays.

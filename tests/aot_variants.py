@@ -29,12 +29,14 @@ AOT_ROWS = [(dict(k="i32"), dict(lengths=None)), (dict(k="*i32", lengths="*i64")
 
 
 # ----------------------------------------------------------------------------- the top-k
-TOPK = [  # the short rows: 8192 columns (16 warps) at k = 2048 and 4096 (8 warps) at k = 128; bf16 scores, rounds only
-    *[aot_variant(topk_pkg._short_row_kernel, dict(**rc, N_PAD=n, PAIR=128, BLOCK_OUT=b), {"num_warps": nw},
-                  scratch="*i32", **rt, **AOT_PTRS)
-      for (rt, rc), n, b, nw in zip(AOT_ROWS, (8192, 4096), (1024, 128), (16, 8), strict=True)],
-    aot_variant(topk_pkg._short_row_kernel, dict(lengths=None, N_PAD=1024, PAIR=0, BLOCK_OUT=16),
-                {"num_warps": 8}, scratch="*i32", k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
+TOPK = [  # the short rows: 8192 columns at k = 2048 (direct, 16 warps), k = 128 (delegates); bf16, rounds only
+    *[aot_variant(topk_pkg._short_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b, DIRECT=d),
+                  {"num_warps": nw}, scratch="*i32", flags="*i32", **rt, **AOT_PTRS)
+      for (rt, rc), g, b, pr, d, nw in zip(AOT_ROWS, (4096, 256), (1024, 128), (32, 128), (True, False), (16, 8),
+                                           strict=True)],
+    aot_variant(topk_pkg._short_row_kernel, dict(lengths=None, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16,
+                                                 DIRECT=True), {"num_warps": 8}, scratch="*i32", flags="*i32",
+                k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
 ]
 TOPK += [  # 64 x 64K and 8 x 128K at k = 2048 (LOCAL); 1 x 128K (the row's merged histogram)
     *[aot_variant(threshold.delegates_kernel, dict(**rc, G=g, COLS=1024, ROWS=8, LOG_C=c, LOCAL=lc),
@@ -72,7 +74,7 @@ TOPK += [
 
 
 # ----------------------------------------------------------------------------- page selection
-# the decode-step shapes (2048 pages: 8 warps, 8192 pages: 16 warps, k ~ 128)
+# the decode-step shapes (k ~ 128: 2048 pages direct, 8 warps; 8192 pages by delegates, 8 warps)
 _SELECT_SIG = {"scores": "*fp32", "selected": "*i32", "lengths": "*i32", "seq_lens": "*i64", "sparse_mask": "*i1",
                "budget": "*i32", "scratch": "*i32", "sizes": ("i32",) * 3, "rules": ("i32",) * 4}
 _TABLE_SIG = {**{k: v for k, v in _SELECT_SIG.items() if k not in ("sizes", "rules")}, "rows": "*i64",
@@ -80,12 +82,13 @@ _TABLE_SIG = {**{k: v for k, v in _SELECT_SIG.items() if k not in ("sizes", "rul
               "sizes": ("i32",) * 6, "rules": ("i32",) * 4}
 PAGE_SELECT = [
     (page_select._page_select_kernel, _SELECT_SIG,
-     {"N_PAD": n_pad, "PAIR": 128, "BLOCK_OUT": 256}, {"num_warps": nw})
-    for n_pad, nw in ((2048, 8), (8192, 16))
+     {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "DIRECT": d}, {"num_warps": 8})
+    for n_pad, pr, d in ((2048, 32, True), (8192, 128, False))
 ] + [
     (page_select._select_to_table_kernel, _TABLE_SIG,
-     {"N_PAD": n_pad, "PAIR": 128, "BLOCK_OUT": 256, "BLOCK_T": 1024}, {"num_warps": nw})
-    for n_pad, nw in ((2048, 8), (8192, 16))
+     {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "BLOCK_T": 1024, "DIRECT": d},
+     {"num_warps": 8})
+    for n_pad, pr, d in ((2048, 32, True), (8192, 128, False))
 ]
 
 

@@ -2,8 +2,9 @@
 
 The property cases follow the retrieval tests: random batch sizes, seq_lens of 0, 1, below a
 page, exact multiples and long; keep ratios and fixed budgets; recent and sink counts; tied
-and non-finite scores; each also without the pairwise rank of the last bin (``TUNING["short_pair"]``
-0: window rounds down to one key value), a different path to the same k-th score.
+and non-finite scores; each by every plan of a row in registers (``KNOBS``): the plan the shapes pick,
+direct (with and without the pairwise rank of the last bin: window rounds down to one key value), and
+the delegates plan (with 2 slots every row overflows into its fallback).
 """
 
 import types
@@ -25,6 +26,9 @@ from sparse_ref.kernels.page_select import select_pages_to_table, select_pages_t
 from sparse_ref.selection import select_pages, select_pages_row, selection_width
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
+BIG = 1 << 20
+KNOBS = [{}, {"direct_ratio": BIG}, {"direct_ratio": BIG, "short_pair": 0}, {"direct_ratio": 0},
+         {"direct_ratio": 0, "slots": 2}]  # the shapes' plan; direct (+ no pairwise rank); delegates (+ overflow)
 
 
 def check_against_references(scores, seq_lens, mask, page_size, config, width=None):
@@ -62,21 +66,21 @@ def configs(draw):
 
 @settings(max_examples=25, deadline=None)
 @given(bs=st.integers(1, 4), page_size=st.sampled_from([1, 3, 4, 16]), max_pages=st.integers(1, 24),
-       config=configs(), ties=st.booleans(), nonfinite=st.booleans(), pair=st.sampled_from([128, 128, 0, 4]),
+       config=configs(), ties=st.booleans(), nonfinite=st.booleans(), knobs=st.sampled_from(KNOBS),
        seed=st.integers(0, 2**16), data=st.data())
-def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, nonfinite, pair, seed, data):
+def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, nonfinite, knobs, seed, data):
     cap = max_pages * page_size
     lens = st.one_of(st.sampled_from([0, 1, min(page_size - 1, cap), cap, (cap // page_size) * page_size]),
                      st.integers(0, cap))
     seq_lens = torch.tensor(data.draw(st.lists(lens, min_size=bs, max_size=bs)), dtype=torch.int64, device=DEVICE)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), device=DEVICE)
     scores = page_scores(bs, max_pages, seed, ties, nonfinite)
-    saved = topk_module.TUNING["short_pair"]
-    topk_module.TUNING["short_pair"] = pair  # 0: window rounds to one key value, no pairwise rank; 4: tiny bins
+    saved = dict(topk_module.TUNING)
+    topk_module.TUNING.update(knobs)
     try:
         check_against_references(scores, seq_lens, mask, page_size, config)
     finally:
-        topk_module.TUNING["short_pair"] = saved
+        topk_module.TUNING.update(saved)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -113,10 +117,11 @@ def test_typical_batch_and_explicit_widths():
     check_against_references(scores, seq_lens, mask, 4, config, width=45)
 
 
-@pytest.mark.parametrize("pair", [128, 0])
-def test_adversarial_history(monkeypatch, pair):
-    """Ascending, periodic and plateau histories; with and without the pairwise rank of the last bin."""
-    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)
+@pytest.mark.parametrize("knobs", KNOBS[1:])
+def test_adversarial_history(monkeypatch, knobs):
+    """Ascending, periodic and plateau histories, by every plan (``KNOBS``)."""
+    for name, value in knobs.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
     config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
     n = 300
     period = torch.randn(16, generator=torch.Generator().manual_seed(1))
@@ -127,12 +132,14 @@ def test_adversarial_history(monkeypatch, pair):
 
 
 @pytest.mark.parametrize("spread", [1e-3, 1e-6])
-@pytest.mark.parametrize("pair", [128, 0])
-def test_packed_scores_are_exact(monkeypatch, spread, pair):
+@pytest.mark.parametrize("knobs", [*KNOBS[1:4], {"direct_ratio": 0, "slots": 16}])
+def test_packed_scores_are_exact(monkeypatch, spread, knobs):
     """Scores packed in a narrow range (like Quest bounds: ~5700 +- 2%) share their top 16 bits, so radix
     rounds on fixed bits would see one bin; the window rounds work on the scores' own range (and at 1e-6
-    many scores tie exactly in fp32). With and without the pairwise rank of the last bin."""
-    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)
+    many scores tie exactly in fp32). The delegates plan must reach the exact k-th delegate (16 slots: ~85
+    candidates at 16 bits, 7 at the exact delegate). Every plan."""
+    for name, value in knobs.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
     config = SparseConfig(page_budget=7, num_recent_pages=2, num_sink_pages=1)
     g = torch.Generator().manual_seed(11)
     scores = (5700.0 * (1 + spread * torch.randn(3, 90, generator=g))).to(DEVICE)
@@ -298,8 +305,8 @@ def test_input_errors(call, match):
 # GPU
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [128, 0])
-def test_gpu_benchmark_shape(monkeypatch, pair):
+@pytest.mark.parametrize("knobs", KNOBS[1:])
+def test_gpu_benchmark_shape(monkeypatch, knobs):
     """32 x 8192 pages, k = 128, 4 recent pages (the benchmark shape), ties and NaN included."""
     config = SparseConfig(page_budget=128, num_recent_pages=4)
     scores = page_scores(32, 8192, seed=5, ties=False, nonfinite=True, device="cuda")
@@ -307,7 +314,8 @@ def test_gpu_benchmark_shape(monkeypatch, pair):
     seq_lens = torch.randint(1, 8192 * 16 + 1, (32,), device="cuda")
     seq_lens[0] = 8192 * 16
     mask = torch.ones(32, dtype=torch.bool, device="cuda")
-    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)  # 0: window rounds only
+    for name, value in knobs.items():  # (this shape picks the delegates plan: 8192 pages, k = 128)
+        monkeypatch.setitem(topk_module.TUNING, name, value)
     check_against_references(scores, seq_lens, mask, 16, config)
 
 

@@ -2,7 +2,9 @@
 
 The paths are tested separately, forced at interpreter sizes through ``TUNING``:
 ``register`` (one program per row, row in registers, selected directly: window rounds and a pairwise rank),
-``register_rounds`` (the same without the pairwise rank: window rounds down to one key value), ``long``
+``register_rounds`` (the same without the pairwise rank: window rounds down to one key value),
+``register_delegates`` and ``register_fallback`` (the delegates plan in registers; with 2 slots every row
+overflows into its tie path or whole-row radix), ``long``
 (delegates -> candidates copied to runs of the row's slots -> the program of span 0 selects among them),
 ``bitmask`` (the same with the candidates marked in a bitmask that the select programs copy into the
 slots, for the row's last one to select),
@@ -33,6 +35,8 @@ PATHS = {
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
     "register_rounds": {"short_pair": 0},
+    "register_delegates": {"direct_ratio": 0},
+    "register_fallback": {"direct_ratio": 0, "slots": 2},
     "bitmask": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "bitmask_programs": 0},
     "bitmask_fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2,
                          "bitmask_programs": 0},
@@ -671,35 +675,44 @@ def test_forced_fallback_for_wide_k(monkeypatch):
 
 
 @pytest.mark.parametrize("N, k", [(300, 7), (3001, 100), (8192, 700)])
-@pytest.mark.parametrize("pair", [128, 0])
-def test_packed_short_rows(monkeypatch, N, k, pair):
+@pytest.mark.parametrize("plan", ["direct", "rounds", "delegates"])
+def test_packed_short_rows(monkeypatch, N, k, plan):
     """Short rows packed within ~1% (like Quest page scores) share their top 16 bits: radix rounds on fixed
-    bits would keep the whole row in one bin, the window rounds work on the row's own range. bf16-rounded
-    packed rows: a handful of distinct values, hundreds of ties each. With and without the pairwise rank."""
+    bits would keep the whole row in one bin, the window rounds work on the row's own range. The delegates
+    plan must continue over the delegates to the exact k-th delegate instead of falling to the whole-row
+    select (flag 1). bf16-rounded packed rows (a handful of distinct values, hundreds of ties each) may take
+    its tie path (flag 2), never flag 1."""
     assert N <= topk_module.TUNING["register_row"]
-    monkeypatch.setitem(topk_module.TUNING, "short_pair", pair)
+    knobs = {"direct": {"direct_ratio": 1 << 20}, "rounds": {"direct_ratio": 1 << 20, "short_pair": 0},
+             "delegates": {"direct_ratio": 0}}[plan]
+    for name, value in knobs.items():
+        monkeypatch.setitem(topk_module.TUNING, name, value)
     g = torch.Generator().manual_seed(N)
     rows = 1 + 0.01 * torch.rand(3, N, generator=g)
     rows[1] = 5700 * (1 + 0.02 * torch.randn(N, generator=g))  # Quest-like: a bound summed over heads and dims
     lengths = torch.tensor([N, N - N // 3, N - 1], device=DEVICE)
     bf16 = (1 + 0.1 * torch.rand(2, N, generator=g)).to(torch.bfloat16)
-    for x, lens in ((rows, None), (rows, lengths), (bf16, None)):
+    for x, lens, allowed in ((rows, None, {0}), (rows, lengths, {0}), (bf16, None, {0, 2})):
         x = x.to(DEVICE)
         stats = {}
         out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
-        topk_module._launch_topk(x, k, None, lens, out, stats)
-        assert list(stats["grids"]) == ["short_row"]
+        flags = topk_module._launch_topk(x, k, None, lens, out, stats)
+        assert list(stats["grids"]) == ["short_row"] and stats["plan"]["direct"] == (plan != "delegates")
+        assert set(flags.tolist()) <= ({0} if plan != "delegates" else allowed), flags.tolist()
         assert torch.equal(out.cpu(), topk_reference(x.cpu(), k, None if lens is None else lens.cpu(), order="index"))
         check(x, k, lens)
 
 
 @pytest.mark.parametrize("N", [700, 2049] if DEVICE.type == "cpu" else [4095, 8000])
 @pytest.mark.parametrize("fraction", [64, 8, 3, 2])
-def test_short_rows_every_k_fraction(N, fraction):
+@pytest.mark.parametrize("ratio", [8, 0, 1 << 20])
+def test_short_rows_every_k_fraction(monkeypatch, N, fraction, ratio):
     """Short rows at k = N/64 .. N/2: random, integer plateaus (0..63: every value a run of ties), one
-    all-equal row, NaN / -inf / -0.0 sprinkled in, lengths 0, 1, k - 1 and full; both orders."""
+    all-equal row, NaN / -inf / -0.0 sprinkled in, lengths 0, 1, k - 1 and full; both orders. With the plan
+    the shapes pick (``direct_ratio`` 8), the delegates plan always (0) and the direct plan always."""
     from sparse_ref.workloads import make_distribution
 
+    monkeypatch.setitem(topk_module.TUNING, "direct_ratio", ratio)
     k = N // fraction
     x = torch.cat([make_scores(2, N, seed=fraction, specials=True),
                    make_distribution("integers", 2, N, DEVICE, seed=fraction), torch.full((1, N), 0.5, device=DEVICE)])

@@ -7,10 +7,14 @@ one program per request row, the row's page scores held in registers:
    recent window ``[n - recent, n)``, the sink window ``[0, sink)``, the history between them and
    the history budget ``k`` (read from a table computed once by ``SparseConfig.history_budget_tensor``), and
    whether the row goes sparse at all.
-2. **History top-k**, selected directly in registers (``topk.common._select_direct``, shared with the
-   short rows of the top-k): window rounds over the history's own range, which adapt to page scores
-   packed within ~2%, and a pairwise rank give the exact k-th score; one prefix sum writes the winners
-   in ascending page order.
+2. **History top-k** in registers, by one of the two plans of ``topk.rows`` (shared with the short rows
+   of the top-k, chosen from the shapes by ``use_direct``): **directly** (window rounds over the history's
+   own range, which adapt to page scores packed within ~2%, and a pairwise rank give the exact k-th
+   score; one prefix sum writes the winners; rows of up to 8 G pages, e.g. 2048 pages at k ~ 128), or
+   with the **delegate threshold** of ``sparse_ref.kernels.topk`` (delegates, a threshold from window
+   rounds over them, candidates, exact select on the candidates; the exact k-th delegate when even that
+   lets more pages through than the slots hold; an exact select over the whole register row only when
+   that overflows too). Winners in ascending page order.
 3. **Merge.** Sink ids < history ids < recent ids, so "ascending" is a concatenation: the sink
    pages go before the winners, the recent pages after them, then -1 padding and the length.
 4. **Page table** (``select_pages_to_table`` only): the program reads its row back and writes the
@@ -34,9 +38,14 @@ from sparse_ref import checks
 from sparse_ref.checks import capturing
 from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
 from sparse_ref.kernels.topk import TUNING, short_row_warps
-from sparse_ref.kernels.topk.common import _select_direct
+from sparse_ref.kernels.topk.rows import _select_direct, _select_in_registers, use_direct
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
+# Candidate slots per delegate (the delegates plan). Quest scores are packed (~2% spread); a threshold cut to 16
+# bits let ~350 of 2048 pages through at k=123 (~260 of 8192), hence 2 G slots. The window threshold adapts to the
+# packed range (fewer candidates); the slots stay, and the exact k-th delegate is needed only beyond them. The
+# top-k's TUNING["slots"] still overrides (tests force overflows).
+SLOTS_PER_DELEGATE = 2
 
 
 @triton.jit
@@ -73,15 +82,20 @@ def _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_
 
 @triton.jit
 def _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scratch, sizes, rules,
-                N_PAD: tl.constexpr, PAIR: tl.constexpr,
-                BLOCK_OUT: tl.constexpr):
+                N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
     """Steps 1-3 for request row r: plan its windows, select its history top-k (ids ascending, after the
     sink pages), write sink, recent and padding, store its length. Returns (its output row, its length)."""
     stride_r, N, W = sizes[0], sizes[1], sizes[2]
     n, recent_start, sink_end, k, sparse = _plan_row(r, seq_lens, sparse_mask, budget, N, rules)
     out_row = selected + r.to(tl.int64) * W
-    k_eff = _select_direct(scores + r.to(tl.int64) * stride_r, sink_end, recent_start, k, out_row, sink_end, W,
-                           scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR)
+    row = scores + r.to(tl.int64) * stride_r
+    if DIRECT:
+        k_eff = _select_direct(row, sink_end, recent_start, k, out_row, sink_end, W, scratch + r.to(tl.int64) * PAIR,
+                               N_PAD, PAIR)
+    else:
+        k_eff, _ = _select_in_registers(row, sink_end, recent_start, k, out_row, sink_end, W,
+                                        scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
     tl.store(lengths + r, filled)
     return out_row, filled
@@ -91,11 +105,11 @@ def _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scr
 def _page_select_kernel(scores, selected, lengths,  # the scores in; the selection out
                         seq_lens, sparse_mask, budget, scratch,  # the batch; the budget table; scratch
                         sizes, rules,  # (stride of scores, pages N, width W); (page size, recent, sink, min len)
-                        N_PAD: tl.constexpr, PAIR: tl.constexpr,
-                        BLOCK_OUT: tl.constexpr):
+                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                        BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
     """One program = one request row: plan its windows, select its history top-k, write the full row."""
     _select_row(tl.program_id(0), scores, selected, lengths, seq_lens, sparse_mask, budget, scratch, sizes, rules,
-                N_PAD, PAIR, BLOCK_OUT)
+                N_PAD, G, SLOTS, PAIR, BLOCK_OUT, DIRECT)
 
 
 @triton.jit
@@ -104,8 +118,8 @@ def _select_to_table_kernel(scores, selected, lengths,  # the scores in; the sel
                             rows, req_to_token, page_table, kv_lens, cu_kv_lens,  # the page table's in and out
                             sizes,  # (stride of scores, N, W, table width, req_to_token rows, req_to_token width)
                             rules,  # (page size, recent pages, sink pages, min sparse length)
-                            N_PAD: tl.constexpr, PAIR: tl.constexpr,
-                            BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr):
+                            N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                            BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr, DIRECT: tl.constexpr):
     """One program = one request row: ``_page_select_kernel``, then the row's page table and KV length
     (``page_table.py``'s rule) from the row it just wrote; the last program to finish writes
     ``cu_kv_lens`` (the counter after the budget table, which it resets, so CUDA-graph replays start from
@@ -116,7 +130,7 @@ def _select_to_table_kernel(scores, selected, lengths,  # the scores in; the sel
     on = tl.load(sparse_mask + r).to(tl.int32) != 0
     seq_raw = tl.load(seq_lens + r).to(tl.int64)
     out_row, filled = _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scratch, sizes, rules,
-                                  N_PAD, PAIR, BLOCK_OUT)
+                                  N_PAD, G, SLOTS, PAIR, BLOCK_OUT, DIRECT)
     tl.debug_barrier()  # the row's ids are stored before the table reads them back
     kv_len = write_table_row(out_row, filled, W, seq_raw, on, req_to_token + row * r2t_width, r2t_width, page_size,
                              page_table + r.to(tl.int64) * out_width, out_width, BLOCK_T)
@@ -155,13 +169,18 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     constexprs."""
     bs, max_pages = scores.shape
     device = scores.device
-    n_pad = max(32, triton.next_power_of_2(max_pages))
-    pair = TUNING["short_pair"]  # (the top-k's short rows: the same selection)
-    scratch = torch.empty((bs, max(pair, 1)), dtype=torch.int32, device=device)
+    n_pad = max(32, triton.next_power_of_2(max_pages))  # (at least one bitmask word)
+    k_max = config.history_budget(max_pages)  # no row keeps more history pages than this
+    G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
+    direct = use_direct(n_pad, G, TUNING["direct_ratio"])
+    slots = min(n_pad, TUNING["slots"] or SLOTS_PER_DELEGATE * G)
+    pair = TUNING["short_pair"] if direct else min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # (as topk.plan)
+    scratch = torch.empty((bs, max(pair, 1) if direct else slots), dtype=torch.int32, device=device)
     args = (seq_lens.contiguous(), sparse_mask.contiguous(), budget_table(max_pages, config, device), scratch)
     rules = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)
-    constexprs = dict(N_PAD=n_pad, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
-                      num_warps=short_row_warps(n_pad) if device.type == "cuda" else 1)
+    constexprs = dict(N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
+                      DIRECT=direct, num_warps=(short_row_warps(n_pad) if direct else TUNING["num_warps"])
+                      if device.type == "cuda" else 1)
     return args, rules, constexprs
 
 

@@ -49,8 +49,10 @@ The design, in five steps:
 ``order="score"`` then sorts the <= k winners of each row (``sort.py``).
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
-keeps it in registers and skips steps 2-5 (``_short_row_kernel``, one launch): window rounds over the
-whole row and a pairwise rank give ``t``, one prefix sum places the winners. Longer rows use
+keeps it in registers (``_short_row_kernel``, one launch; ``rows.py``). When k is a large share of the
+row it skips steps 2-5: window rounds over the whole row and a pairwise rank give ``t``, one prefix sum
+places the winners; else it runs steps 2-5 in registers (a bitmask word per 32 columns gives the slots,
+the tie path too). Longer rows use
 three launches: delegates (``threshold.py``: a few programs per row; the last one to
 finish computes ``T``), candidates (``candidates.py``: a light program per chunk, no serial
 tail) and select (``select.py``: a few programs per row, ``select_programs`` in
@@ -63,7 +65,8 @@ fallback shares the select launch because a launch of its own cost 3-10 µs even
 resets the row's candidate count, so nothing is read back to the host and the call can be captured in
 a CUDA graph. This module plans the launches and checks the inputs; the device helpers every kernel
 shares (keys, radix and window rounds, ranks, ordered writes, the per-row state) are in
-``common.py``, the one module the others import from.
+``common.py``, the one module the others import from, and the two plans of a row held in registers in
+``rows.py`` (shared with ``sparse_ref.kernels.page_select``).
 """
 
 from __future__ import annotations
@@ -75,23 +78,16 @@ import triton.language as tl
 from sparse_ref import checks
 from sparse_ref.checks import capturing
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
-from sparse_ref.kernels.topk.common import (
-    FLAG,
-    HEAD,
-    PAIR_SCRATCH,
-    SYNC,
-    T_,
-    _pad,
-    _row_k_len,
-    _select_direct,
-)
+from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, _pad, _row_k_len
+from sparse_ref.kernels.topk.rows import _select_direct, _select_in_registers, use_direct
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
 TUNING = {
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers, selected directly
-    "short_pair": 32,  # such rows: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
-    "scores_per_warp": 512,  # such rows (and page histories): warps = N_PAD / this, from 8 to 32
+    "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
+    "short_pair": 32,  # directly: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
+    "scores_per_warp": 512,  # directly: warps = N_PAD / this, from 8 to 32 (the delegates plan: num_warps)
     "min_delegates": 256,  # G = max(this, next_pow2(2 k)), at most max_delegates
     "max_delegates": 8192,
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
@@ -100,7 +96,7 @@ TUNING = {
     "bitmask_programs": 1024,  # at least this many candidates programs (rows x chunks): the bitmask mode
     "delegate_cols": 2048,  # delegate columns per delegate program (at most; halved while the programs are fewer
     # than min_programs: 1024 at 64 rows and G = 4096, 2048 at 128 rows, where two programs per row fit in one wave)
-    "num_warps": 8,  # the Quest bounds update (sparse_ref.kernels.quest_bounds)
+    "num_warps": 8,  # register rows by the delegates plan, and the Quest bounds update
     "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
     "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
@@ -126,17 +122,23 @@ ORDERS = ("score", "index", "none")
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _short_row_kernel(scores, stride_r, out, scratch, N, W, k, lengths,
-                      N_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK_OUT: tl.constexpr):
-    """One program = one row of at most N_PAD columns, held in registers and selected directly
-    (``_select_direct``; notebook 05 section 1, with window rounds for radix rounds; ``scratch``: PAIR int32
-    per row). No delegates, no candidates: on short rows they were two more passes of the same cost
-    (measured on an H200: 64 x 4096, k = 2048, 35.8 -> 15.1 us)."""
+def _short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
+                      N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                      BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
+    """One program = one row of at most N_PAD columns, held in registers: the whole top-k in one launch
+    (``rows.py``). DIRECT: window rounds over the row and a pairwise rank (``scratch``: PAIR int32 per row);
+    else the delegates plan (``scratch``: SLOTS int32 per row), which stores its path in ``flags``."""
     r = tl.program_id(0)
     k, length = _row_k_len(r, N, W, k, lengths)
     out_row = out + r.to(tl.int64) * W
-    k_eff = _select_direct(scores + r.to(tl.int64) * stride_r, 0, length, k, out_row, 0, W,
-                           scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR)
+    row = scores + r.to(tl.int64) * stride_r
+    if DIRECT:
+        k_eff = _select_direct(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR)
+        tl.store(flags + r, 0)
+    else:
+        k_eff, path = _select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,
+                                           G, SLOTS, PAIR)
+        tl.store(flags + r, path)
     _pad(out_row, k_eff, W, BLOCK_OUT)
 
 
@@ -184,6 +186,8 @@ def plan(R: int, N: int, width: int) -> dict:
     n_pad = max(32, triton.next_power_of_2(N))  # (at least one bitmask word)
     G = max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * width, 1)))
     register = N <= TUNING["register_row"]
+    if register:
+        G = min(G, n_pad)
     slots = TUNING["slots"] or TUNING["slots_per_delegate"] * G
     chunk, cols = max(32, min(TUNING["chunk"], n_pad, 1 << 15)), min(TUNING["delegate_cols"], G)  # (chunk: whole
     # bitmask words; < 2**16: two counts packed in one int32)
@@ -193,7 +197,8 @@ def plan(R: int, N: int, width: int) -> dict:
         cols //= 2
     slots = min(slots, n_pad, 1 << 14)  # (< 2**15: the select program packs two counts in one int32)
     pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
-    return dict(register=register, n_pad=n_pad, G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
+    return dict(register=register, direct=register and use_direct(n_pad, G, TUNING["direct_ratio"]), n_pad=n_pad,
+                G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
                 force_fallback=not register and G > TUNING["max_delegates"])
 
 
@@ -202,10 +207,10 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
     benchmark can time each launch on its own (``sparse_ref.bench.topk``). Private: ``topk`` checks first.
 
-    ``stats`` (a dict) receives the plan and, on the long-row path, the per-row path ``flags`` (0 = exact
-    select on the candidates, 2 = tie path, 3 = exact select on the keys above the threshold, copied again,
-    1 = whole-row radix select), the ``threshold`` keys, the per-chunk counts of keys ``above`` it and
-    equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
+    ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates, or
+    directly on a short row, 2 = tie path, 3 = exact select on the keys above the threshold, copied again,
+    1 = whole-row radix select) and on the long-row path the ``threshold`` keys, the per-chunk counts of keys
+    ``above`` it and equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
     ``slots``, the select programs' ``span`` of columns, and the bitmask (``bits``) or each chunk's run
     (``counts``, ``run_starts``), valid after the launches ran; and ``grids``: each launch's programs and
     warps per program as a GPU runs it (known before the launches run).
@@ -219,13 +224,14 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
     row_args = dict(k=k_tensor if k_tensor is not None else min(k_scalar, N), lengths=lengths)
     stride = scores.stride(0)
     if p["register"]:
-        nw = short_row_warps(p["n_pad"]) if device.type == "cuda" else 1
+        nw = (short_row_warps(p["n_pad"]) if p["direct"] else TUNING["num_warps"]) if device.type == "cuda" else 1
         stats["grids"] = {"short_row": (R, nw)}
-        pair = TUNING["short_pair"]
-        scratch = torch.empty((R, max(pair, 1)), dtype=torch.int32, device=device)
+        pair = TUNING["short_pair"] if p["direct"] else p["pair"]
+        scratch = torch.empty((R, max(pair, 1) if p["direct"] else p["slots"]), dtype=torch.int32, device=device)
+        stats["flags"] = flags = torch.empty((R,), dtype=torch.int32, device=device)
         return [("short_row", lambda: _short_row_kernel[(R,)](
-            scores, stride, out, scratch, N, W, **row_args, N_PAD=p["n_pad"], PAIR=pair,
-            BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), num_warps=nw))]
+            scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
+            PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))), DIRECT=p["direct"], num_warps=nw))]
     nw = TUNING["delegate_warps"] if device.type == "cuda" else 1
     block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p["n_pad"])
     G, cols, chunk = p["G"], p["cols"], p["chunk"]

@@ -1,10 +1,9 @@
-"""The device helpers shared by the top-k kernels (``__init__.py``, ``threshold.py``, ``candidates.py``,
-``select.py``, ``sort.py``; the only module they import from each other): order-preserving int32 keys,
+"""The device helpers shared by the top-k kernels (``__init__.py``, ``rows.py``, ``threshold.py``,
+``candidates.py``, ``select.py``, ``sort.py``; the only module they import from each other, but for
+``rows.py``, the rows held in registers): order-preserving int32 keys,
 8-bit radix rounds and the walk of a 256-bin histogram, window rounds (256 bins over the keys' own range,
 ``_narrow``), the exact rank of a few keys, ordered writes by prefix sums, bitmask words, the ranks of
-their set bits and those bits as ascending slots, the whole selection of a row held in registers
-(``_select_direct``: the short rows of the top-k and the page histories of
-``sparse_ref.kernels.page_select``), and the layout of the per-row state of the long-row kernels.
+their set bits and those bits as ascending slots, and the layout of the per-row state of the long-row kernels.
 No kernel here: everything is a ``@triton.jit`` helper compiled into its callers.
 """
 
@@ -249,43 +248,6 @@ def _narrow(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: 
             if lo < hi:
                 lo, member, m, k_rem = _window_round(key, member, k_rem, lo, hi)
     return lo, member, m, k_rem
-
-
-@triton.jit
-def _select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr):
-    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]; ties
-    to the lower id. Returns how many were written: min(k, valid keys). The short rows of the top-k and the
-    page histories of ``sparse_ref.kernels.page_select``.
-
-    The exact k-th key ``t`` comes from window rounds over the row's own range (``_narrow``: one round on
-    random rows and on page scores packed within ~2%; up to four, which always end on one key value, on ties
-    and clusters) and, when the kept bin holds at most PAIR keys, a pairwise rank of them (``scratch_row``:
-    PAIR free int32). Then one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its
-    ranks (N_PAD < 2**16): its place is the keys > t before it plus the ties before it, capped at the
-    ties the row takes. No delegates and no candidates: for a row in registers they are passes of the same
-    cost as the selection itself."""
-    tl.static_assert(N_PAD < 65536)
-    j = tl.arange(0, N_PAD)
-    valid = (j >= lo) & (j < hi)
-    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
-    ok = key != -2147483648
-    n = tl.sum(ok.to(tl.int32), axis=0)
-    key_lo, key_hi = _key_range(key, ok)
-    k_eff = tl.minimum(k, n)
-    t, member, m, ties = _narrow(key, ok, n, tl.maximum(k_eff, 1), key_lo, key_hi, PAIR, False, 4)
-    if PAIR > 0:
-        if m <= PAIR:  # (else the rounds ran to one key value: t is it)
-            tl.store(scratch_row + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
-            tl.debug_barrier()
-            t, ties = _pairwise_kth(scratch_row, m, ties, PAIR)
-    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
-    ties = tl.where(k_eff > 0, ties, 0)
-    gt, eq = key > t, key == t
-    c = tl.cumsum((gt.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)
-    eq_upto = c & 0xFFFF
-    pos = ((c >> 16) & 0xFFFF) - gt.to(tl.int32) + tl.minimum(eq_upto - eq.to(tl.int32), ties)
-    tl.store(out_row + base + pos, j, mask=(gt | (eq & (eq_upto <= ties))) & (base + pos < W))
-    return k_eff
 
 
 @triton.jit

@@ -1,0 +1,187 @@
+"""The whole top-k of one row held in registers by one program: the short rows of the top-k
+(``__init__.py``'s ``_short_row_kernel``) and the page histories of ``sparse_ref.kernels.page_select``.
+
+Two plans, chosen on the host from the shape (``use_direct``):
+
+* ``_select_direct``: window rounds over the whole row and a pairwise rank give the exact k-th key, one
+  prefix sum writes the winners. Its cost hardly depends on k. The plan of rows where k is a large share
+  of the row (64 x 4096 at k = 2048: 15-16 us on an H200, against 36 us for the delegates plan).
+* ``_select_in_registers``: the delegate threshold of the long rows, in registers: the max of G strided
+  sub-ranges, a threshold from window rounds over them, the candidates (``>= T``) compacted through
+  bitmask words into slots, and the exact selection on those few. Cheaper when k is small against the
+  row (32 x 8192 at k = 128: 15.3 us, against 25.9 direct), since the exact work is on ~2k candidates.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sparse_ref.kernels.topk.common import (
+    _bitmask_words,
+    _key_range,
+    _keys,
+    _narrow,
+    _pairwise_kth,
+    _radix_rounds,
+    _words_to_slots,
+    _write_above_and_ties,
+)
+
+
+def use_direct(n_pad: int, G: int, ratio: int) -> bool:
+    """Whether a row of ``n_pad`` scores in registers takes ``_select_direct`` (else the delegates plan with
+    ``G`` delegates): when the delegates would keep at least 1/ratio of the row (the top-k's
+    ``TUNING["direct_ratio"]``), they save little. On an H200 direct wins at 2048 pages, k = 123 (10.6 vs
+    15.1 us) and at 8192 scores, k = 2048 (26 vs 40), and loses at 8192 scores, k = 128 (25.9 vs 15.3)."""
+    return n_pad <= ratio * G
+
+
+@triton.jit
+def _select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr):
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]; ties
+    to the lower id. Returns how many were written: min(k, valid keys). The short rows of the top-k and the
+    page histories of ``sparse_ref.kernels.page_select``.
+
+    The exact k-th key ``t`` comes from window rounds over the row's own range (``_narrow``: one round on
+    random rows and on page scores packed within ~2%; up to four, which always end on one key value, on ties
+    and clusters) and, when the kept bin holds at most PAIR keys, a pairwise rank of them (``scratch_row``:
+    PAIR free int32). Then one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its
+    ranks (N_PAD < 2**16): its place is the keys > t before it plus the ties before it, capped at the
+    ties the row takes. No delegates and no candidates: for a row in registers they are passes of the same
+    cost as the selection itself."""
+    tl.static_assert(N_PAD < 65536)
+    j = tl.arange(0, N_PAD)
+    valid = (j >= lo) & (j < hi)
+    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    ok = key != -2147483648
+    n = tl.sum(ok.to(tl.int32), axis=0)
+    key_lo, key_hi = _key_range(key, ok)
+    k_eff = tl.minimum(k, n)
+    t, member, m, ties = _narrow(key, ok, n, tl.maximum(k_eff, 1), key_lo, key_hi, PAIR, False, 4)
+    if PAIR > 0:
+        if m <= PAIR:  # (else the rounds ran to one key value: t is it)
+            tl.store(scratch_row + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            t, ties = _pairwise_kth(scratch_row, m, ties, PAIR)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    ties = tl.where(k_eff > 0, ties, 0)
+    gt, eq = key > t, key == t
+    c = tl.cumsum((gt.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)
+    eq_upto = c & 0xFFFF
+    pos = ((c >> 16) & 0xFFFF) - gt.to(tl.int32) + tl.minimum(eq_upto - eq.to(tl.int32), ties)
+    tl.store(out_row + base + pos, j, mask=(gt | (eq & (eq_upto <= ties))) & (base + pos < W))
+    return k_eff
+
+
+@triton.jit
+def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
+    ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
+    for each, the members above it. More (ties, clusters): radix rounds FIRST..3 on the members (whose
+    digits before round FIRST are ``ut``)."""
+    m = tl.sum(member.to(tl.int32), axis=0)
+    if PAIR > 0:
+        if m <= PAIR:
+            tl.debug_barrier()  # the caller's reads of scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            t, ties = _pairwise_kth(scratch, m, k_rem, PAIR)
+        else:
+            ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+            t = ut ^ -2147483648
+    else:
+        ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+        t = ut ^ -2147483648
+    return t, ties
+
+
+@triton.jit
+def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
+    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
+    (ascending). Returns how many were written: min(k, #valid keys). The exact k-th key: two radix
+    rounds, then a pairwise rank of the keys sharing its top 16 bits (``scratch``: PAIR free int32)."""
+    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
+    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
+    member = ((key >> 16) == ((ut ^ -2147483648) >> 16)) & (key != -2147483648)
+    t, ties = _rank_members(key, member, k_rem, ut, scratch, PAIR, 2)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    return k_eff
+
+
+@triton.jit
+def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, PAIR: tl.constexpr):
+    """Store the ids (in the order of ``ids``: ascending) of the k largest of the ``count`` candidate keys
+    (the others are NONE), all in [lo, hi], at out_row[base:]; ties to the lower id. Returns how many:
+    min(k, count). The exact k-th key ``t``: window rounds (``_narrow``) until its bin holds at most PAIR
+    keys, which are then ranked pairwise (``scratch``: PAIR free int32), or a single key value."""
+    k_eff = tl.minimum(k, count)
+    ok = key != -2147483648
+    t, member, m, ties = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
+    if PAIR > 0:
+        if m <= PAIR:  # rank the bin's keys pairwise (when the rounds ran to one value, this finds it again)
+            tl.debug_barrier()  # the caller's reads of scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            t, ties = _pairwise_kth(scratch, m, ties, PAIR)
+    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    return k_eff
+
+
+@triton.jit
+def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
+                         N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
+    (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: how many were written, and the path
+    taken (0 candidates in the slots, 2 tie path, 1 exact radix select over the whole register row).
+
+    Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
+    the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
+    them. T is the lower edge of the bin holding the k-th delegate, in histogram rounds over the
+    delegates' own range (``_narrow``: one round on random rows; more while over k / 8 extra delegates
+    share the bin, as when the range spans both signs and the bins are coarse); when that lets more keys
+    through than the slots hold, more rounds make T the exact k-th delegate Te. The candidates reach the
+    slots through a bitmask (a word per 32 columns, ``_words_to_slots``: no prefix sum over the row), and
+    the exact k-th candidate comes from window rounds over [T, row max] and a pairwise rank
+    (``_write_top_in_window``). Only when even Te overflows (ties, rows that defeat the delegates): keys
+    > Te plus the lowest-id ties == Te when that is the answer (fewer than k keys > Te), else the whole
+    row.
+    """
+    j = tl.arange(0, N_PAD)
+    valid = (j >= lo) & (j < hi)
+    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
+    dok = dkey != -2147483648
+    n_valid = tl.sum(dok.to(tl.int32), axis=0)
+    usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
+    dlo, top = _key_range(dkey, dok)  # (top: the row max)
+    T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, k // 8,
+                                    True, 4)  # the edge of the k-th delegate's bin, at most k / 8 extra delegates
+    T = tl.where(usable, T, -2147483648)
+    T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
+    count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    if usable & (count > SLOTS):  # too many through the bin's edge: T = Te, the exact k-th delegate
+        dlo, dhi = _key_range(dkey, dmember)
+        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, dlo, dhi, -1, True, 4)
+        count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
+    cand = (key >= T) & (key != -2147483648)
+    path = tl.zeros([], tl.int32)
+    if count <= SLOTS:  # the candidates' ids, ascending, into the scratch row (a bitmask word per 32 columns)
+        _words_to_slots(_bitmask_words(cand, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32),
+                        scratch_row, 0)
+        tl.debug_barrier()
+        s = tl.arange(0, SLOTS)
+        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
+        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+        k_eff = _write_top_in_window(skey, ids, count, k, T, top, out_row, base, W, scratch_row, PAIR)
+    else:  # overflow even at T = Te (or fewer than k delegates)
+        above = tl.sum((key > T).to(tl.int32), axis=0)
+        if usable & (above < k):  # the k-th key is Te: keys > Te plus the first k - above keys == Te
+            k_eff = _write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
+            path = path + 2
+        else:  # exact radix select over the whole register row
+            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
+            path = path + 1
+    return k_eff, path

@@ -93,3 +93,16 @@ def test_cpu_run_refuses_to_write_into_benchmarks_results(tmp_path, where):
     with pytest.raises(SystemExit, match="committed GPU results"):
         bench.main(["topk", "--quick", "--allow-cpu", "--out", str(target)])
     assert (target.read_bytes() if target.exists() else None) == before
+
+
+@pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="cuDNN refuses CPU tensors only on CPU")
+def test_sdpa_baseline_falls_through_to_a_backend_that_runs(monkeypatch):
+    """The dense baseline a user would pick: torch SDPA, the first backend that runs the shape (GQA included);
+    a backend that refuses it is recorded, not fatal."""
+    from sparse_ref.bench import decode
+    from sparse_ref.bench.timing import Timer
+
+    monkeypatch.setattr(decode, "SDPA_BACKENDS", ("CUDNN_ATTENTION", "MATH"))
+    got = decode.sdpa_baseline(Timer(torch.device("cpu"), reps=2), 2, 4, 2, 16, 40, torch.device("cpu"))
+    assert got["sdpa_backend"] == "MATH" and got["sdpa_us"] > 0
+    assert list(got["sdpa_not_run"]) == ["CUDNN_ATTENTION"] and got["sdpa_not_run"]["CUDNN_ATTENTION"]

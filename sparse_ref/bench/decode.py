@@ -6,7 +6,9 @@ once) and the torch reference. (b) The sparse decode step (Quest scores + select
 + sparse attention, one CUDA graph) against the dense step (the same kernel over every page), at bs=1
 MHA 32K and 128K and bs=64 GQA 32K, budget 2048 tokens, with fp32 and bf16 Quest bounds; each row
 gives the speedup, the byte-limit speedup (dense bytes / sparse bytes), the time of each part and
-whether the Triton page table equals the torch adaptor's.
+whether the Triton page table equals the torch adaptor's. Both parts also time what a user would pick for
+dense decode: torch SDPA on contiguous K/V of the same shape (``sdpa_baseline``: the cuDNN backend where
+it runs, else the first of flash, memory-efficient and math that does), in the ``sdpa_*`` fields.
 """
 
 from __future__ import annotations
@@ -34,6 +36,33 @@ def dense_attention_inputs(bs, h_q, h_kv, d, ctx, page_size, kv_dtype, device, s
     kv_lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
     return q, k, v, table, kv_lens
 
+
+
+SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def sdpa_baseline(timer, bs, h_q, h_kv, d, ctx, device) -> dict:
+    """Dense decode by ``torch.nn.functional.scaled_dot_product_attention`` on contiguous bf16 K/V
+    ``[bs, h_kv, ctx, d]`` (one query token per request, GQA by ``enable_gqa``): the first backend of
+    ``SDPA_BACKENDS`` that runs, timed like every row (L2 cold, a graph replay where capturable). Returns
+    the ``sdpa_*`` fields of a row."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(bs, h_q, 1, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(bs, h_kv, ctx, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(bs, h_kv, ctx, d, device=device, dtype=torch.bfloat16)
+    call = partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=h_q != h_kv)
+    tried = {}
+    for name in SDPA_BACKENDS:
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name)]):  # (the capture inside the timer runs under it too)
+                t = timer.cold([call])
+            return dict(sdpa_us=round(t, 2), sdpa_backend=name, sdpa_timing=timer.mode, sdpa_layout=(
+                "contiguous [bs, h_kv, ctx, d] bf16 K/V, q [bs, h_q, 1, d] bf16"), sdpa_not_run=tried)
+        except RuntimeError as e:  # this backend does not run this shape here: the next one
+            tried[name] = str(e).split("\n")[0][:120]
+    return dict(sdpa_us=None, sdpa_backend=None, sdpa_not_run=tried)
 
 
 ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=32),
@@ -68,10 +97,11 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         t_torch = eager_cold(timer, partial(sparse_decode_attention, q, k, v, table, kv_lens, P), reps=5)
+        sdpa = sdpa_baseline(timer, bs, h_q, h_kv, d, ctx, device)
         rows.append(row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={P} bf16", None, "randn", "cold", t_torch,
                         t_ours, nbytes, copy_bw, "decode_attn", baseline="sparse_decode_attention (torch reference)",
                         torch_timing="eager (it syncs for its checks)", ours_timing=m_ours, max_abs_err=max_abs_err,
-                        bytes_note="K + V of every token read once", target_pct_copy_bw=target))
+                        bytes_note="K + V of every token read once", target_pct_copy_bw=target, **sdpa))
         del q, k, v, table, kv_lens, out, got
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -83,6 +113,9 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
         shapes = [(1, 32, 32, 128, 32768, 16, 2048, 7.0), (1, 32, 32, 128, 131072, 16, 2048, 10.0),
                   (64, 32, 8, 128, 32768, 16, 2048, 6.0)]
     for bs, h_q, h_kv, d, ctx, P, budget, target in shapes:
+        sdpa = sdpa_baseline(timer, bs, h_q, h_kv, d, ctx, device)  # the dense step a user would pick
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         for bounds_dtype in (torch.float32, torch.bfloat16):
             s = decode_step_setup(bs, h_q, h_kv, d, ctx, P, budget, bounds_dtype, device)
             s.sparse_step()
@@ -156,11 +189,13 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                             knobs_note="each side's attention runs with the best of the same candidate list "
                                         "(default included); *_default_* fields: both sides with default knobs",
                             bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
-                                        "dense: K/V of every token"))
+                                        "dense: K/V of every token", **sdpa,
+                            speedup_vs_sdpa=round(sdpa["sdpa_us"] / t_sparse, 2) if sdpa["sdpa_us"] else None))
             print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
                   f"default knobs x{t_dense_default / t_sparse_default:.2f}; sparse attention sweep (us) "
                   f"{chosen['sparse']['sweep_us']}", flush=True)
-            print(f"    byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
+            print(f"    torch SDPA ({sdpa['sdpa_backend']}, contiguous K/V): {sdpa['sdpa_us']} us; "
+                  f"byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
                   "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)
             del s, ref, sel
             if device.type == "cuda":

@@ -1,39 +1,15 @@
 """A small decode engine: the whole sparse lifecycle in order, sparse beside dense.
 
 ``DecodeEngine`` owns a ``KVCacheManager`` and ``L`` layers, each dense, Quest or DSA. Requests join
-(``add_request``: admit, prefill every layer) and leave (``finish``) between decode steps; ``step()``
-decodes one token per live request in two halves: the host half (``decode_step`` grows each request,
-taking a fresh page when its last one is full; the workload makes Q/K/V) and the device half
-``forward`` (every layer through the coordinator), which ``sparse_ref.engine_graph`` can capture in
-one CUDA graph. Q/K/V (and DSA's hidden states) come from a ``PlantedEngineWorkload``, not a model.
-
-``SparseCoordinator`` is the glue, with the hook names and order of SGLang's ``SparseCoordinator``
-(``python/sglang/srt/mem_cache/sparsity/core/sparse_coordinator.py``), so the two read side by side:
-
-* ``on_request_begin(req)`` / ``on_request_end(req)``: per-request bookkeeping (the prompt length);
-* ``forward_begin(batch)``: once per step, the dense metadata (every page of every request), which
-  SGLang's adaptor saves at the first layer (``save_original_metadata``) to restore later;
-* per layer ``attention_begin(layer, queries, batch, **kw)``: sparse mask from the *current* lengths
-  (rows below ``min_sparse_seq_len`` stay dense) -> ``algorithm.retrieve_topk`` -> the adaptor's page
-  table (SGLang: ``_compute_sparse_mask`` -> ``retrieve_topk`` -> ``adapt_for_attn_metadata``); a
-  dense layer gets the dense metadata;
-* per layer ``attention_end(layer, batch)``: ``construct_representations`` after a prefill,
-  ``update_representations`` after a decode step (SGLang calls both after prefill; ours are split by
-  mode, and Quest's ``update`` would reject an EXTEND batch);
-* ``forward_end(batch)``: drops the step's metadata (SGLang restores what it rewrote in place; ours
-  never rewrites it, so restoring is handing the dense tensors back).
-
-DSA selects tokens, not pages. Its positions become a page table at **page size 1**: position ``t``
-of request ``r`` -> slot ``req_to_token[r, t]``, a one-token "page" of the same K/V buffers, as
-SGLang's NSA backend maps its top-k. The indexer keys live in one ``IndexerKeyCache`` shared by the
-DSA layers, which forgets the keys of freed pages.
-
-Attention: ``attention_backend="torch"`` runs the reference ``sparse_decode_attention``, ``"triton"``
-the paged kernel ``sparse_ref.kernels.decode_attention``, ``"auto"`` Triton on CUDA when installed.
-With ``compare_dense=True`` every layer also runs dense attention (the oracle) and reports recall,
-mass kept and output error (``sparse_ref.metrics``); recall is over pages (Quest) or tokens (DSA).
+(``add_request``) and leave (``finish``) between decode steps; ``step()`` decodes one token per live
+request in two halves: the host half (``decode_step``; the workload makes Q/K/V) and the device half
+``forward`` (every layer through the coordinator), which ``sparse_ref.engine_graph`` captures in one CUDA
+graph. ``SparseCoordinator`` is the glue, with the hook names and order of SGLang's
+``SparseCoordinator``: ``on_request_begin`` / ``on_request_end``, ``forward_begin``, per layer
+``attention_begin`` (sparse mask -> ``retrieve_topk`` -> the adaptor's page table) and ``attention_end``
+(the representation hooks), ``forward_end``. DSA's positions become a page table at page size 1.
+``docs/design.md`` section 3.10 maps each hook to SGLang's and says what the halves may contain.
 """
-
 from __future__ import annotations
 
 import importlib.util

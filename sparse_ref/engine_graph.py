@@ -1,41 +1,15 @@
 """One engine decode step, every layer, captured in ONE CUDA graph and replayed step after step.
 
-A decode step of ``DecodeEngine`` has two halves:
-
-* **host** (``DecodeEngine.step`` before ``forward``): ``decode_step`` grows every request by one
-  token (taking a fresh page from the allocator when a request's last page is full, writing the new
-  slot into ``req_to_token``) and builds the DECODE batch; the workload makes each layer's Q/K/V of
-  the new token. Python, lists, a page allocator: none of it can live in a CUDA graph.
-* **device** (``DecodeEngine.forward``): per layer, the new token's K/V into the pool ->
-  ``attention_begin`` (Quest scores -> page selection -> page table; DSA: indexer -> positions) ->
-  paged decode attention -> ``attention_end`` (Quest: the bounds of a page this step filled).
-  Kernels and tensor ops only, no host sync: a CUDA graph can hold all of it.
-
-``GraphedDecodeStep`` keeps the host half on the host and captures the device half once, on
-*static* tensors (the batch's ``seq_lens``, ``positions``, ``out_cache_loc`` and every layer's
-Q/K/V inputs). Each ``step()`` redoes the host half, copies its results into the static tensors
-in place (``copy_``: the graph reads their addresses) and replays the graph: one launch for the
-whole step instead of dozens per layer. SGLang's ``CudaGraphRunner`` works the same way: its
-scheduler allocates ``out_cache_loc`` on the host, copies the batch into static buffers and replays.
-
-What a replay assumes (``step()`` checks it before changing anything, ``BatchError`` otherwise):
-
-* **the same requests, in the same order** as at capture: the batch size and every request's
-  ``req_to_token`` row are baked into the graph. After a request joins or leaves, capture anew
-  (``GraphedDecodeStep(engine)``); real servers capture one graph per batch size and pad.
-* lengths, pages and the page table's width need no new capture: the graph reads ``seq_lens``
-  and ``req_to_token`` from memory, and every table has the static width of ``max_context_len``.
-  So a request crossing into a new page is fine (the host allocated it before the replay); one
-  that would outgrow ``max_context_len``, or a pool out of pages, fails in ``decode_step`` with a
-  ``PoolError`` before anything is written.
-
-The first ``step()`` runs the device half for real (the warm-up: Triton compiles, the allocator
-settles), captures it, and replays it; replaying a step twice on the same inputs writes the same
-K/V slot and the same bounds again, so this is safe. On a CPU there is no CUDA graph: ``step()``
-runs the same device half eagerly on the same static tensors (the tests use that). The dense
-oracle of ``compare_dense`` is not part of the graph (compare with ``engine.step()`` instead).
+``GraphedDecodeStep`` keeps the host half of ``DecodeEngine.step`` on the host (``decode_step``: pages,
+``req_to_token``, the batch; the workload's Q/K/V) and captures the device half (``forward``: kernels and
+tensor ops only) once, on *static* tensors. Each ``step()`` redoes the host half, copies its results into
+the static tensors in place (``copy_``: the graph reads their addresses) and replays the graph, as
+SGLang's ``CudaGraphRunner`` does. A replay needs the same requests in the same order as at capture
+(``step()`` checks, ``BatchError`` otherwise; capture anew after a join or leave); lengths, new pages and
+the table width need nothing new. The first ``step()`` runs the device half for real, captures and
+replays it (a step replayed twice writes the same slot and bounds again); on a CPU it runs eagerly on the
+same static tensors. ``docs/design.md`` section 3.10 says what a replay assumes and why.
 """
-
 from __future__ import annotations
 
 import torch

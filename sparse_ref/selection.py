@@ -1,36 +1,16 @@
 """Selection math in plain, batched torch: the semantics every kernel must match.
 
-Two references live here.
+``topk_reference(scores, k, lengths)``: exact top-k over rows of varying length. Entry ``j`` of row ``r``
+is a candidate when ``j < lengths[r]`` and its score is neither NaN nor -inf; the ``k`` largest are kept,
+ties to the lower id, ``-0.0 == +0.0``; int32 ``[R, width]``, -1 padded, by score or by ascending id.
 
-``topk_reference(scores, k, lengths)``: exact top-k over rows of varying length.
-    Entry ``j`` of row ``r`` is a candidate when ``j < lengths[r]`` and its score is
-    neither NaN nor -inf (+inf is a candidate). The ``k`` largest candidates are
-    kept; ties go to the lower id; ``-0.0`` and ``+0.0`` are equal. Output: int32
-    ``[R, width]``, -1 padded at the end, ordered by score (descending, ties by
-    ascending id) or by ascending id.
-
-``select_pages(scores, seq_lens, sparse_mask, page_size, config)``: page selection
-    for sparse decode. For a row with ``n = ceil(seq_len / P)`` pages:
-
-    * the last ``recent = min(num_recent_pages, n)`` pages are kept;
-    * the first ``sink = min(num_sink_pages, n - recent)`` pages are kept;
-    * the ``history = n - recent - sink`` pages between are scored, and the best
-      ``k = config.history_budget(history)`` candidates are kept (candidates as
-      in ``topk_reference``; when fewer than ``k`` are candidates, fewer are kept);
-    * the row stays **dense** (length 0, all -1) when its ``sparse_mask`` is False,
-      its *current* ``seq_len`` is below ``min_sparse_seq_len``, it has no pages,
-      or ``sink + k + recent >= n`` (nothing to gain). This decision depends on
-      ``seq_len`` and the config only, never on the scores.
-
-    Output: ``selected`` int32 ``[bs, W]`` of ascending logical page ids, -1 padded,
-    and ``lengths`` int32 ``[bs]``. ``W = selection_width(max_pages, config)`` is a
-    static bound, so the shape never depends on the data (CUDA graphs need that).
-
-``select_pages_row`` is the same rule for one request, written to read like
-SGLang's loop; ``select_pages`` is the batched form with no Python loop over rows
-and no host sync (its eager input checks are skipped while a CUDA graph captures).
+``select_pages(scores, seq_lens, sparse_mask, page_size, config)``: sink pages, the best
+``config.history_budget(history)`` history pages and the recent pages of each row, ascending, -1 padded,
+with the row's length (0: the row stays dense). The width ``selection_width(max_pages, config)`` is
+static (CUDA graphs need that). ``docs/design.md`` section 3.4 states every rule. ``select_pages_row`` is
+the same rule for one request, written to read like SGLang's loop; ``select_pages`` the batched form, no
+Python loop over rows and no host sync.
 """
-
 from __future__ import annotations
 
 import torch

@@ -1,28 +1,14 @@
 """The sparse-algorithm contract (lifecycle hooks) and the default page-granular retrieval.
 
-Lifecycle, per layer ``start_layer <= layer < end_layer`` (``end_layer`` is exclusive,
-everywhere in this package):
-
-1. ``initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool)``
-   once, when the engine starts;
-2. ``construct_representations(layer_id, forward_batch, k_buffer)`` after a prefill (EXTEND);
-3. ``update_representations(layer_id, forward_batch, k_buffer)`` after each decode step;
-4. ``retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **kwargs)`` before
-   attention, which returns what to read.
-
-A *page* algorithm only has to say how good each page is: ``score_pages`` returns one fp32
-score per logical page of every request. The base class turns scores into a selection
-(``sparse_ref.selection.select_pages``: sink pages + the best history pages + recent pages).
-
-Why ``retrieve_topk`` needs ``forward_batch.seq_lens``: the req_to_token row of a request is
-only meaningful up to its length; past it the row holds zeros or slots of an earlier request.
-Without the lengths, top-k cannot tell a real page from garbage (SGLang's first seed error).
-
-A row becomes sparse based on its **current** ``seq_len`` (the tokens in the cache now,
-including the token being decoded), not on its prompt length: a short prompt that has
-decoded enough tokens turns sparse mid-generation, and the decision is re-made every step.
+Hooks, per layer ``start_layer <= layer < end_layer`` (exclusive, everywhere):
+``initialize_representation_pool`` once, ``construct_representations`` after a prefill,
+``update_representations`` after each decode step, ``retrieve_topk`` before attention. A *page*
+algorithm only says how good each page is (``score_pages``: one fp32 score per logical page); the base
+class turns scores into a selection (``sparse_ref.selection.select_pages``). ``retrieve_topk`` needs
+``forward_batch.seq_lens``: past its length a req_to_token row holds zeros or an earlier request's slots
+(SGLang's first seed error). A row goes sparse on its *current* length, decided again every step.
+``docs/design.md`` section 3.4 has the whole contract.
 """
-
 from __future__ import annotations
 
 import torch

@@ -1,57 +1,24 @@
 """DeepSeek sparse attention (DSA): the lightning indexer, its FP8 key cache, and ``DSAAlgorithm``.
 
-The lightning indexer picks, for every query token, the ``index_topk`` earlier tokens of
-its request that attention will read. It follows DeepSeek-V3.2-Exp's reference ``Indexer``:
+The lightning indexer picks, for every query token, the ``index_topk`` earlier tokens of its request that
+attention will read, step by step as DeepSeek-V3.2-Exp's reference ``Indexer`` does: project, RoPE
+(non-interleaved by default), Hadamard, FP8 (one scale per token for k, per token and head for q), head
+weights, the causal score ``I[t, s] = k_scale[s] * sum_h w[t, h] * relu(q[t, h] . k[s])`` and the top-k
+(ascending positions, -1 padded). ``docs/design.md`` section 3.6 gives each step's formula; here, the
+projections run in fp64 and round to fp32, so a token's values never depend on the batch it arrives in
+(``LightningIndexer._linear``), and ``use_fp8=False`` runs the same pipeline unquantised.
 
-1. **project**: ``q = wq_b(q_lora)`` as ``[T, n_heads, head_dim]``; ``k = k_norm(wk(x))``,
-   one ``head_dim`` key per token shared by all heads (``k_norm`` is a LayerNorm). The
-   projections are computed in fp64 and rounded to fp32, so a token's values never depend on
-   the batch it arrives in (see ``LightningIndexer._linear``);
-2. **RoPE** on the first ``rope_dim`` dims of q and k, non-interleaved ("rotate half"),
-   as DeepSeek's reference indexer does (see ``sparse_ref.rope`` for why not interleaved);
-3. **Hadamard**: rotate q and k by ``H / sqrt(head_dim)`` (``sparse_ref.hadamard``): dot
-   products are unchanged, outlier channels are spread out before quantising;
-4. **FP8**: e4m3 with one fp32 scale per block (``sparse_ref.fp8``): per token for k, per
-   token and head for q. A block never spans two vectors, so with ``head_dim <= block_size``
-   each vector is one block (DeepSeek: ``head_dim == block_size == 128``);
-5. **weights**: ``w[t, h] = weights_proj(x)[t, h] * n_heads**-0.5 * q_scale[t, h] * head_dim**-0.5``
-   (q's scale is folded into the head weight, as in the reference);
-6. **score**: ``I[t, s] = k_scale[s] * sum_h w[t, h] * relu(q[t, h] · k[s])`` over the
-   FP8 values, for ``s <= position[t]`` of the same request (causal); ``-inf`` elsewhere;
-7. **top-k**: the ``index_topk`` best logical positions per token, int32, -1 padded, by
-   ``sparse_ref.selection.topk_reference`` (ties to the lower position; NaN and -inf never
-   chosen), returned in ascending position order, the order the adaptor expects.
-
-``use_fp8=False`` runs the same pipeline with no quantisation (scales are 1).
-
-**The key cache.** ``IndexerKeyCache`` keeps, per layer, pages of ``page_size`` tokens (the
-KV pool's page size; 64 for DeepSeek on Hopper) as one uint8 buffer: per page all FP8 keys
-(``head_dim`` bytes each, token-major), then all fp32 scales: 132 bytes per token at
-``head_dim=128``, the layout SGLang and DeepGEMM use. It is addressed like the KV pool: logical
-token ``t`` of request ``r`` lives at slot ``s = req_to_token[r, t]``, page ``s // page_size``,
-offset ``s % page_size`` (page 0 is padding and never written). Attach it once:
-``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))`` (or ``from_pools`` with
-the two pools); either way it listens to the page allocator and forgets the keys of freed pages.
-Then ``indexer(x, q_lora, positions, forward_batch, layer_id)``:
-
-* writes the new tokens' keys at ``forward_batch.out_cache_loc``;
-* EXTEND (prefill, or a chunk after ``extend_prefix_lens`` cached tokens): scores each new
-  token against its request's keys ``0 .. position`` (cached prefix + this chunk);
-* DECODE: scores the one new token per request against the whole history;
-* returns the selected positions, int32 ``[T, index_topk]``.
-
-**Scoring backends** (``LightningIndexer(scoring_backend=...)``): the whole batch is scored at
-once through a page table ``req_to_token[rows, ::P] // P``, by the Triton kernel
-``sparse_ref.kernels.dsa.paged_indexer_logits`` (``"triton"``; ``"auto"`` picks it on CUDA) or its
-batched torch reference ``paged_indexer_logits_reference`` (``"torch"``). Neither loops over
-requests nor reads values back to the host, so a decode step can be captured in a CUDA graph.
-``index_scores_loop`` is the readable per-request version; the tests hold all three equal.
-
-**DSAAlgorithm** (registered as ``deepseek_dsa``) wraps that call in the retrieval contract,
-as SGLang's ``deepseek_dsa.py`` does: ``retrieve_topk(...)`` needs ``indexer``,
-``forward_batch``, ``x``, ``q_lora`` and ``positions`` and returns ``(selection, None)``.
+The FP8 keys live in ``sparse_ref.memory.IndexerKeyCache``, paged and addressed like the KV pool
+(``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))``). Then ``indexer(x, q_lora,
+positions, forward_batch, layer_id)`` writes the new tokens' keys at ``out_cache_loc`` and scores each
+EXTEND token against its request's keys ``0 .. position``, each DECODE token against the whole history.
+The batch is scored at once through a page table, by the Triton kernel
+``sparse_ref.kernels.dsa.paged_indexer_logits`` (``scoring_backend="triton"``; ``"auto"`` on CUDA) or its
+batched torch reference (``"torch"``); neither loops over requests or syncs with the host (CUDA-graph
+safe). ``index_scores_loop`` is the readable per-request version; the tests hold all three equal.
+``DSAAlgorithm`` (``deepseek_dsa``) wraps the call in the retrieval contract, as SGLang's
+``deepseek_dsa.py`` does, and returns ``(selection, None)``.
 """
-
 from __future__ import annotations
 
 from typing import NamedTuple

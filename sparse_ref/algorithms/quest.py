@@ -5,49 +5,20 @@ elementwise minimum and maximum key. For any key ``k`` in the page and any query
 
     q . k = sum_d q_d k_d <= sum_d max(q_d * max_d, q_d * min_d)        (the page score)
 
-because ``q_d k_d`` is linear in ``k_d`` and ``min_d <= k_d <= max_d``. So a page whose score
-is low cannot hold a key that the query attends to strongly; the best-scoring pages are read.
+because ``q_d k_d`` is linear in ``k_d`` and ``min_d <= k_d <= max_d``; with ``q+ = max(q, 0)`` and
+``q- = min(q, 0)`` that is ``q+ . max + q- . min``. A page whose score is low cannot hold a key the query
+attends to strongly, so the best-scoring pages are read. GQA (``gqa_mode``): ``"mean"`` (SGLang) averages
+each group's query heads before the bound, ``"per_kv_head"`` bounds every query head and sums.
 
-Bookkeeping (per layer, indexed by PHYSICAL page, ``[num_pages, H_kv, D]`` in ``bounds_dtype``: fp32,
-or bf16/fp16 rounded outward by ``round_bounds_outward`` so the score stays an upper bound):
-
-* ``construct_representations`` after a prefill builds the bounds of every page the prefill
-  *completed* (a page with all ``P`` tokens written);
-* ``update_representations`` after a decode step builds the bounds of a page that this step
-  completed (``seq_len % P == 0``), batched with no host sync;
-* ``invalidate_pages`` marks freed pages invalid, so a freed and reused page never scores with
-  the bounds of its previous owner. ``initialize_representation_pool`` subscribes it to the
-  pool's own allocator (``token_to_kv_pool.allocator.add_free_listener``): nobody can forget it.
-
-A page without valid bounds (the incomplete last page of a request, or a page whose bounds were
-never built) scores ``-inf``: selection never picks it by score. The incomplete last page does not
-need a score: it is always kept as a recent page (``num_recent_pages >= 1``).
-
-GQA. Queries come as ``[bs, H_q * D]`` or ``[bs, H_q, D]``, ``G = H_q / H_kv`` query heads per KV
-head; query head ``h`` reads KV head ``h // G`` (SGLang and Hugging Face layout). With
-``q+ = max(q, 0)`` and ``q- = min(q, 0)``, ``max(q_d*max_d, q_d*min_d) = q+_d*max_d + q-_d*min_d``:
-
-* ``gqa_mode="mean"`` (SGLang): average each group's query heads into one query per KV head,
-  ``qbar = mean_g q_g``, and score ``sum_kvhead sum_d max(qbar_d*max_d, qbar_d*min_d)``. An upper
-  bound on ``sum_kvhead qbar . k`` for every token of the page.
-* ``gqa_mode="per_kv_head"``: bound each query head separately and sum over all query heads,
-  ``sum_h sum_d max(q_h,d*max_d, q_h,d*min_d)`` (KV head of ``h`` is ``h // G``). An upper bound on
-  ``sum_h q_h . k`` for every token; it is never below ``G`` times the mean-mode score, as the
-  bound is convex in ``q``.
-
-Scoring backends (``scoring_backend``): ``"torch"`` runs ``quest_page_scores_reference`` (gather
-the bounds of every logical page, then ``bmm``: the reference); ``"triton"`` runs the streaming
-kernel ``sparse_ref.kernels.quest.quest_page_scores_from_queries`` (one launch: the query sign split,
-the page mapping and each page's bounds read once); ``"auto"``
-picks Triton for CUDA tensors and torch otherwise. Both give the same scores up to fp32 rounding
-of the sum, and exactly ``-inf`` for pages without bounds. The same choice picks the bounds
-update: ``_write_bounds`` in torch (the reference), or ``sparse_ref.kernels.quest_bounds`` (one
-launch, the same bits).
-
-Recipe for a decode setup at any size (the benchmark's bs=64, 32K context, page 16):
-``sparse_ref.workloads.make_quest_decode_setup(bs, ctx, page_size, ...)``.
+The bounds (``[num_pages, H_kv, D]`` per layer, fp32 or 16-bit rounded outward) are built when a page
+completes (``construct_representations`` after a prefill, ``update_representations`` after a decode step)
+and invalidated when the pool frees the page (a listener on its allocator); a page without bounds scores
+``-inf`` (the incomplete last page is kept as a recent page). ``scoring_backend``: ``"torch"``, the
+reference (gather the bounds, ``bmm``); ``"triton"``, one streaming launch
+(``sparse_ref.kernels.quest``) and the one-launch bounds update (``sparse_ref.kernels.quest_bounds``, the
+same bits); ``"auto"``: Triton on CUDA. ``docs/design.md`` section 3.5 has the whole contract;
+``sparse_ref.workloads.make_quest_decode_setup`` builds a decode setup at any size.
 """
-
 from __future__ import annotations
 
 import torch

@@ -84,7 +84,7 @@ from sparse_ref.kernels.topk.rows import _select_direct, _select_in_registers, u
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
 TUNING = {
-    "register_row": 8192,  # rows up to this many columns: one program per row, row in registers, selected directly
+    "register_row": 8192,  # rows up to this many columns: one program per row, row in registers (rows.py)
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
     "short_pair": 32,  # directly: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
     "scores_per_warp": 512,  # directly: warps = N_PAD / this, from 8 to 32 (the delegates plan: num_warps)

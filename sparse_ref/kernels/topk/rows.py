@@ -47,10 +47,10 @@ def _select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.cons
     random rows and on page scores packed within ~2%; up to four, which always end on one key value, on ties
     and clusters) and, when the kept bin holds at most PAIR keys, a pairwise rank of them (``scratch_row``:
     PAIR free int32). Then one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its
-    ranks (N_PAD < 2**16): its place is the keys > t before it plus the ties before it, capped at the
-    ties the row takes. No delegates and no candidates: for a row in registers they are passes of the same
-    cost as the selection itself."""
-    tl.static_assert(N_PAD < 65536)
+    ranks (N_PAD <= 2**14 keeps the packed sum below 2**31): its place is the keys > t before it plus the
+    ties before it, capped at the ties the row takes. No delegates and no candidates. When k is small
+    against the row, ``_select_in_registers`` (below) is cheaper (``use_direct``)."""
+    tl.static_assert(N_PAD <= 16384)  # (the packed prefix sum: no int32 overflow)
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
     key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)

@@ -325,6 +325,34 @@ def topk_committed(picked: dict, shapes: list, result: dict):
     return fig
 
 
+def topk_context_sweep(result: dict, short_row: int):
+    """The committed context sweep (``python -m sparse_ref.bench sweep``): µs against the row length at bs=1
+    and bs=64, torch.topk on random rows dashed, the package on each distribution, and the row length up to
+    which one program per row holds the row in registers (``short_row``)."""
+    rows = [r for r in result.get("rows", []) if r.get("sweep") and r.get("op") == "topk(index)"]
+    batches = sorted({int(r["shape"].split("x")[0]) for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(12, 3.8), sharey=True, squeeze=False)
+    for ax, bs in zip(axes[0], batches, strict=True):
+        mine = [r for r in rows if int(r["shape"].split("x")[0]) == bs]
+        n_of = {id(r): int(r["shape"].split()[0].split("x")[1]) for r in mine}
+        torch_rows = sorted((n_of[id(r)], r["torch_us"]) for r in mine if r["distribution"] == "randn")
+        ax.plot(*zip(*torch_rows, strict=True), "k--", label="torch.topk(sorted=False), randn")
+        for i, dist in enumerate(sorted({r["distribution"] for r in mine})):
+            pts = sorted((n_of[id(r)], r["ours_us"]) for r in mine if r["distribution"] == dist)
+            ax.plot(*zip(*pts, strict=True), marker="os^D"[i % 4], mfc="none", color=f"C{i}", label=f"topk, {dist}")
+        ax.axvline(short_row * 1.4, color="0.6", lw=0.8)
+        ax.text(short_row * 1.45, 0.97, "three launches →", fontsize=8, va="top", color="0.35",
+                transform=ax.get_xaxis_transform())
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="scores per row (k = 2048)", title=f"bs = {bs}")
+    axes[0][0].set_ylabel("µs (median, L2 cold)")
+    axes[0][0].legend(fontsize=7.5, loc="upper left")
+    fig.suptitle(f"The context sweep, index order (committed {result.get('gpu', '?')} results, "
+                 f"{str(result.get('date', '?'))[:10]})")
+    fig.tight_layout()
+    return fig
+
+
 def topk_launch_timeline(rows: list, grids: dict, result: dict):
     """The package top-k's launches one after another, one bar per shape: each launch as wide as its measured
     time (the bench's ``parts_us``); under each bar, every launch's time, programs and warps."""

@@ -1,26 +1,12 @@
 """From a selection of logical pages to what a paged attention kernel reads.
 
-``retrieve_topk`` names *logical* pages (page ``j`` of request ``r``). Attention needs
-*physical* pages, a KV length per request and cumulative lengths:
-
-* ``page_table`` int32 ``[bs, W_out]``: physical page of each kept page, in selection order.
-  Entries past a row's page count are the reserved page 0 (never real data).
-  ``W_out = max(W, max_pages)`` with ``max_pages = ceil(req_to_token.shape[1] / P)``: static
-  (a CUDA graph needs fixed shapes) and wide enough for a dense row's full page list.
-* ``kv_lens`` int32 ``[bs]``: tokens to attend to. A sparse row keeps ``len`` pages, all full but
-  the last, which is the request's last page (always kept as a recent page) holding
-  ``last_page_len = seq_len - (n - 1) * P`` tokens, so ``kv_len = (len - 1) * P + last_page_len``.
-  A dense row (length 0, or ``sparse_mask`` False) gets all its ``n = ceil(seq_len / P)`` pages
-  and ``kv_len = seq_len``.
-* ``cu_kv_lens`` int32 ``[bs + 1]``: 0, then the running sum of ``kv_lens``.
-
-It also works at page size 1 for token selections (DSA): there, ``lengths`` is the count of
-non-negative entries, ``lengths_from_selection(selected)``.
-
-``sparse_ref.algorithms.base.retrieve_attention_metadata`` runs retrieval and this adaptor as one
-decode-step call.
+``to_attention_metadata`` turns ``retrieve_topk``'s *logical* pages into ``page_table`` (physical pages in
+selection order, padded with the reserved page 0, a static width wide enough for a dense row),
+``kv_lens`` (``(len - 1) * P + last_page_len`` for a sparse row, whose last kept page is the request's
+last; ``seq_len`` for a dense row) and ``cu_kv_lens``. At page size 1 it maps DSA's token positions.
+``docs/design.md`` section 3.7 states the contract; ``sparse_ref.algorithms.base.retrieve_attention_metadata``
+runs retrieval and this adaptor as one call.
 """
-
 from __future__ import annotations
 
 import torch

@@ -1,17 +1,10 @@
-"""Paged decode attention references, dense and sparse, in fp32 torch.
+"""Paged decode attention references, dense and sparse, in fp32 torch (one query token per request).
 
-One query token per request, ``q`` ``[bs, H_q, D]``; K and V live in the paged buffers
-``[num_slots, H_kv, D]``. Query head ``h`` reads KV head ``h // (H_q / H_kv)`` (GQA).
-
-* ``dense_decode_attention`` reads every token ``t < seq_len`` of a request through its
-  req_to_token row: the ground truth.
-* ``sparse_decode_attention`` reads the tokens of the physical pages in a page table, the first
-  ``kv_len`` of them (what ``adaptor.to_attention_metadata`` produces).
-
-Both can return the attention probabilities, so ``metrics`` can measure how much attention
-mass a selection keeps. With a page table of *all* pages the two agree to fp32 rounding.
+``dense_decode_attention`` reads every token ``t < seq_len`` through req_to_token (the ground truth);
+``sparse_decode_attention`` the first ``kv_len`` tokens of a page table's pages (``adaptor``). Query head
+``h`` reads KV head ``h // (H_q / H_kv)``. Both can return the probabilities (``metrics`` measures the mass
+a selection keeps); with a table of all pages the two agree to fp32 rounding.
 """
-
 from __future__ import annotations
 
 import math

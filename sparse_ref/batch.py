@@ -1,16 +1,10 @@
 """``ForwardMode`` and ``ForwardBatch``: what one forward pass knows about its requests.
 
-Shapes (``bs`` requests, ``T`` new tokens in the batch):
-
-* ``req_pool_indices`` int64 ``[bs]``: each request's row in req_to_token;
-* ``seq_lens`` int64 ``[bs]``: tokens per request *including* the new ones (in
-  DECODE, including the token being decoded);
-* ``positions``, ``out_cache_loc`` int64 ``[T]``: logical position and physical KV
-  slot of every new token, request after request;
-* ``extend_prefix_lens``, ``extend_seq_lens`` int64 ``[bs]`` (EXTEND only): tokens
-  already cached before this pass, and tokens new in it.
+``req_pool_indices`` int64 ``[bs]`` (each request's req_to_token row); ``seq_lens`` int64 ``[bs]`` (tokens
+*including* the new ones: in DECODE, the token being decoded); ``positions`` and ``out_cache_loc`` int64
+``[T]`` (logical position and physical slot of every new token); ``extend_prefix_lens`` and
+``extend_seq_lens`` (EXTEND only: tokens cached before this pass, tokens new in it).
 """
-
 from __future__ import annotations
 
 import enum

@@ -20,20 +20,10 @@ GQA_MODES = ("mean", "per_kv_head")
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """How many pages each sparse row keeps.
-
-    Budget: exactly one of ``keep_ratio`` (a fraction of the history pages) and
-    ``page_budget`` (a fixed number of history pages). With neither given,
-    ``keep_ratio=0.25``.
-
-    * ``num_recent_pages`` (>= 1): the last pages, always kept. The last page holds
-      the token being decoded and the adaptor's KV-length formula relies on it.
-    * ``num_sink_pages`` (>= 0, default 0 as in SGLang): the first pages, always kept.
-    * ``min_sparse_seq_len`` (>= 0): rows whose *current* seq_len is below this stay dense.
-    * ``gqa_mode``: how Quest folds query heads onto KV heads: ``"mean"`` (SGLang's
-      choice: average each GQA group's query) or ``"per_kv_head"`` (score with every
-      query head and sum, a tighter bound per head).
-    """
+    """How many pages each sparse row keeps: one budget (``keep_ratio`` of the history pages, default 0.25,
+    or ``page_budget`` pages), ``num_recent_pages`` (>= 1: the last page holds the token being decoded),
+    ``num_sink_pages`` (default 0, as in SGLang), ``min_sparse_seq_len`` (shorter *current* rows stay dense)
+    and Quest's ``gqa_mode`` (``"mean"`` or ``"per_kv_head"``). ``docs/design.md`` section 3.3."""
 
     keep_ratio: float | None = None
     page_budget: int | None = None
@@ -70,22 +60,12 @@ class SparseConfig:
 
 @dataclass
 class IndexerConfig:
-    """Shapes and numerics of the lightning indexer. Defaults are DeepSeek-V3.2-Exp's.
-
-    * ``hidden_size``: width of ``x`` (the layer's hidden states);
-    * ``q_lora_rank``: width of ``q_lora`` (MLA's low-rank query latent);
-    * ``n_heads``, ``head_dim``: indexer heads and their dim (a power of two, for the Hadamard);
-    * ``rope_dim``: the first ``rope_dim`` dims get RoPE (even, ``<= head_dim``);
-    * ``index_topk``: positions kept per query token;
-    * ``use_fp8``: quantise q and k to FP8 e4m3 (False: full precision, for teaching/testing);
-    * ``block_size``: values per FP8 scale. A block never spans two vectors, so it must be
-      ``>= head_dim``; each q head and each key is then one block with one scale, which is
-      what lets q's scale fold into the head weights;
-    * ``ue8m0``: round scales up to powers of two (DeepSeek's checkpoint config sets
-      ``scale_fmt="ue8m0"``); off by default so scales are exactly ``amax / 448``;
-    * ``rope_theta``, ``rope_interleaved``: RoPE base and layout (DeepSeek's indexer: not interleaved);
-    * ``layer_norm_eps``: epsilon of ``k_norm``.
-    """
+    """Shapes and numerics of the lightning indexer; defaults are DeepSeek-V3.2-Exp's. ``hidden_size`` and
+    ``q_lora_rank``: widths of ``x`` and ``q_lora``; ``n_heads``, ``head_dim`` (a power of two, for the
+    Hadamard), ``rope_dim`` (even, ``<= head_dim``), ``index_topk`` (positions kept per token); ``use_fp8``,
+    ``block_size`` (values per FP8 scale, ``>= head_dim``: each q head and key is one block, so q's scale
+    folds into the head weights), ``ue8m0`` (power-of-two scales, DeepSeek's ``scale_fmt``; off by
+    default); ``rope_theta``, ``rope_interleaved``; ``layer_norm_eps`` of ``k_norm``."""
 
     hidden_size: int = 7168
     q_lora_rank: int = 1536

@@ -1,12 +1,8 @@
-"""Where the code runs: a CUDA GPU, or the CPU with Triton's interpreter.
-
-Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e.
-when a kernel module is imported. So ``configure_triton()`` must run before any
-module of ``sparse_ref.kernels`` is imported; ``sparse_ref/__init__.py`` calls it
-first thing. It sets ``TRITON_INTERPRET=1`` only when no GPU is present and the
-user has not set the variable already.
+"""Where the code runs: a CUDA GPU, or the CPU with Triton's interpreter. Triton picks compiling or
+interpreting when a kernel module is imported, so ``configure_triton()`` (called first by
+``sparse_ref/__init__.py``) sets ``TRITON_INTERPRET=1`` before that, only without a GPU and when the user
+has not set it.
 """
-
 from __future__ import annotations
 
 import os

@@ -1,15 +1,8 @@
-"""Exception types of sparse_ref.
-
-Every error the package raises on bad input is a ``SparseRefError``, which is a
-``ValueError``, so code written against SGLang's ``ValueError`` keeps working.
-The two seed messages from SGLang's sparse retrieval are kept verbatim as
-constants; our errors start with them and then say what arrived and how to fix it.
-
-This module is a leaf: it imports nothing from the package, so the Triton launchers in
-``sparse_ref.kernels`` may import it. The argument checks that raise these errors live in
-``sparse_ref.checks``.
+"""Exception types of sparse_ref: every error on bad input is a ``SparseRefError``, a ``ValueError`` (code
+written against SGLang's ``ValueError`` keeps working). SGLang's two seed messages are constants, verbatim;
+our errors start with them, then say what arrived and the fix. A leaf module (the kernel launchers import
+it); the checks that raise these errors live in ``sparse_ref.checks``.
 """
-
 from __future__ import annotations
 
 # The messages SGLang raises, verbatim.

@@ -1,24 +1,12 @@
 """Block-wise FP8 (e4m3) quantisation with one fp32 scale per block, as DeepSeek's ``act_quant``.
 
-For each block of ``block_size`` consecutive values along the last dim:
-
-1. ``amax = max(|x|)`` over the block, clamped below at ``1e-4`` (so an all-zero
-   block gets a finite, nonzero scale instead of dividing by zero);
-2. ``scale = amax / 448`` (448 is e4m3's largest finite value), or, in the ``ue8m0``
-   mode, that value rounded *up* to a power of two, so the scale fits an 8-bit
-   exponent with no mantissa and no block value overflows;
-3. ``q = clamp(x / scale, -448, 448)`` cast to ``torch.float8_e4m3fn``. The clamp
-   matters: out-of-range casts are not saturating on every backend.
-
-Non-finite input is refused (``SparseRefError``: an inf would make the block's scale inf and
-every value of the block NaN or 0). While a CUDA graph captures, the check (a host sync) is
-skipped and values are clamped to the fp32 range first, so an inf saturates to +-448 instead.
-
-Dequantisation is ``q.float() * scale``. e4m3 keeps 3 mantissa bits, so a value in
-the normal range comes back within a relative error of ``2**-4``; below
-``2**-6 * scale`` the grid is uniform with step ``2**-9 * scale``.
+Per block of ``block_size`` values: ``amax`` clamped below at ``1e-4`` (an all-zero block gets a finite
+scale), ``scale = amax / 448`` (e4m3's largest finite value; ``ue8m0``: rounded up to a power of two),
+``q = clamp(x / scale, -448, 448)`` cast to ``float8_e4m3fn`` (out-of-range casts do not saturate on
+every backend). Non-finite input is refused; while a CUDA graph captures, that check (a host sync) is
+skipped and values are clamped to the fp32 range first. Dequantisation is ``q.float() * scale``: a
+normal value comes back within a relative error of ``2**-4``.
 """
-
 from __future__ import annotations
 
 import torch

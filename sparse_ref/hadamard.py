@@ -1,18 +1,10 @@
 """The Walsh–Hadamard transform: a fast, orthonormal rotation that spreads outliers.
 
-DeepSeek's lightning indexer rotates its queries and keys with a Hadamard transform
-scaled by ``n**-0.5`` before quantising them to FP8. The scaled matrix
-``H_n / sqrt(n)`` is orthonormal and symmetric, so it preserves every dot product
-(``(Hq)·(Hk) = q·k``) while mixing each coordinate into all the others: one large
-channel becomes ``n`` moderate ones, and the per-block FP8 scale stops being
-dictated by a single outlier.
-
-``hadamard_matrix(n)`` builds ``H_n`` explicitly (Sylvester's construction);
-``hadamard_transform(x, scale)`` applies ``x @ H_n * scale`` along the last dim with
-the fast butterfly, ``O(n log n)`` per vector instead of ``O(n^2)``. The tests check
-one against the other. ``n`` must be a power of two.
+``H_n / sqrt(n)`` is orthonormal and symmetric, so it keeps every dot product while mixing each coordinate
+into all the others: one large channel becomes ``n`` moderate ones, and the FP8 block scale stops being
+dictated by a single outlier (DeepSeek's indexer rotates q and k so before quantising). ``hadamard_matrix``
+builds ``H_n`` (Sylvester); ``hadamard_transform`` applies it with the ``O(n log n)`` butterfly.
 """
-
 from __future__ import annotations
 
 import torch

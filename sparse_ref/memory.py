@@ -1,23 +1,12 @@
 """The memory pools of a serving engine, and the bookkeeping that ties them together.
 
-* ``ReqToTokenPool``: one row per live request; row ``r`` maps a logical token
-  position ``t`` to the physical KV slot that holds token ``t``.
-* ``PageAllocator``: hands out and takes back whole pages. Page 0 is reserved as
-  padding, so a physical slot of 0 never holds real data.
-* ``TokenToKVPool``: the paged K and V buffers, ``[num_pages * page_size, H_kv, D]``
-  per layer, and the ``PageAllocator`` of its pages (``token_to_kv_pool.allocator``). Whatever
-  is built on the pool (Quest bounds, DSA indexer keys) subscribes to its frees through it, so
-  a freed and reused page can never keep its previous owner's state.
-* ``KVCacheManager``: admits a request of n tokens, grows it one token at a time and
-  releases it, keeping the req_to_token row and the page list in step.
-* ``IndexerKeyCache``: the DSA indexer's FP8 keys, paged like the KV pool, in the layout GPU
-  kernels read.
-
-A request's logical token ``t`` lives at physical slot ``pages[t // P] * P + t % P``.
-Every public method opens with its argument check (``sparse_ref.checks``); a failed check
-changes nothing.
+``ReqToTokenPool`` (request row -> logical position -> physical slot), ``PageAllocator`` (whole pages,
+page 0 reserved as padding, free listeners), ``TokenToKVPool`` (paged K/V per layer and the allocator of
+its pages), ``KVCacheManager`` (admit, grow, release, keeping rows and pages in step) and
+``IndexerKeyCache`` (the DSA indexer's FP8 keys, paged like the KV pool). Logical token ``t`` lives at
+slot ``pages[t // P] * P + t % P``. Every public method checks its arguments first (``sparse_ref.checks``);
+a failed check changes nothing. ``docs/design.md`` section 3.1 states the contract.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -233,21 +222,12 @@ class KVCacheManager:
 
 
 class IndexerKeyCache:
-    """The DSA indexer's keys, per layer, in pages of ``page_size`` tokens: the layout GPU kernels read.
-
-    **FP8 layout** (``use_fp8=True``, as SGLang and DeepGEMM keep it): one uint8 buffer per layer,
-    ``[num_pages, page_size * (head_dim + 4)]``. A page holds first all its keys, token-major
-    (``page_size * head_dim`` FP8 bytes), then all its fp32 scales (``page_size * 4`` bytes): 132 bytes
-    per token at ``head_dim=128``. ``key_pages(layer)`` and ``scale_pages(layer)`` are views of that one
-    buffer, ``[num_pages, P, D]`` and ``[num_pages, P]``. **Full precision** (``use_fp8=False``): fp32
-    keys ``[num_pages, P, D]`` and scales of 1 ``[num_pages, P]``, the same views, no shared buffer.
-
-    **Addressing**: like the KV pool. Logical token ``t`` of request ``r`` lives at slot
-    ``s = req_to_token[r, t]``, page ``s // page_size``, offset ``s % page_size``, so the cache's page
-    size is the KV pool's (``from_pools`` takes it from the pool). Page 0 is padding and never written.
-    ``written[layer]`` (bool per slot) marks slots that hold a key, so reading a history that was
-    never indexed raises instead of scoring zeros or a previous owner's keys.
-    """
+    """The DSA indexer's keys, per layer, in pages of the KV pool's ``page_size``, addressed like it (slot
+    ``req_to_token[r, t]``; page 0 is padding). FP8 (as SGLang and DeepGEMM keep it): one uint8 buffer per
+    layer ``[num_pages, P * (D + 4)]``, per page all its keys then all its fp32 scales (132 bytes per token
+    at D=128); ``key_pages`` / ``scale_pages`` are views ``[num_pages, P, D]`` / ``[num_pages, P]``. Full
+    precision: fp32 keys, scales of 1. ``written[layer]`` marks slots holding a key, so reading a history
+    never indexed raises instead of scoring zeros or a previous owner's keys."""
 
     def __init__(self, num_pages: int, num_layers: int, config: IndexerConfig, req_to_token_pool, *,
                  page_size: int = 64, device=None):

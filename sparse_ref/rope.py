@@ -1,25 +1,12 @@
 """Rotary position embedding (RoPE) on the first ``rope_dim`` dims of each vector.
 
-RoPE rotates pairs of coordinates by an angle ``position * theta**(-2i / rope_dim)``
-for pair ``i = 0 .. rope_dim/2 - 1``, so that ``rope(q, m) · rope(k, n)`` depends
-on the positions only through ``m - n``. Dims from ``rope_dim`` on pass unchanged.
-
-Which coordinates form pair ``i`` is a convention, and a checkpoint is trained with
-one of them:
-
-* **non-interleaved** (``interleaved=False``, "rotate half", GPT-NeoX style): pair
-  ``i`` is ``(x[i], x[i + rope_dim/2])``. DeepSeek-V3.2-Exp's lightning indexer uses
-  this one (its reference ``Indexer.forward`` passes ``interleaved=False``, commented
-  "rope in indexer is not interleaved"; an earlier release of that code used the
-  interleaved layout there by mistake and was corrected), and SGLang's indexer uses a
-  NeoX-style rope unless the model config asks for interleaving.
-* **interleaved** (``interleaved=True``, GPT-J style): pair ``i`` is
-  ``(x[2i], x[2i + 1])``. DeepSeek's MLA attention uses this one.
-
-The frequencies are plain RoPE (no YaRN context extension); the indexer only needs
-the relative-position property, which both layouts have.
+Pair ``i`` of coordinates rotates by ``position * theta**(-2i / rope_dim)``, so ``rope(q, m) . rope(k, n)``
+depends on the positions only through ``m - n``; dims from ``rope_dim`` on pass unchanged. Which
+coordinates pair up is a convention a checkpoint is trained with: **non-interleaved** (``interleaved=False``,
+"rotate half": ``(x[i], x[i + rope_dim/2])``), which DeepSeek-V3.2-Exp's lightning indexer uses, and
+**interleaved** (``(x[2i], x[2i + 1])``), which DeepSeek's MLA attention uses (``docs/design.md`` 3.6).
+Plain frequencies, no YaRN: the indexer only needs the relative-position property.
 """
-
 from __future__ import annotations
 
 import torch

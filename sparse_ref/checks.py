@@ -1735,6 +1735,9 @@ def check_decode_knobs(knobs: dict, max_splits: int) -> dict:
     if knobs["use_dot"] not in (None, True, False) or knobs["precise"] not in (True, False):
         fail("use_dot / precise", "None, True or False (use_dot) and True or False (precise)",
              f"{knobs['use_dot']!r} / {knobs['precise']!r}", "leave the defaults.", ConfigError)
+    if knobs["pdl"] not in (True, False):
+        fail("pdl", "True or False", repr(knobs["pdl"]), "leave pdl=True (it is off by itself off Hopper).",
+             ConfigError)
     return knobs
 
 

@@ -86,8 +86,8 @@ PAGE_SELECT = [
     for n_pad, pr, d in ((2048, 32, True), (8192, 128, False))
 ] + [
     (page_select._select_to_table_kernel, _TABLE_SIG,
-     {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "BLOCK_T": 1024, "DIRECT": d},
-     {"num_warps": 8})
+     {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "BLOCK_T": 1024, "DIRECT": d,
+      "PDL": True}, {"num_warps": 8})
     for n_pad, pr, d in ((2048, 32, True), (8192, 128, False))
 ]
 
@@ -124,7 +124,7 @@ QUEST = [
       "rows_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32", "head_dim": "i32",
       "r2t_rows": "i32", "r2t_width": "i32", "page_size": "i32", "GROUP": "constexpr", "MEAN": "constexpr",
       "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
-     {"GROUP": group, "MEAN": mean, "BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p}, {"num_warps": 4})
+     {"GROUP": group, "MEAN": mean, "BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p, "PDL": True}, {"num_warps": 4})
     for q_dtype in ("*fp32", "*bf16") for dtype in ("*fp32", "*bf16") for group, mean in ((1, True), (4, True),
                                                                                      (4, False))
     for block_p in (16, 4)
@@ -167,16 +167,16 @@ def _decode_attention_variants():
     ]:
         for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
             cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise)
-            ce = cfg["constexprs"]
+            ce = {**cfg["constexprs"], "PDL": True}  # (as a Hopper GPU launches it)
             variants.append((decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
                              cfg["options"]))
     for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
         cfg = decode_attention.launch_config(group, 128, torch.bfloat16, False, use_dot=False)
-        variants.append((decode_attention._decode_split_kernel,
-                         _split_signature(torch.float32, torch.bfloat16, cfg["constexprs"]), cfg["constexprs"],
-                         {"num_warps": 4}))
+        ce = {**cfg["constexprs"], "PDL": False}  # (PDL off: the plain launch)
+        variants.append((decode_attention._decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce),
+                         ce, {"num_warps": 4}))
     for head_dim, block_s in ((128, 2), (128, 4), (128, 8), (128, 16), (128, 32), (128, 64), (64, 32)):
-        ce = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=head_dim)
+        ce = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=head_dim, PDL=block_s != 2)
         sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp32", "num_splits": "i32",
                **{name: "constexpr" for name in ce}}
         variants.append((decode_attention._decode_merge_kernel, sig, ce, {"num_warps": 4}))

@@ -25,7 +25,7 @@ from sparse_ref import checks
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
-from sparse_ref.kernels.topk.common import _bin_shift, _bits_to_slots, _hit_ranks, _narrow
+from sparse_ref.kernels.topk.common import _bin_shift, _bits_to_slots, _hit_ranks, _narrow, _write_above_and_ties
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -630,6 +630,41 @@ def test_hit_ranks(density):
         out = torch.empty(words * 32, dtype=torch.int32, device=DEVICE)
         _hit_ranks_kernel[(1,)](hits.to(DEVICE), out, WORDS=words)
         assert torch.equal(out.cpu(), torch.cumsum(hits, 0) - hits), (density, words)
+
+
+@triton.jit
+def _write_above_and_ties_kernel(keys, out, taken, t, need, ties_before, pos0, W, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(taken, _write_above_and_ties(tl.load(keys + i), i + 1000, t, need, ties_before, out, pos0, W))
+
+
+@pytest.mark.parametrize("case", ["plateau", "few values", "no ties", "all ties"])
+def test_write_above_and_ties_spec(case):
+    """``_write_above_and_ties`` (one packed prefix sum for both ranks; every tie-path tile and the register rows
+    store through it) against its spec in plain Python: the ids of the keys > t and of the ties whose rank in the
+    row (``ties_before`` earlier ones counted) is at most ``need``, in order from ``pos0``, nothing past ``W``;
+    the rest of the output untouched. Room left for none, some, exactly all and more than all ties."""
+    g = torch.Generator().manual_seed(len(case))
+    n, t = 256, 5
+    keys = {"plateau": torch.where(torch.rand(n, generator=g) < 0.7, t, t + 1 + torch.randint(0, 3, (n,), generator=g)),
+            "few values": torch.randint(t - 2, t + 3, (n,), generator=g), "no ties": torch.randint(6, 9, (n,),
+            generator=g), "all ties": torch.full((n,), t)}[case].to(torch.int32)
+    n_ties = int((keys == t).sum())
+    for ties_before, need, pos0, W in [(0, 0, 0, 512), (0, 7, 3, 512), (4, 4, 0, 512), (3, n_ties + 3, 1, 512),
+                                       (2, n_ties + 50, 0, 512), (0, n_ties, 0, 40)]:
+        out = torch.full((512,), -7, dtype=torch.int32, device=DEVICE)
+        taken = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        _write_above_and_ties_kernel[(1,)](keys.to(DEVICE), out, taken, t, need, ties_before, pos0, W, BLOCK=n)
+        want, seen = [], ties_before
+        for i, key in enumerate(keys.tolist()):
+            seen += key == t
+            if key > t or (key == t and seen <= need):
+                want.append(i + 1000)
+        expect = torch.full((512,), -7, dtype=torch.int32)
+        stored = want[:max(0, W - pos0)]
+        expect[pos0:pos0 + len(stored)] = torch.tensor(stored, dtype=torch.int32)
+        assert torch.equal(out.cpu(), expect), (case, ties_before, need, pos0, W)
+        assert int(taken) == len(want), (case, ties_before, need)
 
 
 @pytest.mark.parametrize("N", [700, 1500])

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from sparse_ref import checks
 from sparse_ref.device import triton_interpreted
+from sparse_ref.kernels import after_previous_launch, pdl_options
 
 LOG2E = 1.4426950408889634
 
@@ -61,9 +62,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
                          dims,  # (KV heads, table width W, page size, pages in the pool, splits per row)
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
     writes the group's partial outputs and log-sum-exps for the merge."""
+    after_previous_launch(PDL)  # (the page table and lengths come from the launch before)
     num_kv_heads, width, page_size, num_pages, num_splits = dims[0], dims[1], dims[2], dims[3], dims[4]
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -139,8 +141,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
 
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One program = one (request, query head): merges its splits' partial outputs by their log-sum-exps."""
+    after_previous_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)  # one (request, query head)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -163,9 +166,10 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 MAX_SPLITS = 64
 # Launch knobs (None: the default the launcher picks from the shapes). Benchmarks and tests vary them with
 # ``sparse_ref.kernels.tuning(TUNING, ...)``: splits of the KV length per (request, KV head); tokens per step;
-# warps; pipeline stages; tl.dot (tensor cores) or broadcast products; two-term 16-bit dots.
+# warps; pipeline stages; tl.dot (tensor cores) or broadcast products; two-term 16-bit dots; programmatic
+# dependent launch of both launches (their programs are placed while the launch before them finishes).
 TUNING = {"num_splits": None, "block_n": None, "num_warps": None, "num_stages": None, "use_dot": None,
-          "precise": True}
+          "precise": True, "pdl": True}
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
 PROGRAMS_PER_SM = 8  # split-kernel programs per SM the default split count aims for
 
@@ -258,14 +262,15 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     if num_splits is None:
         num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, ce["BLOCK_N"], q.device)
     q = q.contiguous()
+    pdl = pdl_options(q.device, knobs["pdl"])
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                                    device=q.device)
     _decode_split_kernel[(bs * num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, page_table, kv_lens, part, lse, scale,
-        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, **cfg["options"])
+        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, **cfg["options"], **pdl)
     if num_splits > 1:
         _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   BLOCK_S=triton.next_power_of_2(num_splits),
-                                                  BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+                                                  BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl)
     return out

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from sparse_ref import checks
 from sparse_ref.checks import capturing
+from sparse_ref.kernels import after_previous_launch, pdl_options
 from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
 from sparse_ref.kernels.topk import TUNING, short_row_warps
 from sparse_ref.kernels.topk.rows import _select_direct, _select_in_registers, use_direct
@@ -119,11 +120,13 @@ def _select_to_table_kernel(scores, selected, lengths,  # the scores in; the sel
                             sizes,  # (stride of scores, N, W, table width, req_to_token rows, req_to_token width)
                             rules,  # (page size, recent pages, sink pages, min sparse length)
                             N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                            BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr, DIRECT: tl.constexpr):
+                            BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr, DIRECT: tl.constexpr,
+                            PDL: tl.constexpr):
     """One program = one request row: ``_page_select_kernel``, then the row's page table and KV length
     (``page_table.py``'s rule) from the row it just wrote; the last program to finish writes
     ``cu_kv_lens`` (the counter after the budget table, which it resets, so CUDA-graph replays start from
-    zero again)."""
+    zero again). PDL: placed while the scoring launch before it finishes (the decode step's launches)."""
+    after_previous_launch(PDL)
     N, W, out_width, r2t_rows, r2t_width, page_size = sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], rules[0]
     r = tl.program_id(0)
     row = tl.minimum(tl.maximum(tl.load(rows + r).to(tl.int64), 0), r2t_rows - 1)  # loaded before the selection
@@ -243,5 +246,5 @@ def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_m
     sizes = (scores.stride(0), max_pages, W, out_width, r2t_rows, r2t_width)
     _select_to_table_kernel[(bs,)](scores, selected, lengths, *batch, req_pool_indices.contiguous(), req_to_token,
                                    *out, sizes, rules, BLOCK_T=min(1024, max(16, triton.next_power_of_2(out_width))),
-                                   **ce)
+                                   **ce, **pdl_options(device, TUNING["pdl"]))
     return selected, lengths, out[0], out[1], out[2]

@@ -42,6 +42,7 @@ import triton.language as tl
 from sparse_ref import checks
 from sparse_ref.checks import fail
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import after_previous_launch, pdl_options
 
 
 @triton.jit
@@ -84,13 +85,15 @@ def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid
 def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr,
                                       out_ptr, max_pages, num_pages, HD, head_dim, r2t_rows, r2t_width, page_size,
                                       GROUP: tl.constexpr, MEAN: tl.constexpr,
-                                      BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
+                                      BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr):
     """``_quest_scores_kernel`` with the two torch steps before it folded in (one launch instead of about ten).
 
     The physical page of logical page ``j`` is read from ``req_to_token[row, j * P] // P``
     (``QuestAlgorithm.physical_pages``) and the signed query from the raw queries
     ``[bs, H_q, D]`` (``split_query_sign``: the GQA group's mean, or its per-head sum, split by sign).
+    PDL: placed while the launch before it finishes; the selection launch after it likewise.
     """
+    after_previous_launch(PDL)
     r = tl.program_id(1).to(tl.int64)
     req = tl.load(rows_ptr + r).to(tl.int64)
     req = tl.minimum(tl.maximum(req, 0), r2t_rows - 1)
@@ -130,7 +133,7 @@ def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_p
 
 PROGRAMS_PER_SM = 2  # the default blocks aim for at least this many programs per SM (memory latency hiding)
 # Launch knobs (powers of two; None: the defaults of _default_blocks). Vary them with sparse_ref.kernels.tuning.
-TUNING = {"block_p": None, "block_hd": None, "num_warps": None}
+TUNING = {"block_p": None, "block_hd": None, "num_warps": None, "pdl": True}  # pdl: programmatic dependent launch
 
 
 def _default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:
@@ -216,5 +219,6 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     _quest_scores_from_queries_kernel[grid](
         queries.contiguous(), page_min, page_max, page_valid.view(torch.uint8), req_to_token.contiguous(),
         req_pool_indices.contiguous(), out, max_pages, num_pages, hd, head_dim, r2t_rows, r2t_width, page_size,
-        GROUP=group, MEAN=gqa_mode == "mean", BLOCK_P=block_p, BLOCK_HD=block_hd, num_warps=num_warps)
+        GROUP=group, MEAN=gqa_mode == "mean", BLOCK_P=block_p, BLOCK_HD=block_hd, num_warps=num_warps,
+        **pdl_options(device, TUNING["pdl"]))
     return out

@@ -77,6 +77,7 @@ import triton.language as tl
 
 from sparse_ref import checks
 from sparse_ref.checks import capturing
+from sparse_ref.kernels import pdl_options as kernel_pdl_options
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, _pad, _row_k_len
 from sparse_ref.kernels.topk.rows import _select_direct, _select_in_registers, use_direct
@@ -168,10 +169,8 @@ def work_width(c_pad: int, G: int) -> int:
 
 
 def pdl_options(device: torch.device) -> dict:
-    """Launch options for programmatic dependent launch (``_after_previous_launch``): the constexpr and
-    ``launch_pdl`` on a Hopper-or-later GPU when ``TUNING["pdl"]``; off on the CPU interpreter."""
-    on = (TUNING["pdl"] and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
-    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+    """Launch options for programmatic dependent launch between the long-row launches (``TUNING["pdl"]``)."""
+    return kernel_pdl_options(device, TUNING["pdl"])
 
 
 def short_row_warps(n_pad: int) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sparse_ref.kernels import after_previous_launch as _after_previous_launch  # noqa: F401 (the launches' PDL wait)
+
 # Long-row state. ``work`` (int32, fresh each call), one row per score row:
 #   [T] threshold  [SHIFT] histogram bin width (log2)  [FLAG] 0 in the slots / 2 tie path / 3 the keys > T in
 #   the slots / 1 whole-row radix;
@@ -33,18 +35,6 @@ import triton.language as tl
 T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
 MEMBERS, DHIST, CNT, CNT2, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261))
 PAIR_SCRATCH = tl.constexpr(256)
-
-
-@triton.jit
-def _after_previous_launch(PDL: tl.constexpr):
-    """Programmatic dependent launch (Hopper and later; ``TUNING["pdl"]``). A kernel launched with
-    ``launch_pdl=True`` may start while the kernel before it on the stream is still finishing: every
-    program first waits here until that kernel's writes are visible (so nothing is read or written
-    early), then allows the next kernel to launch, so that its programs are scheduled while this one
-    runs instead of after a gap. A no-op when PDL is False (CPU interpreter, older GPUs)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -123,10 +113,17 @@ def _pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
 def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
     """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
     row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
-    Returns how many were taken."""
+    Returns how many were taken. One prefix sum of ``(key > t) << 16 | (key == t)`` gives both ranks (the
+    taken ties up to a key are its tie rank capped at the room left), not one per kind: the tie path of an
+    overflowing long row runs this tile after tile, so each tile's scan is on its critical path."""
+    tl.static_assert(key.shape[0] < 65536)  # (the packed counts stay in 16 bits)
+    above = key > t
     eq = key == t
-    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    both = tl.cumsum((above.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)  # inclusive counts of each kind
+    room = tl.maximum(need - ties_before, 0)  # the ties this call may still take
+    tie_rank = both & 0xFFFF
+    take = above | (eq & (tie_rank <= room))
+    pos = pos0 + (both >> 16) + tl.minimum(tie_rank, room) - 1
     tl.store(out_row + pos, ids, mask=take & (pos < W))
     return tl.sum(take.to(tl.int32), axis=0)
 

@@ -113,17 +113,17 @@ def _pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
 def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
     """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
     row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
-    Returns how many were taken. One prefix sum of ``(key > t) << 16 | (key == t)`` gives both ranks (the
-    taken ties up to a key are its tie rank capped at the room left), not one per kind: the tie path of an
-    overflowing long row runs this tile after tile, so each tile's scan is on its critical path."""
-    tl.static_assert(key.shape[0] < 65536)  # (the packed counts stay in 16 bits)
+    Returns how many were taken. Two prefix sums that do not wait for each other (the keys > t, the ties):
+    the taken ties up to a key are its tie rank capped at the room left, so a key's place needs no third
+    sum. The tie path of an overflowing long row runs this tile after tile, so each tile's scans are on its
+    critical path (one sum of the ties, then one of the taken keys, cost 24% more at 64 x 128K)."""
     above = key > t
     eq = key == t
-    both = tl.cumsum((above.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)  # inclusive counts of each kind
+    above_rank = tl.cumsum(above.to(tl.int32), axis=0)  # inclusive counts of each kind
+    tie_rank = tl.cumsum(eq.to(tl.int32), axis=0)
     room = tl.maximum(need - ties_before, 0)  # the ties this call may still take
-    tie_rank = both & 0xFFFF
     take = above | (eq & (tie_rank <= room))
-    pos = pos0 + (both >> 16) + tl.minimum(tie_rank, room) - 1
+    pos = pos0 + above_rank + tl.minimum(tie_rank, room) - 1
     tl.store(out_row + pos, ids, mask=take & (pos < W))
     return tl.sum(take.to(tl.int32), axis=0)
 

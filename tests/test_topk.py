@@ -861,6 +861,25 @@ def test_gpu_adversarial_rows(N, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [2048, 8192])
+def test_gpu_integer_plateaus_take_the_tie_path(monkeypatch, tile):
+    """Rows of whole numbers 0..63 (each value a run of ~2K ties) at 8 x 128K: most rows overflow their slots
+    and take the tie path or a second selection. With tie tiles of 8192 keys each select program's span is a
+    single tile: there a one-sum variant of ``_write_above_and_ties`` stored wrong ids on the H200 (triton 3.6)
+    while the interpreter was right; the kept version must be exact in both tilings, on four seeds."""
+    from sparse_ref.workloads import make_distribution
+
+    monkeypatch.setitem(topk_module.TUNING, "tie_tile", tile)
+    for seed in range(4):
+        x = make_distribution("integers", 8, 131072, "cuda", seed=seed)
+        flags = {}
+        got = torch.empty(8, 2048, dtype=torch.int32, device="cuda")
+        topk_module._launch_topk(x, 2048, None, None, got, flags)
+        assert torch.equal(got, topk_reference(x, 2048, order="index")), seed
+        assert int((flags["flags"] == 2).sum()) > 0  # (the tie path ran)
+
+
+@pytest.mark.gpu
 def test_gpu_matches_torch_topk_sets():
     x = torch.randn(16, 65536, device="cuda")
     got = topk(x, 2048)

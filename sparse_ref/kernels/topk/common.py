@@ -113,17 +113,12 @@ def _pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
 def _write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
     """Store the ids (in the order of ``ids``) of the keys > t and of the keys == t whose rank among the
     row's ties (``ties_before`` of them come earlier in the row) is at most ``need``, from out_row[pos0].
-    Returns how many were taken. Two prefix sums that do not wait for each other (the keys > t, the ties):
-    the taken ties up to a key are its tie rank capped at the room left, so a key's place needs no third
-    sum. The tie path of an overflowing long row runs this tile after tile, so each tile's scans are on its
-    critical path (one sum of the ties, then one of the taken keys, cost 24% more at 64 x 128K)."""
-    above = key > t
+    Returns how many were taken. Two prefix sums, the second over the keys the first lets through (one
+    packed sum, or two independent ones, measured faster on the tie path but stored wrong ids on the
+    H200 with triton 3.6 at tiles of 8192 keys over 16 warps: docs/performance.md)."""
     eq = key == t
-    above_rank = tl.cumsum(above.to(tl.int32), axis=0)  # inclusive counts of each kind
-    tie_rank = tl.cumsum(eq.to(tl.int32), axis=0)
-    room = tl.maximum(need - ties_before, 0)  # the ties this call may still take
-    take = above | (eq & (tie_rank <= room))
-    pos = pos0 + above_rank + tl.minimum(tie_rank, room) - 1
+    take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + pos, ids, mask=take & (pos < W))
     return tl.sum(take.to(tl.int32), axis=0)
 

@@ -49,7 +49,7 @@ MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this 
 SLOTS_PER_DELEGATE = 2
 # Programmatic dependent launch of the select-to-table launch (``TUNING["pdl"]``): it always lets the attention
 # launch after it be placed early; it is itself placed early, while the scoring launch before it finishes, only
-# for at most this many rows. On an H200 (the decode step, bf16 bounds, default knobs) this measured 48.2 us at
+# for at most this many rows. Same-process A/B on an H200 (the decode step, bf16 bounds, default knobs): 48.2 us at
 # bs=1 and 321.7 at bs=64 (no PDL: 50.5 and 323.1); placed early at any batch, 81.3 at bs=8 and 326.0 at bs=64
 # (no PDL: 76.6 and 323.1): its early programs hold SM slots the scoring's last wave needs.
 PDL_WAIT_MAX_ROWS = 1

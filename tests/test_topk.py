@@ -642,7 +642,8 @@ def _write_above_and_ties_kernel(keys, out, taken, t, need, ties_before, pos0, W
 def test_write_above_and_ties_spec(case):
     """``_write_above_and_ties`` (every tie-path tile and the register rows store through it) against its spec in
     plain Python: the ids of the keys > t and of the ties whose rank in the row (``ties_before`` earlier ones
-    counted) is at most ``need``, in order from ``pos0``, nothing past ``W``; the rest of the output untouched. Room left for none, some, exactly all and more than all ties."""
+    counted) is at most ``need``, in order from ``pos0``, nothing past ``W``; the rest of the output untouched.
+    Room left for none, some, exactly all and more than all ties."""
     g = torch.Generator().manual_seed(len(case))
     n, t = 256, 5
     keys = {"plateau": torch.where(torch.rand(n, generator=g) < 0.7, t, t + 1 + torch.randint(0, 3, (n,), generator=g)),

@@ -12,6 +12,19 @@ from __future__ import annotations
 import torch
 
 from sparse_ref import checks
+from sparse_ref.checks import (
+    INDEX_DTYPES,
+    INT32_MAX,
+    check_choice,
+    check_int,
+    check_rows,
+    check_same_device,
+    check_selection_values,
+    check_tensor,
+    describe,
+    fail,
+)
+from sparse_ref.errors import ShapeError, SparseRefError
 from sparse_ref.selection import ceil_div
 
 
@@ -35,7 +48,7 @@ def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_
     ``backend``: "torch" (the batched torch below), "triton" (the same result in one launch,
     ``sparse_ref.kernels.page_table``) or "auto" (triton on CUDA, torch elsewhere).
     """
-    page_size = checks.check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token,
+    page_size = check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token,
                                                 page_size, out, backend)
     seq_lens, rows = forward_batch.seq_lens, forward_batch.req_pool_indices
     if backend == "triton" or (backend == "auto" and selected.device.type == "cuda"):
@@ -74,3 +87,33 @@ def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_
     out[1].copy_(kv_lens)
     out[2].copy_(cu_kv_lens)
     return out[0], out[1], out[2]
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token, page_size, out,
+                             backend) -> int:
+    """The adaptor's inputs: types, shapes, devices, then every value (``check_selection_values``); the page size."""
+    check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2,
+                 fix="pass the selection returned by retrieve_topk, int32 [bs, W].")
+    bs, width = selected.shape
+    seq_lens = getattr(forward_batch, "seq_lens", None)
+    rows = getattr(forward_batch, "req_pool_indices", None)
+    tensors = {"selected": selected, "lengths": lengths, "sparse_mask": sparse_mask, "forward_batch.seq_lens": seq_lens,
+               "forward_batch.req_pool_indices": rows}
+    for name, t in list(tensors.items())[1:]:
+        check_tensor(name, t, dtype=torch.bool if name == "sparse_mask" else INDEX_DTYPES, dims=1,
+                     fix="pass the ForwardBatch of this step." if "." in name else "")
+        check_rows(name, t, bs, "one per row of selected")
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2)
+    check_same_device("to_attention_metadata", "selected", {**tensors, "req_to_token": req_to_token})
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    w_out = max(width, -(-req_to_token.shape[1] // page_size))
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            fail("out", "a tuple (page_table, kv_lens, cu_kv_lens) of preallocated buffers", describe(out))
+        for name, t, shape in (("page_table", out[0], (bs, w_out)), ("kv_lens", out[1], (bs,)),
+                               ("cu_kv_lens", out[2], (bs + 1,))):
+            check_tensor(f"out {name}", t, dtype=torch.int32, shape=shape, device=selected.device)
+    check_choice("backend", backend, ("auto", "torch", "triton"), "leave backend='auto'.", SparseRefError)
+    check_selection_values(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size, "forward_batch.")
+    return page_size

@@ -11,7 +11,18 @@ import math
 
 import torch
 
-from sparse_ref import checks
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    INT32_MAX,
+    check_float,
+    check_int,
+    check_range,
+    check_rows,
+    check_tensor,
+    fail,
+)
+from sparse_ref.errors import ShapeError
 
 
 def _attend(q: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, k_buffer: torch.Tensor,
@@ -42,7 +53,7 @@ def dense_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     ``T`` is the longest ``seq_len`` in the batch; probabilities past a row's length are 0. Every
     token read must hold a real slot (not padding slot 0, inside the KV buffers).
     """
-    group, scale = checks.check_dense_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+    group, scale = check_dense_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
                                                 scale)
     longest = int(seq_lens.max()) if q.shape[0] else 0
     t = torch.arange(longest, device=q.device)
@@ -60,7 +71,7 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
 
     ``probs``: ``[bs, H_q, W * P]``, position ``i * P + o`` is offset ``o`` of the table's ``i``-th page.
     """
-    group, page_size, scale = checks.check_sparse_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size,
+    group, page_size, scale = check_sparse_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size,
                                                             scale)
     bs, width = q.shape[0], page_table.shape[1]
     offsets = torch.arange(page_size, device=q.device)
@@ -68,3 +79,60 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     valid = torch.arange(width * page_size, device=q.device)[None, :] < kv_lens[:, None]
     out, probs = _attend(q, slots, valid, k_buffer, v_buffer, group, scale)
     return (out, probs) if return_probs else out
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def _check_q_kv(q, k_buffer, v_buffer) -> int:
+    """Shape checks shared by both attention references; returns the GQA group size ``H_q / H_kv``."""
+    check_tensor("q", q, dtype=FLOAT_DTYPES, dims=3, fix="pass one query token per request, [bs, H_q, D].")
+    check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, dims=3, device=q.device)
+    check_tensor("v_buffer", v_buffer, dtype=FLOAT_DTYPES, shape=tuple(k_buffer.shape), device=q.device)
+    h_q, d = q.shape[1], q.shape[2]
+    h_kv = k_buffer.shape[1]
+    if k_buffer.shape[2] != d:
+        raise ShapeError(f"q: head dim {d} differs from the KV buffers' head dim {k_buffer.shape[2]}.")
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise ShapeError(f"q: {h_q} query heads are not a multiple of the {h_kv} KV heads (GQA needs H_q % H_kv == 0).")
+    return h_q // h_kv
+
+
+def _check_scale(scale):
+    return None if scale is None else check_float("scale", scale, error=ShapeError)
+
+
+def check_dense_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
+    """``(group, scale)``; every token read is a real slot (not padding slot 0, inside the KV buffers)."""
+    group = _check_q_kv(q, k_buffer, v_buffer)
+    bs = q.shape[0]
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=q.device)
+    check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, dims=1, device=q.device)
+    check_tensor("req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, dims=1, device=q.device)
+    check_rows("seq_lens", seq_lens, bs, "one per query")
+    check_rows("req_pool_indices", req_pool_indices, bs, "one per query")
+    check_range("seq_lens", seq_lens, 0, req_to_token.shape[1])
+    check_range("req_pool_indices", req_pool_indices, 0, req_to_token.shape[0] - 1, "negative rows do not wrap.")
+    longest = int(seq_lens.max()) if bs else 0
+    t = torch.arange(longest, device=q.device)
+    slots = req_to_token[req_pool_indices.long()[:, None], t[None, :]]
+    valid = t[None, :] < seq_lens[:, None]
+    real = (slots > 0) & (slots < k_buffer.shape[0])
+    if bool((valid & ~real).any()):
+        r, tok = (int(x) for x in (valid & ~real).nonzero()[0])
+        fail("seq_lens", "lengths within each request's tokens (slots in [1, num_slots))",
+             f"row {r} token {tok} at slot {int(slots[r, tok])}", "pass the seq_lens of these requests.")
+    return group, _check_scale(scale)
+
+
+def check_sparse_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale):
+    """``(group, page_size, scale)`` of the sparse attention reference."""
+    group = _check_q_kv(q, k_buffer, v_buffer)
+    bs = q.shape[0]
+    check_tensor("page_table", page_table, dtype=INDEX_DTYPES, dims=2, device=q.device)
+    check_tensor("kv_lens", kv_lens, dtype=INDEX_DTYPES, dims=1, device=q.device)
+    check_rows("page_table", page_table, bs, "one per query")
+    check_rows("kv_lens", kv_lens, bs, "one per query")
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    width = page_table.shape[1]
+    check_range("kv_lens", kv_lens, 0, width * page_size, "at most the table's width x page size.")
+    check_range("page_table", page_table, 0, k_buffer.shape[0] // page_size - 1, "physical pages of the KV buffers.")
+    return group, page_size, _check_scale(scale)

@@ -8,13 +8,24 @@
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sparse_ref import checks
-from sparse_ref.memory import KVCacheManager, Request
+from sparse_ref.checks import (
+    INT64_MAX,
+    capturing,
+    check_range,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    describe,
+    fail,
+)
+from sparse_ref.errors import BatchError
+from sparse_ref.memory import KVCacheManager, Request, check_fits, check_page_alloc
 
 
 class ForwardMode(enum.Enum):
@@ -43,7 +54,7 @@ class ForwardBatch:
         return int(self.req_pool_indices.shape[0])
 
     def __post_init__(self) -> None:
-        checks.check_forward_batch(self)  # every field once: types, one device, shapes, ranges, the mode's rules
+        check_forward_batch(self)  # every field once: types, one device, shapes, ranges, the mode's rules
 
 
 def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
@@ -53,7 +64,7 @@ def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
     ``prefix_lens`` (default all 0) are tokens already in the cache, e.g. from an
     earlier chunk of a chunked prefill.
     """
-    prefix_lens = checks.check_extend_batch(manager, requests, prefix_lens)
+    prefix_lens = check_extend_batch(manager, requests, prefix_lens)
     positions, locs = [], []
     for r, p in zip(requests, prefix_lens, strict=True):
         pos = torch.arange(p, r.seq_len, dtype=torch.int64)
@@ -80,7 +91,7 @@ def build_decode_batch(manager: KVCacheManager, requests: Sequence[Request]) -> 
     Call ``manager.grow(req, 1)`` first (or use ``decode_step``), so that the new
     token has a slot and ``seq_len`` counts it.
     """
-    checks.check_decode_batch(manager, requests)
+    check_decode_batch(manager, requests)
     device = manager.req_to_token_pool.device
     seq_lens = torch.tensor([r.seq_len for r in requests], dtype=torch.int64, device=device)
     idx = torch.tensor([r.req_pool_idx for r in requests], dtype=torch.int64, device=device)
@@ -95,7 +106,146 @@ def decode_step(manager: KVCacheManager, requests: Sequence[Request]) -> Forward
     All or nothing: if the requests together need more pages than are free, PoolError is
     raised before any request grows.
     """
-    checks.check_decode_step(manager, requests)  # (also: room for every request, so no request grows alone)
+    check_decode_step(manager, requests)  # (also: room for every request, so no request grows alone)
     for r in requests:
         manager.grow(r, 1)
     return build_decode_batch(manager, requests)
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+EXTEND_FIELDS = ("extend_prefix_lens", "extend_seq_lens")
+_FIX_BUILD = "build the batch with build_extend_batch / build_decode_batch."
+
+
+def check_forward_batch(fb) -> None:
+    """Every field of a ``ForwardBatch`` once: types, one device, shapes, ranges, the mode's rules."""
+    mode = fb.forward_mode
+    if not isinstance(mode, ForwardMode):
+        fail("ForwardBatch.forward_mode", "ForwardMode.EXTEND or ForwardMode.DECODE", repr(mode), error=BatchError)
+    extend = mode is ForwardMode.EXTEND
+    names = ("req_pool_indices", "seq_lens", "positions", "out_cache_loc")
+    fields = {f"ForwardBatch.{n}": getattr(fb, n) for n in names + EXTEND_FIELDS * extend}
+    for name, t in fields.items():
+        check_tensor(name, t, dtype=torch.int64, dims=1, error=BatchError, fix=_FIX_BUILD)
+    check_same_device("ForwardBatch", "ForwardBatch.req_pool_indices", fields, BatchError)
+    bs, new_tokens = fb.batch_size, fb.positions.shape[0]
+    for name, t in fields.items():
+        per_token = name.endswith(("positions", "out_cache_loc"))
+        if extend or not per_token:
+            check_rows(name, t, new_tokens if per_token else bs, "one per new token" if per_token else
+                       "one per request", BatchError)
+        else:
+            check_rows(name, t, bs, "DECODE: one new token per request", BatchError)
+        check_range(name, t, 0, INT64_MAX, "ids, lengths and slots are >= 0.", BatchError)
+    if capturing():
+        return
+    if not extend and not torch.equal(fb.positions, fb.seq_lens - 1):
+        fail("ForwardBatch.positions", f"seq_lens - 1 = {(fb.seq_lens - 1).tolist()} (DECODE: the token being "
+             "decoded is the last one of its request)", str(fb.positions.tolist()), _FIX_BUILD, BatchError)
+    if extend and not torch.equal(fb.extend_prefix_lens + fb.extend_seq_lens, fb.seq_lens):
+        fail("ForwardBatch.extend_seq_lens", f"seq_lens {fb.seq_lens.tolist()} - extend_prefix_lens "
+             f"{fb.extend_prefix_lens.tolist()}", str(fb.extend_seq_lens.tolist()), _FIX_BUILD, BatchError)
+    if extend and int(fb.extend_seq_lens.sum()) != new_tokens:
+        fail("ForwardBatch.extend_seq_lens", f"a sum of {new_tokens} (the new tokens of positions)",
+             f"a sum of {int(fb.extend_seq_lens.sum())}", _FIX_BUILD, BatchError)
+    if bs and fb.req_pool_indices.unique().numel() != bs:
+        fail("ForwardBatch.req_pool_indices", "each request's row once", str(fb.req_pool_indices.tolist()),
+             "batch each request once.", BatchError)
+    if extend and new_tokens:  # each request's new tokens are positions prefix .. seq_len - 1, in order
+        starts = torch.repeat_interleave(fb.extend_prefix_lens, fb.extend_seq_lens, output_size=new_tokens)
+        firsts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+        offsets = torch.arange(new_tokens, device=fb.positions.device) - torch.repeat_interleave(
+            firsts, fb.extend_seq_lens, output_size=new_tokens)
+        if not torch.equal(fb.positions, starts + offsets):
+            fail("ForwardBatch.positions", "each request's positions extend_prefix_len .. seq_len - 1, in order",
+                 str(fb.positions.tolist()[:16]), _FIX_BUILD, BatchError)
+
+
+def _int_or_none(value) -> int | None:
+    """``value`` as an int (numpy/torch integer scalars too), or None for floats, bools and the rest."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_requests(manager, requests) -> None:
+    if not isinstance(manager, KVCacheManager):
+        fail("manager", "a KVCacheManager", describe(manager), error=BatchError)
+    if not isinstance(requests, (list, tuple)) or not all(isinstance(r, Request) for r in requests):
+        fail("requests", "a list or tuple of Request objects from manager.admit", describe(requests), error=BatchError)
+    if len(requests) == 0:
+        raise BatchError("a batch needs at least one request, got none.")
+    seen = set()
+    for r in requests:
+        if r.released:
+            raise BatchError(f"request {r.rid} was released and cannot be batched.")
+        if manager.requests.get(r.rid) is not r:
+            raise BatchError(f"request {r.rid} was not admitted by this KVCacheManager; batch it with its own.")
+        if r.rid in seen:
+            raise BatchError(f"request {r.rid} appears twice in the batch; each request may appear once.")
+        seen.add(r.rid)
+
+
+def check_extend_batch(manager, requests, prefix_lens) -> list[int]:
+    """The requests of an EXTEND batch, and each one's prefix as an int in ``[0, seq_len]`` (default 0)."""
+    check_requests(manager, requests)
+    if prefix_lens is not None and not isinstance(prefix_lens, (list, tuple, torch.Tensor)) or \
+            isinstance(prefix_lens, torch.Tensor) and prefix_lens.dim() != 1:
+        fail("prefix_lens", "a sequence of ints, one per request", describe(prefix_lens), error=BatchError)
+    prefix_lens = [0] * len(requests) if prefix_lens is None else list(prefix_lens)
+    if len(prefix_lens) != len(requests):
+        raise BatchError(f"prefix_lens has {len(prefix_lens)} entries for {len(requests)} requests.")
+    for i, (r, given) in enumerate(zip(requests, prefix_lens, strict=True)):
+        p = _int_or_none(given)
+        if p is None or not 0 <= p <= r.seq_len:
+            raise BatchError(
+                f"prefix_lens[{i}]: expected an int in [0, seq_len={r.seq_len}] for request {r.rid}, "
+                f"got {given!r}."
+            )
+        prefix_lens[i] = p
+    return prefix_lens
+
+
+def check_decode_batch(manager, requests) -> None:
+    check_requests(manager, requests)
+    for r in requests:
+        if r.seq_len < 1:
+            raise BatchError(f"request {r.rid} has seq_len 0; grow it by one token before decoding.")
+
+
+def check_decode_step(manager, requests) -> None:
+    """The requests, and room for each to grow by one token: else PoolError before any request grows."""
+    check_requests(manager, requests)
+    need = sum(manager.pages_needed(r, 1) for r in requests)
+    for r in requests:
+        check_fits(manager, r.seq_len + 1)
+    check_page_alloc(manager.allocator, need)
+
+
+def check_batch_slots(req_to_token, fb, batch: str = "forward_batch.", error=BatchError) -> None:
+    """Eager: every new token's ``out_cache_loc`` is the slot req_to_token keeps for it (``req_pool_indices``,
+    ``positions``), so a K/V or key write lands where its own request reads it (skipped while capturing)."""
+    if capturing() or fb.positions.numel() == 0:
+        return
+
+    counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else torch.ones_like(fb.seq_lens)
+    rows = torch.repeat_interleave(fb.req_pool_indices.to(req_to_token.device), counts.to(req_to_token.device))
+    positions = fb.positions.to(req_to_token.device)
+    if int(rows.max()) >= req_to_token.shape[0] or int(positions.max()) >= req_to_token.shape[1]:
+        fail(f"{batch}positions", f"rows and positions inside req_to_token {tuple(req_to_token.shape)}",
+             f"row {int(rows.max())}, position {int(positions.max())}", "build the batch from these pools.", error)
+    want = req_to_token[rows, positions].long().to(fb.out_cache_loc.device)
+    if bool((want == 0).any()):  # slot 0 lies in padding page 0: no request's token is ever kept there
+        t = int((want == 0).nonzero()[0, 0])
+        fail(f"{batch}seq_lens", "lengths within each request's tokens (every new token has a slot in "
+             "req_to_token)", f"new token {t} at position {int(positions[t])} of row {int(rows[t])}, which holds "
+             "no token", "build the batch for these requests after allocating their tokens (build_decode_batch "
+             "/ decode_step).", error)
+    if not torch.equal(want, fb.out_cache_loc):
+        t = int((want != fb.out_cache_loc).nonzero()[0, 0])
+        fail(f"{batch}out_cache_loc[{t}]", f"slot {int(want[t])}, where req_to_token keeps that token (a write to "
+             "another slot lands where its request never reads it, or in another request's KV)",
+             str(int(fb.out_cache_loc[t])), "build the batch from the pool (build_decode_batch / decode_step).", error)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_ref import checks
+from sparse_ref.checks import INT32_MAX, check_choice, check_float, check_int, fail
+from sparse_ref.errors import ConfigError
 
 GQA_MODES = ("mean", "per_kv_head")
 
@@ -33,7 +34,7 @@ class SparseConfig:
     gqa_mode: str = "mean"
 
     def __post_init__(self) -> None:
-        for name, value in checks.check_sparse_config(self).items():
+        for name, value in check_sparse_config(self).items():
             object.__setattr__(self, name, value)  # frozen: the checked values, written once at construction
 
     def history_budget(self, history: int) -> int:
@@ -81,7 +82,7 @@ class IndexerConfig:
     layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        checks.check_indexer_config(self)
+        check_indexer_config(self)
 
     @property
     def quant_block(self) -> int:
@@ -92,3 +93,58 @@ class IndexerConfig:
     def key_bytes_per_token(self) -> int:
         """Cache bytes per token and layer: the key (1 byte per value in FP8, 4 in fp32) + one fp32 scale."""
         return self.head_dim * (1 if self.use_fp8 else 4) + 4
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_sparse_config(config) -> dict:
+    """The checked, normalised fields of a ``SparseConfig`` (plain ints and floats: never a tensor or numpy scalar)."""
+    if config.keep_ratio is not None and config.page_budget is not None:
+        fail("SparseConfig", "exactly one of keep_ratio and page_budget",
+             f"keep_ratio={config.keep_ratio} and page_budget={config.page_budget} were both given",
+             "pass keep_ratio=None or page_budget=None.", ConfigError)
+    ratio = 0.25 if config.keep_ratio is None and config.page_budget is None else config.keep_ratio
+    fields = {"keep_ratio": None if ratio is None else
+              check_float("SparseConfig.keep_ratio", ratio, low=0, high=1, low_open=True),
+              "page_budget": None if config.page_budget is None else
+              check_int("SparseConfig.page_budget", config.page_budget, low=1, high=INT32_MAX)}
+    fields["num_recent_pages"] = check_int(
+        "SparseConfig.num_recent_pages", config.num_recent_pages, low=1, high=INT32_MAX,
+        fix="The last page holds the token being decoded, so at least 1 recent page is always kept.")
+    fields["num_sink_pages"] = check_int("SparseConfig.num_sink_pages", config.num_sink_pages, low=0, high=INT32_MAX)
+    fields["min_sparse_seq_len"] = check_int("SparseConfig.min_sparse_seq_len", config.min_sparse_seq_len, low=0,
+                                             high=INT32_MAX)
+    fields["gqa_mode"] = check_choice("SparseConfig.gqa_mode", config.gqa_mode, GQA_MODES)
+    return fields
+
+
+def check_indexer_config(c) -> None:
+    for name in ("hidden_size", "q_lora_rank", "n_heads", "head_dim", "index_topk", "block_size"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"IndexerConfig.{name}: expected a positive int, got {value!r}.")
+    for name in ("use_fp8", "ue8m0", "rope_interleaved"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"IndexerConfig.{name}: expected True or False, got {getattr(c, name)!r}.")
+    if c.head_dim & (c.head_dim - 1):
+        raise ConfigError(
+            f"IndexerConfig.head_dim: expected a power of two (the fast Hadamard transform needs one), "
+            f"got {c.head_dim}. Fix: use 32, 64, 128, ..."
+        )
+    r = c.rope_dim
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r % 2 or r > c.head_dim:
+        raise ConfigError(
+            f"IndexerConfig.rope_dim: expected an even int in [0, head_dim={c.head_dim}] (RoPE rotates "
+            f"pairs of dims), got {r!r}."
+        )
+    if c.block_size < c.head_dim:
+        raise ConfigError(
+            f"IndexerConfig.block_size: expected >= head_dim={c.head_dim}, got {c.block_size}. The score "
+            "folds one q scale per (token, head) into the head weights and multiplies one k scale per token, "
+            "so each head_dim vector must be a single FP8 block. Fix: block_size=128 with head_dim <= 128."
+        )
+    theta = c.rope_theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1.0 < theta < math.inf:
+        raise ConfigError(f"IndexerConfig.rope_theta: expected a finite number > 1, got {theta!r}.")
+    eps = c.layer_norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ConfigError(f"IndexerConfig.layer_norm_eps: expected a finite number > 0, got {eps!r}.")

@@ -23,9 +23,11 @@ from sparse_ref import checks
 from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
-from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, decode_step
+from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, check_batch_slots, decode_step
+from sparse_ref.checks import capturing, check_choice, check_device, check_int, describe, fail
 from sparse_ref.config import SparseConfig
-from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request
+from sparse_ref.errors import BatchError, ConfigError, PoolError
+from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request, check_request
 from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
 from sparse_ref.workloads import PlantedEngineWorkload
 
@@ -96,11 +98,11 @@ class SparseCoordinator:
         return "dense" if algo is None else algo.name
 
     def on_request_begin(self, req: Request, prompt_len: int) -> None:
-        checks.check_request_begin(self, req, prompt_len)
+        check_request_begin(self, req, prompt_len)
         self.prompt_lens[req.req_pool_idx] = prompt_len
 
     def on_request_end(self, req: Request) -> None:
-        checks.check_request_end(self, req)
+        check_request_end(self, req)
         del self.prompt_lens[req.req_pool_idx]
 
     def forward_begin(self, batch: ForwardBatch) -> None:
@@ -114,7 +116,7 @@ class SparseCoordinator:
 
     def attention_begin(self, layer: int, queries: torch.Tensor, batch: ForwardBatch, **kwargs) -> Metadata:
         """Sparse mask -> ``retrieve_topk`` -> adaptor; the dense metadata for a dense layer."""
-        algo = self.algorithms[checks.check_coordinator_layer(self, layer)]
+        algo = self.algorithms[check_coordinator_layer(self, layer)]
         if algo is None:
             return self.dense
         req_to_token = self.manager.req_to_token_pool.req_to_token
@@ -133,7 +135,7 @@ class SparseCoordinator:
 
     def attention_end(self, layer: int, batch: ForwardBatch) -> None:
         """Build representations after a prefill, refresh them after a decode step."""
-        algo = self.algorithms[checks.check_coordinator_layer(self, layer)]
+        algo = self.algorithms[check_coordinator_layer(self, layer)]
         if algo is None:
             return
         k_buffer = self.manager.token_to_kv_pool.get_key_buffer(layer)
@@ -154,7 +156,7 @@ class DecodeEngine:
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
                  attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
                  bounds_dtype=torch.float32, device="cpu"):
-        algorithms, configs, num_pages, self.device = checks.check_engine(
+        algorithms, configs, num_pages, self.device = check_engine(
             workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len, num_pages,
             compare_dense, dsa_topk, device, ALGORITHMS, ATTENTION_BACKENDS)
         self.workload, self.compare_dense = workload, compare_dense
@@ -205,7 +207,7 @@ class DecodeEngine:
 
     def finish(self, req: Request) -> None:
         """The request leaves: its pages and row are freed (Quest bounds and indexer keys with them)."""
-        checks.check_finish(self, req)  # a live request of this engine (by identity), before anything changes
+        check_finish(self, req)  # a live request of this engine (by identity), before anything changes
         self.coordinator.on_request_end(req)
         self.live = [r for r in self.live if r is not req]
         del self.plans[req.rid]
@@ -231,7 +233,7 @@ class DecodeEngine:
         -> attention -> ``attention_end``. No host sync and no host bookkeeping here (for dense and
         Quest layers), so ``sparse_ref.engine_graph`` can capture exactly this in one CUDA graph.
         """
-        checks.check_engine_forward(self, batch, inputs)  # the live requests' batch now (eager; not while capturing)
+        check_engine_forward(self, batch, inputs)  # the live requests' batch now (eager; not while capturing)
         coord, pool, traces = self.coordinator, self.manager.token_to_kv_pool, []
         coord.forward_begin(batch)
         dense = coord.dense
@@ -273,3 +275,83 @@ class DecodeEngine:
         mass = page_attention_mass(probs, md.page_size)
         trace.mass_kept = attention_mass_kept(md.selected, lengths, mass)
         trace.recall = page_recall(md.selected, lengths, mass, batch.seq_lens, md.page_size)
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_engine(workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len,
+                 num_pages, compare_dense, dsa_topk, device, known_algorithms, backends):
+    """``(algorithms, configs, num_pages, device)`` of a ``DecodeEngine``: one algorithm and config per workload
+    layer; ``num_pages`` None is enough pages for every request at ``max_context_len``."""
+    needs = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "request", "prefill", "decode", "indexer")
+    if not isinstance(workload, PlantedEngineWorkload) and not all(hasattr(workload, n) for n in needs):
+        fail("workload", "a PlantedEngineWorkload (or an object with its attributes, as "
+             "tensor_parallel.RankWorkload)", describe(workload), error=ConfigError)
+
+    algorithms = list(algorithms)
+    if len(algorithms) != workload.num_layers or any(name not in known_algorithms for name in algorithms):
+        raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), each entry "
+                          f"must be one of {known_algorithms}; got {algorithms}. Fix: e.g. ['quest', None, ...].")
+    check_choice("attention_backend", attention_backend, backends)
+    configs = list(config) if isinstance(config, (list, tuple)) else [config or SparseConfig()] * len(algorithms)
+    if len(configs) != len(algorithms):
+        raise ConfigError(f"config: expected one SparseConfig, or one per layer ({len(algorithms)}), got "
+                          f"{len(configs)}.")
+    for name, value, low in (("page_size", page_size, 1), ("max_requests", max_requests, 1),
+                             ("max_context_len", max_context_len, 1), ("dsa_topk", dsa_topk, 1)):
+        check_int(name, value, low=low)
+    if num_pages is None:
+        num_pages = max_requests * -(-max_context_len // page_size) + 1
+    num_pages = check_int("num_pages", num_pages, low=2, fix="leave num_pages=None: enough pages for every request "
+                          "at max_context_len (page 0 is padding).")
+    if not isinstance(compare_dense, bool):
+        fail("compare_dense", "True or False", describe(compare_dense), error=ConfigError)
+    return algorithms, configs, num_pages, check_device("device", device)
+
+
+def check_finish(engine, req) -> None:
+    """``req`` is one of the engine's live requests, by identity (an equal request of another engine is not)."""
+    if not any(r is req for r in engine.live) or engine.manager.requests.get(getattr(req, "rid", None)) is not req:
+        raise PoolError(f"finish: expected a live request of this engine, got {req!r} (finished already, never "
+                        "added, or another engine's). Fix: call finish once per request its add_request returned.")
+
+
+def check_request_begin(coordinator, req, prompt_len) -> None:
+    check_request("on_request_begin(req)", req)
+    check_int("on_request_begin(prompt_len)", prompt_len, low=0, error=PoolError)
+    if req.req_pool_idx in coordinator.prompt_lens:
+        raise PoolError(f"on_request_begin: the request in req_to_token row {req.req_pool_idx} has begun already "
+                        "(each request begins once). Fix: call on_request_end first, once it finishes.")
+
+
+def check_request_end(coordinator, req) -> None:
+    check_request("on_request_end(req)", req)
+    if req.req_pool_idx not in coordinator.prompt_lens:
+        raise PoolError(f"on_request_end: no request in req_to_token row {req.req_pool_idx} has begun (ended "
+                        "already, or never begun). Fix: call on_request_begin and on_request_end once each.")
+
+
+def check_coordinator_layer(coordinator, layer) -> int:
+    """A layer of the engine, ``[0, num_layers)`` (``-1`` is refused: it would wrap to the last layer)."""
+    return check_int("layer", layer, low=0, high=len(coordinator.algorithms) - 1, error=PoolError,
+                     fix=f"the engine has layers [0, {len(coordinator.algorithms)}).")
+
+
+def check_engine_forward(engine, batch, inputs) -> None:
+    """Eager: ``batch`` is the DECODE batch of the engine's live requests as they are now (a batch built before a
+    request left, joined or grew is refused), and ``inputs`` has one entry per layer."""
+    if not isinstance(batch, ForwardBatch) or batch.forward_mode is not ForwardMode.DECODE:
+        fail("batch", "a DECODE ForwardBatch (decode_step)", describe(batch), error=BatchError)
+    layers = engine.manager.token_to_kv_pool.num_layers
+    if not isinstance(inputs, (list, tuple)) or len(inputs) != layers:
+        fail("inputs", f"one (q, k, v, x, q_lora) per layer ({layers})", describe(inputs), error=BatchError)
+    if capturing():
+        return
+    live = engine.live
+    rows = torch.tensor([r.req_pool_idx for r in live], dtype=torch.int64)
+    seq_lens = torch.tensor([r.seq_len for r in live], dtype=torch.int64)
+    if batch.batch_size != len(live) or not torch.equal(batch.req_pool_indices.cpu(), rows) or \
+            not torch.equal(batch.seq_lens.cpu(), seq_lens):
+        fail("batch", f"the batch of the live requests now (rows {rows.tolist()}, seq_lens {seq_lens.tolist()})",
+             f"rows {batch.req_pool_indices.tolist()}, seq_lens {batch.seq_lens.tolist()}",
+             "build it after the last add_request / finish / grow (decode_step), or call engine.step().", BatchError)
+    check_batch_slots(engine.manager.req_to_token_pool.req_to_token, batch, "batch.")

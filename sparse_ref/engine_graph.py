@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref import checks
 from sparse_ref.batch import ForwardBatch, ForwardMode, decode_step
-from sparse_ref.checks import fail
+from sparse_ref.checks import describe, fail
+from sparse_ref.engine import DecodeEngine
 from sparse_ref.errors import BatchError, ConfigError
 
 
@@ -24,7 +24,7 @@ class GraphedDecodeStep:
     """The device half of ``engine``'s decode step for its current live requests, as one CUDA graph."""
 
     def __init__(self, engine):
-        checks.check_graphed_engine(engine)
+        check_graphed_engine(engine)
         if not engine.live:
             fail("engine.live", "at least one live request to capture a step for", "none",
                  "add_request first; the graph is captured for the batch that is live now.", BatchError)
@@ -64,7 +64,7 @@ class GraphedDecodeStep:
         """``engine.forward`` on the static tensors, eagerly: what the graph holds. Returns fresh traces.
 
         Refused (BatchError) unless the static tensors still describe the engine's requests (see ``replay``)."""
-        checks.check_graph_current(self)
+        check_graph_current(self)
         traces, _ = self.engine.forward(self.batch, self.inputs)
         return traces
 
@@ -84,7 +84,7 @@ class GraphedDecodeStep:
         Refused (BatchError) when the engine changed since ``step()`` loaded them: a request joined, left or
         grew (the manager's generation moved), so the graph would write K/V into slots and read pages that no
         longer belong to these requests. Replaying the same step twice writes the same K/V and bounds again."""
-        checks.check_graph_current(self)
+        check_graph_current(self)
         self._replay()
 
     def _replay(self) -> None:
@@ -107,3 +107,24 @@ class GraphedDecodeStep:
             self._capture()
         self._replay()
         return self.traces
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_graphed_engine(engine) -> None:
+    if not isinstance(engine, DecodeEngine):
+        fail("engine", "a sparse_ref.engine.DecodeEngine", describe(engine), error=ConfigError)
+
+
+def check_graph_current(step) -> None:
+    """The static tensors of a ``GraphedDecodeStep`` still describe the engine's requests: loaded by ``step()``,
+    and no request admitted, grown or released since (the manager's generation). Host-side only."""
+    generation = step.engine.manager.generation
+    if step.generation is None:
+        raise BatchError("GraphedDecodeStep: nothing to replay yet. Fix: call step(), which loads the batch.")
+    if generation != step.generation:
+        raise BatchError(
+            f"GraphedDecodeStep: the engine changed since step() loaded the batch (a request joined, left or grew: "
+            f"generation {step.generation} -> {generation}); a replay would write K/V into slots and read pages "
+            "that no longer belong to these requests. Fix: call step() (the host half, then the replay), or "
+            "capture a new GraphedDecodeStep(engine) after requests join or leave."
+        )

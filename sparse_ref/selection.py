@@ -15,8 +15,22 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref import checks
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    INT32_MAX,
+    INT64_MAX,
+    check_choice,
+    check_int,
+    check_range,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    describe,
+    fail,
+)
 from sparse_ref.config import SparseConfig
+from sparse_ref.errors import ConfigError, ShapeError
 
 
 def ceil_div(a, b):
@@ -26,7 +40,7 @@ def ceil_div(a, b):
 
 def selection_width(max_pages: int, config: SparseConfig) -> int:
     """Static width of ``selected``: the most pages any row with <= max_pages pages can keep."""
-    return config.selection_width(checks.check_selection_width(max_pages, config))
+    return config.selection_width(check_selection_width(max_pages, config))
 
 
 def _candidates(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +60,7 @@ def _ranks_desc(masked: torch.Tensor) -> torch.Tensor:
 def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *,
                    order: str = "score", width: int | None = None) -> torch.Tensor:
     """Exact top-k ids per row (see the module docstring). ``k`` is an int or an int tensor [R]."""
-    lengths, k_row, width = checks.check_topk_reference(scores, k, lengths, order, width)
+    lengths, k_row, width = check_topk_reference(scores, k, lengths, order, width)
     R, N = scores.shape
     device = scores.device
     s, ok = _candidates(scores)
@@ -70,7 +84,7 @@ def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None,
 def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
                  config: SparseConfig, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched page selection: no Python loop over requests, no host sync. See the module docstring."""
-    page_size, width = checks.check_select_pages(scores, seq_lens, sparse_mask, page_size, config, width)
+    page_size, width = check_select_pages(scores, seq_lens, sparse_mask, page_size, config, width)
     return select_pages_unchecked(scores, seq_lens, sparse_mask, page_size, config, width)
 
 
@@ -112,7 +126,7 @@ def select_pages_row(scores_row: torch.Tensor, seq_len: int, page_size: int, con
 
     The teaching version of ``select_pages``: plain Python control flow on one row.
     """
-    page_size, seq_len = checks.check_select_pages_row(scores_row, seq_len, page_size, config)
+    page_size, seq_len = check_select_pages_row(scores_row, seq_len, page_size, config)
     n = ceil_div(seq_len, page_size)
     if not sparse or seq_len < config.min_sparse_seq_len or n == 0:
         return torch.empty(0, dtype=torch.int32, device=scores_row.device)
@@ -129,3 +143,81 @@ def select_pages_row(scores_row: torch.Tensor, seq_len: int, page_size: int, con
     device = scores_row.device
     kept = torch.cat([torch.arange(sink_end, device=device), top, torch.arange(recent_start, n, device=device)])
     return torch.sort(kept).values.to(torch.int32)
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_config(config):
+    """``config`` if it is a ``SparseConfig`` (validated and frozen at construction)."""
+    if not isinstance(config, SparseConfig):
+        fail("config", "a SparseConfig", describe(config), "build one with SparseConfig(...).", ConfigError)
+    return config
+
+
+def check_topk_reference(scores, k, lengths, order, width):
+    """``(lengths int64 [R], k_row int64 [R], width)`` of a ``topk_reference`` call."""
+    check_tensor("scores", scores, dtype=FLOAT_DTYPES, dims=2)
+    check_choice("order", order, ("score", "index"))
+    R, N = scores.shape
+    device = scores.device
+    if lengths is None:
+        lengths = torch.full((R,), N, dtype=torch.int64, device=device)
+    check_tensor("lengths", lengths, dtype=INDEX_DTYPES, dims=1)
+    check_rows("lengths", lengths, R, "one per row of scores")
+    check_range("lengths", lengths, 0, N, f"a row has at most {N} entries (scores.shape[1]).")
+    if isinstance(k, torch.Tensor) and k.dim() > 0:
+        check_tensor("k", k, dtype=INDEX_DTYPES, dims=1, fix="pass an int, or one k per row.")
+        check_rows("k", k, R, "one per row of scores")
+        check_range("k", k, 0, INT64_MAX)
+        k_row = k.to(torch.int64)
+        default_width = int(k_row.max()) if R else 0
+    else:
+        default_width = check_int("k", k, low=0, high=INT64_MAX, error=ShapeError)
+        k_row = torch.full((R,), default_width, dtype=torch.int64, device=device)
+    check_same_device("topk_reference", "scores", {"scores": scores, "lengths": lengths, "k": k_row})
+    if width is None:  # the output is k wide (-1 padded): a k beyond int32 needs an explicit width
+        width = check_int("k", default_width, high=INT32_MAX, error=ShapeError,
+                          fix="the output width defaults to k; pass width= (at most 2**31 - 1) for a larger k.")
+    width = check_int("width", width, low=0, high=INT32_MAX, error=ShapeError)
+    return lengths.to(device, torch.int64), k_row, width
+
+
+def check_selection_width(max_pages, config) -> int:
+    check_config(config)
+    return check_int("max_pages", max_pages, low=0, high=INT32_MAX, error=ShapeError)
+
+
+def check_selection_inputs(scores, seq_lens, sparse_mask, page_size, config) -> int:
+    """Type, shape, dtype, device and range checks shared by every page-selection implementation; the page size."""
+    check_tensor("scores", scores, dtype=FLOAT_DTYPES, dims=2,
+                 fix="pass one score per logical page, shape [bs, max_pages].")
+    bs, max_pages = scores.shape
+    check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, dims=1)
+    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1)
+    check_rows("seq_lens", seq_lens, bs, "one per row of scores")
+    check_rows("sparse_mask", sparse_mask, bs, "one per row of scores")
+    check_same_device("page selection", "scores", {"scores": scores, "seq_lens": seq_lens, "sparse_mask": sparse_mask})
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    check_config(config)
+    check_range("seq_lens", seq_lens, 0, max_pages * page_size,
+                f"scores cover {max_pages} pages of {page_size} tokens: score every page of the longest request.")
+    return page_size
+
+
+def check_select_pages(scores, seq_lens, sparse_mask, page_size, config, width) -> tuple[int, int | None]:
+    """``(page_size, width)`` of a ``select_pages`` call, as ints."""
+    page_size = check_selection_inputs(scores, seq_lens, sparse_mask, page_size, config)
+    if width is not None:
+        W = config.selection_width(scores.shape[1])
+        width = check_int("width", width, low=W, error=ShapeError,
+                          fix=f"leave width=None: selection_width is {W} here, and a narrower output would cut rows "
+                          "off.")
+    return page_size, width
+
+
+def check_select_pages_row(scores_row, seq_len, page_size, config) -> tuple[int, int]:
+    check_tensor("scores_row", scores_row, dtype=FLOAT_DTYPES, dims=1)
+    page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
+    check_config(config)
+    seq_len = check_int("seq_len", seq_len, low=0, high=scores_row.shape[0] * page_size, error=ShapeError,
+                        fix=f"{scores_row.shape[0]} scored pages of {page_size} tokens: score the whole request.")
+    return page_size, seq_len

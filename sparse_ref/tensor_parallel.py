@@ -36,10 +36,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from sparse_ref import checks
-from sparse_ref.checks import capturing
+from sparse_ref.checks import capturing, check_choice, check_device, describe, fail
 from sparse_ref.engine import DecodeEngine, StepResult
 from sparse_ref.errors import BatchError, ConfigError, PoolError, RetrievalError
+from sparse_ref.workloads import PlantedEngineWorkload
 
 QUEST_MODES = ("per_rank", "global")
 DSA_MODES = ("check", "broadcast")
@@ -163,7 +163,7 @@ class TensorParallelEngine:
 
     def __init__(self, workload, algorithms: Sequence[str | None] = ("quest",), config=None, *,
                  quest_mode: str = "global", dsa_mode: str = "check", group=None, **engine_kwargs):
-        device = checks.check_tensor_parallel(workload, quest_mode, dsa_mode, group, engine_kwargs.get("device", "cpu"),
+        device = check_tensor_parallel(workload, quest_mode, dsa_mode, group, engine_kwargs.get("device", "cpu"),
                                               QUEST_MODES, DSA_MODES)
         self.comm, self.quest_mode, self.dsa_mode = RankGroup(group), quest_mode, dsa_mode
         shared = {k: v for k, v in engine_kwargs.items() if k != "device"}  # (each rank has its own GPU)
@@ -218,3 +218,34 @@ class TensorParallelEngine:
         """One decode step on every rank: this rank's result, and each layer's output over all heads."""
         result = self.engine.step()
         return result, [self.comm.gather_heads(t.out, t.layer) for t in result.layers]
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_tensor_parallel(workload, quest_mode, dsa_mode, group, device, quest_modes, dsa_modes) -> torch.device:
+    """What a ``TensorParallelEngine`` needs before its first exchange (rank-local, so every rank refuses)."""
+    import torch.distributed as dist
+
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("tensor parallel: torch.distributed is not initialised. Fix: launch with torchrun "
+                          "(torchrun --nproc-per-node 2 ...) and call torch.distributed.init_process_group first.")
+    if not isinstance(workload, PlantedEngineWorkload):
+        fail("workload", "a PlantedEngineWorkload", describe(workload), error=ConfigError)
+    check_choice("quest_mode", quest_mode, quest_modes)
+    check_choice("dsa_mode", dsa_mode, dsa_modes)
+    world = dist.get_world_size(group)
+    if workload.num_kv_heads % world:
+        fail("workload.num_kv_heads", f"a multiple of the world size {world} (each rank holds whole KV heads)",
+             str(workload.num_kv_heads), "choose a world size that divides the KV heads.", ConfigError)
+    dev = check_device("device", device)
+    check_tp_backend(dist.get_backend(group), dev)
+    return dev
+
+
+def check_tp_backend(backend: str, device: torch.device) -> None:
+    """NCCL moves CUDA tensors, gloo CPU tensors: the process group's backend must fit the engine's device."""
+    want = "nccl" if device.type == "cuda" else "gloo"
+    if backend != want:
+        fail("backend", f"'{want}' for an engine on {device.type}", repr(backend),
+             f"init_process_group('{want}'), or put the engine on "
+             f"{'cpu' if backend == 'gloo' else 'cuda (one GPU per rank)'}.", ConfigError)

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import tp_scenarios
 
-from sparse_ref.checks import check_tp_backend
 from sparse_ref.errors import ConfigError
+from sparse_ref.tensor_parallel import check_tp_backend
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 

@@ -15,7 +15,23 @@ import torch
 
 from sparse_ref import checks
 from sparse_ref.adaptor import to_attention_metadata
+from sparse_ref.batch import ForwardBatch, check_batch_slots
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    capturing,
+    check_choice,
+    check_device,
+    check_int,
+    check_range,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    describe,
+    fail,
+)
 from sparse_ref.config import SparseConfig
+from sparse_ref.errors import SEED_TOPK_NEEDS_SEQ_LENS, BatchError, ConfigError, PoolError, RetrievalError
 from sparse_ref.selection import ceil_div, select_pages_row, select_pages_unchecked, selection_width
 
 SELECTION_BACKENDS = ("auto", "torch", "triton")
@@ -23,7 +39,7 @@ SELECTION_BACKENDS = ("auto", "torch", "triton")
 
 def forward_batch_with_seq_lens(kwargs: dict):
     """The ``forward_batch`` keyword, checked to carry ``seq_lens``; else the seed error, then what arrived."""
-    return checks.check_forward_batch_kwarg(kwargs)
+    return check_forward_batch_kwarg(kwargs)
 
 
 class SparseAlgorithm:
@@ -38,7 +54,7 @@ class SparseAlgorithm:
     name = "base"
 
     def __init__(self, config: SparseConfig | None = None, device="cpu", selection_backend: str = "auto"):
-        self.device = checks.check_algorithm(config, device, selection_backend, SELECTION_BACKENDS)
+        self.device = check_algorithm(config, device, selection_backend, SELECTION_BACKENDS)
         self.config = config if config is not None else SparseConfig()
         self.selection_backend = selection_backend
         self.start_layer = self.end_layer = 0
@@ -48,7 +64,7 @@ class SparseAlgorithm:
     def initialize_representation_pool(self, start_layer: int, end_layer: int, token_to_kv_pool,
                                        req_to_token_pool) -> None:
         """Remember the pools and the layers ``[start_layer, end_layer)`` this algorithm serves."""
-        self.start_layer, self.end_layer, self.page_size = checks.check_representation_pool(
+        self.start_layer, self.end_layer, self.page_size = check_representation_pool(
             start_layer, end_layer, token_to_kv_pool, req_to_token_pool)
         self.token_to_kv_pool = token_to_kv_pool
         self.req_to_token_pool = req_to_token_pool
@@ -63,7 +79,7 @@ class SparseAlgorithm:
 
     def check_layer(self, layer_id) -> None:
         """Raise PoolError unless the pools are set up and ``start_layer <= layer_id < end_layer``."""
-        checks.check_algorithm_layer(self, layer_id)
+        check_algorithm_layer(self, layer_id)
 
     # ---------------------------------------------------------------- scoring
     @property
@@ -115,7 +131,7 @@ class SparseAlgorithm:
         sync once the eager checks are skipped (they are, while a CUDA graph captures), so the
         whole call can be captured and replayed.
         """
-        forward_batch = checks.check_retrieve(self, queries, layer_id, req_pool_indices, sparse_mask, kwargs)
+        forward_batch = check_retrieve(self, queries, layer_id, req_pool_indices, sparse_mask, kwargs)
         scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
         return self._select(scores, forward_batch.seq_lens.to(scores.device), sparse_mask.to(scores.device))
 
@@ -128,7 +144,7 @@ class SparseAlgorithm:
         last bit on a GPU (reductions pick their strategy by shape), and the two paths must return
         identical tensors. What the loop spells out is the selection, one request at a time.
         """
-        forward_batch = checks.check_retrieve(self, queries, layer_id, req_pool_indices, sparse_mask, kwargs)
+        forward_batch = check_retrieve(self, queries, layer_id, req_pool_indices, sparse_mask, kwargs)
         seq_lens = forward_batch.seq_lens
         scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
         bs, max_pages = scores.shape
@@ -156,7 +172,7 @@ def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_
     at bs=1 every launch costs a few microseconds of latency, about what the whole table costs to write.
     ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers, written in place.
     """
-    forward_batch = checks.check_retrieve_metadata(algo, queries, layer_id, forward_batch, SparseAlgorithm)
+    forward_batch = check_retrieve_metadata(algo, queries, layer_id, forward_batch, SparseAlgorithm)
     fused = (type(algo).retrieve_topk is SparseAlgorithm.retrieve_topk
              and algo.uses_triton_selection(queries.is_cuda, algo.max_pages))
     if not fused:
@@ -166,10 +182,133 @@ def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_
                                                          algo.page_size, out=out)
     from sparse_ref.kernels.page_select import select_pages_to_table  # kernels import only when used
 
-    checks.check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, {"forward_batch": forward_batch})
+    check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, {"forward_batch": forward_batch})
     checks.check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=queries.device,
                         fix="pass the req_to_token table of the ReqToTokenPool.")
     scores = algo.score_pages(queries, layer_id, req_pool_indices, forward_batch)
     return select_pages_to_table(scores, forward_batch.seq_lens.to(scores.device), sparse_mask.to(scores.device),
                                  algo.page_size, algo.config, forward_batch.req_pool_indices.to(scores.device),
                                  req_to_token, out=out, check_values=not checks.capturing())
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+_FIX_SEQ_LENS = (
+    "Fix: pass the batch through, retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, "
+    "forward_batch=forward_batch), where forward_batch.seq_lens (int64 [bs]) holds each request's current "
+    "length, including the token being decoded."
+)
+
+
+def check_forward_batch_kwarg(kwargs: dict):
+    """The ``forward_batch`` keyword, checked to carry ``seq_lens``; else the seed error, then what arrived."""
+    if "forward_batch" not in kwargs:
+        got = f"got kwargs {sorted(kwargs)} and no forward_batch"
+    elif kwargs["forward_batch"] is None:
+        got = "got forward_batch=None"
+    elif not hasattr(kwargs["forward_batch"], "seq_lens"):
+        got = f"forward_batch of type {type(kwargs['forward_batch']).__name__} has no seq_lens"
+    elif kwargs["forward_batch"].seq_lens is None:
+        got = f"forward_batch of type {type(kwargs['forward_batch']).__name__} has seq_lens=None"
+    else:
+        return kwargs["forward_batch"]
+    raise RetrievalError(f"{SEED_TOPK_NEEDS_SEQ_LENS}: {got}. {_FIX_SEQ_LENS}")
+
+
+def check_algorithm(config, device, selection_backend, backends) -> torch.device:
+    if config is not None and not isinstance(config, SparseConfig):
+        fail("config", "a SparseConfig or None", describe(config), error=ConfigError)
+    check_choice("selection_backend", selection_backend, backends)
+    return check_device("device", device)
+
+
+def check_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool) -> tuple[int, int, int]:
+    """``(start_layer, end_layer, page_size)`` of ``initialize_representation_pool``."""
+    page_size = check_int("token_to_kv_pool.page_size", getattr(token_to_kv_pool, "page_size", None), low=1,
+                          error=PoolError, fix="pass the engine's TokenToKVPool.")
+    check_tensor("req_to_token_pool.req_to_token", getattr(req_to_token_pool, "req_to_token", None),
+                 dtype=torch.int32, dims=2, fix="pass the engine's ReqToTokenPool.", error=PoolError)
+    fix = "end_layer is exclusive: to serve layers 0..L-1, pass start_layer=0, end_layer=L."
+    start_layer = check_int("start_layer", start_layer, low=0, error=PoolError, fix=fix)
+    end_layer = check_int("end_layer", end_layer, low=start_layer + 1, error=PoolError, fix=fix,
+                          high=getattr(token_to_kv_pool, "num_layers", None))
+    return start_layer, end_layer, page_size
+
+
+def check_algorithm_layer(algo, layer_id) -> None:
+    """PoolError unless the pools are set up and ``start_layer <= layer_id < end_layer``."""
+    if algo.req_to_token_pool is None:
+        raise PoolError(
+            f"{type(algo).__name__}: the representation pool is not initialized. Fix: call "
+            "initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool) first."
+        )
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not (
+            algo.start_layer <= layer_id < algo.end_layer):
+        raise PoolError(
+            f"layer_id: expected an int in [{algo.start_layer}, {algo.end_layer}) (end_layer is exclusive), "
+            f"got {layer_id!r}. Fix: call the algorithm only for the layers it was initialized with."
+        )
+
+
+def check_algorithm_batch(algo, fn: str, forward_batch) -> None:
+    """``forward_batch`` is a ``ForwardBatch`` whose rows and lengths fit the algorithm's req_to_token."""
+    if not isinstance(forward_batch, ForwardBatch):
+        fail(f"{fn}: forward_batch", "a sparse_ref.ForwardBatch", describe(forward_batch),
+             "build it with build_extend_batch / build_decode_batch.", BatchError)
+    size, max_len = algo.req_to_token_pool.req_to_token.shape
+    check_range("forward_batch.req_pool_indices", forward_batch.req_pool_indices, 0, size - 1,
+                "pass rows of this algorithm's req_to_token.", BatchError)
+    check_range("forward_batch.seq_lens", forward_batch.seq_lens, 0, max_len,
+                f"lengths are at most max_context_len={max_len} of req_to_token.", BatchError)
+    check_batch_slots(algo.req_to_token_pool.req_to_token, forward_batch)
+
+
+def check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, kwargs: dict):
+    """The inputs of a page algorithm's ``retrieve_topk``; returns the checked ``forward_batch``.
+
+    Shape and dtype checks cost no sync; value checks are skipped while a graph captures.
+    """
+    forward_batch = check_forward_batch_kwarg(kwargs)
+    check_algorithm_layer(algo, layer_id)
+    seq_lens, batch_rows = forward_batch.seq_lens, getattr(forward_batch, "req_pool_indices", None)
+    check_tensor("req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, dims=1,
+                 fix="pass forward_batch.req_pool_indices.")
+    bs = req_pool_indices.shape[0]
+    check_tensor("queries", queries, dtype=FLOAT_DTYPES, dims=(2, 3),
+                 fix="pass one query per request, [bs, H_q*D] or [bs, H_q, D].")
+    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1,
+                 fix="pass a bool tensor [bs], True for rows that may go sparse.")
+    check_tensor("forward_batch.seq_lens", seq_lens, dtype=INDEX_DTYPES, dims=1)
+    check_tensor("forward_batch.req_pool_indices", batch_rows, dtype=INDEX_DTYPES, dims=1)
+    for name, t in (("queries", queries), ("sparse_mask", sparse_mask), ("forward_batch.seq_lens", seq_lens),
+                    ("forward_batch.req_pool_indices", batch_rows)):
+        check_rows(name, t, bs, "one per entry of req_pool_indices")
+    check_same_device("retrieve_topk", "req_pool_indices", {
+        "req_pool_indices": req_pool_indices, "queries": queries, "sparse_mask": sparse_mask,
+        "forward_batch.seq_lens": seq_lens, "forward_batch.req_pool_indices": batch_rows})
+    if bs == 0 or capturing():
+        return forward_batch
+    size, max_len = algo.req_to_token_pool.req_to_token.shape
+    check_range("req_pool_indices", req_pool_indices, 0, size - 1, "pass rows of req_to_token.")
+    check_range("forward_batch.seq_lens", seq_lens, 0, max_len,
+                f"lengths are at most max_context_len={max_len} of req_to_token.")
+    if not torch.equal(req_pool_indices.long(), batch_rows.long()):
+        fail("req_pool_indices", f"forward_batch.req_pool_indices {batch_rows.tolist()} (the same requests, in "
+             "the same order: seq_lens bound each row)", str(req_pool_indices.tolist()),
+             "pass forward_batch.req_pool_indices, or build the batch for these requests.", RetrievalError)
+
+    if isinstance(forward_batch, ForwardBatch):
+        check_batch_slots(algo.req_to_token_pool.req_to_token, forward_batch)
+    return forward_batch
+
+
+def check_retrieve_metadata(algo, queries, layer_id, forward_batch, algorithm_cls):
+    """What ``retrieve_attention_metadata`` needs before it picks a path (the path checks the rest)."""
+    if not isinstance(algo, algorithm_cls):
+        fail("algo", "a sparse algorithm (sparse_ref.create_sparse_algorithm)", describe(algo),
+             "pass the layer's algorithm.")
+    forward_batch = check_forward_batch_kwarg({"forward_batch": forward_batch})
+    check_tensor("queries", queries, dtype=FLOAT_DTYPES, dims=(2, 3),
+                 fix="pass one query per request, [bs, H_q*D] or [bs, H_q, D].")
+    if type(algo).retrieve_topk is algorithm_cls.retrieve_topk:  # a page algorithm: initialised for this layer
+        algo.check_layer(layer_id)
+    return forward_batch

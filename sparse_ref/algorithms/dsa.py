@@ -26,10 +26,22 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from sparse_ref import checks
 from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.batch import ForwardBatch, ForwardMode
+from sparse_ref.checks import (
+    INDEX_DTYPES,
+    capturing,
+    check_choice,
+    check_int,
+    check_range,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    describe,
+    fail,
+)
 from sparse_ref.config import IndexerConfig
+from sparse_ref.errors import SEED_DSA_REQUIRED, BatchError, ConfigError, RetrievalError, ShapeError
 from sparse_ref.fp8 import FP8_DTYPE, quantize_fp8
 from sparse_ref.hadamard import hadamard_rotate
 from sparse_ref.memory import IndexerKeyCache
@@ -107,7 +119,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, config: IndexerConfig, *, seed: int = 0, device="cpu", cache: IndexerKeyCache | None = None,
                  scoring_backend: str = "auto"):
         super().__init__()
-        self.scoring_backend = checks.check_indexer(config, scoring_backend, SCORING_BACKENDS)
+        self.scoring_backend = check_indexer(config, scoring_backend, SCORING_BACKENDS)
         self.config = config
         c = config
         self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
@@ -129,7 +141,7 @@ class LightningIndexer(nn.Module):
 
     def attach_cache(self, cache: IndexerKeyCache) -> LightningIndexer:
         """Use ``cache`` for keys from now on; returns ``self``. Its config must match the indexer's."""
-        checks.check_attach_cache(self, cache)
+        check_attach_cache(self, cache)
         self.cache = cache
         return self
 
@@ -234,8 +246,8 @@ class LightningIndexer(nn.Module):
         ``width`` defaults to ``max(seq_lens)`` (read from the device: pass it, e.g. the pool's
         ``max_context_len``, for a call with no host sync).
         """
-        checks.check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
-        width = checks.check_index_width(self, forward_batch, width)
+        check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
+        width = check_index_width(self, forward_batch, width)
         qk = self.prepare(x, q_lora, positions)
         self.cache.write(layer_id, forward_batch.out_cache_loc, qk.k, qk.k_scale)
         return self.logits(qk, forward_batch, layer_id, width)
@@ -244,7 +256,7 @@ class LightningIndexer(nn.Module):
     def index_scores_loop(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                           forward_batch: ForwardBatch, layer_id: int) -> torch.Tensor:
         """The readable reference of ``index_scores``: request by request, keys read slot by slot."""
-        checks.check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
+        check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
         fb, cache = forward_batch, self.cache
         qk = self.prepare(x, q_lora, positions)
         cache.write(layer_id, fb.out_cache_loc, qk.k, qk.k_scale)
@@ -288,7 +300,7 @@ class LightningIndexer(nn.Module):
         top-k reads each row up to its position), so it can be captured in a CUDA graph. EXTEND
         reads ``max(seq_lens)`` once for the width of its scores.
         """
-        checks.check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
+        check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
         fb = forward_batch
         if fb.forward_mode is ForwardMode.DECODE:
             width = self.cache.req_to_token_pool.req_to_token.shape[1]
@@ -318,7 +330,7 @@ class DSAAlgorithm(SparseAlgorithm):
 
     def retrieve_topk(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                       sparse_mask: torch.Tensor, attn_metadata=None, **kwargs):
-        indexer, fb = checks.check_dsa_retrieve(self, layer_id, req_pool_indices, sparse_mask, kwargs)
+        indexer, fb = check_dsa_retrieve(self, layer_id, req_pool_indices, sparse_mask, kwargs)
         selection = indexer(x=kwargs["x"], q_lora=kwargs["q_lora"], positions=kwargs["positions"],
                             forward_batch=fb, layer_id=layer_id)
         T = selection.shape[0]
@@ -330,3 +342,129 @@ class DSAAlgorithm(SparseAlgorithm):
                            sparse_mask: torch.Tensor, attn_metadata=None, **kwargs):
         """The same as ``retrieve_topk``: the indexer already scores request by request."""
         return self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, attn_metadata, **kwargs)
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+_INDEXER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_indexer(config, scoring_backend, backends) -> str:
+    if not isinstance(config, IndexerConfig):
+        raise ConfigError(f"LightningIndexer: config must be an IndexerConfig, got {type(config).__name__}.")
+    return check_choice(
+        "scoring_backend", scoring_backend, backends,
+        "\"auto\" (Triton kernel on CUDA, torch otherwise), \"torch\" or \"triton\" (on CPU: TRITON_INTERPRET=1).")
+
+
+def check_attach_cache(indexer, cache) -> None:
+    if not isinstance(cache, IndexerKeyCache):
+        raise ConfigError(f"attach_cache: expected an IndexerKeyCache, got {type(cache).__name__}.")
+    if cache.config.head_dim != indexer.config.head_dim or cache.config.use_fp8 != indexer.config.use_fp8:
+        raise ConfigError(
+            f"attach_cache: the cache holds head_dim={cache.config.head_dim}, use_fp8={cache.config.use_fp8} "
+            f"keys but the indexer makes head_dim={indexer.config.head_dim}, use_fp8={indexer.config.use_fp8}. "
+            "Fix: build the cache with the indexer's config."
+        )
+    if cache.device.type != indexer.device.type:
+        raise ConfigError(f"attach_cache: the cache is on {cache.device} but the indexer on {indexer.device}.")
+
+
+def check_indexer_call(indexer, x, q_lora, positions, forward_batch, layer_id) -> None:
+    """Every check of an indexer call before any work (value checks need a host sync; skipped while capturing)."""
+    c, dev = indexer.config, indexer.device.type
+    if indexer.cache is None:
+        raise ConfigError(
+            "LightningIndexer: no key cache attached. Fix: indexer.attach_cache(IndexerKeyCache.for_manager("
+            "manager, indexer.config)), or IndexerKeyCache.from_pools(token_to_kv_pool, req_to_token_pool, "
+            "indexer.config)."
+        )
+    if not isinstance(forward_batch, ForwardBatch):
+        fail("forward_batch", "a sparse_ref.ForwardBatch", describe(forward_batch),
+             "build it with build_extend_batch / build_decode_batch.", BatchError)
+    indexer.cache.check_layer(layer_id)
+    fb = forward_batch
+    T = fb.positions.shape[0]
+    check_tensor("x", x, dtype=_INDEXER_DTYPES, shape=(T, c.hidden_size), device=dev,
+                 fix=f"pass the hidden states of the batch's {T} new tokens, [T, hidden_size].")
+    check_tensor("q_lora", q_lora, dtype=_INDEXER_DTYPES, shape=(T, c.q_lora_rank), device=dev,
+                 fix=f"pass the low-rank query latents of the batch's {T} new tokens, [T, q_lora_rank].")
+    check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(T,), device=dev,
+                 fix="pass forward_batch.positions.")
+    for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+        check_tensor(f"forward_batch.{name}", getattr(fb, name), device=dev,
+                     fix="build the batch on the indexer's device.")
+    bs = fb.batch_size
+    counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else None
+    if counts is not None:
+        check_rows("forward_batch.extend_seq_lens", counts, bs, error=BatchError)
+    if capturing() or bs == 0:
+        return
+    req_to_token = indexer.cache.req_to_token_pool.req_to_token
+    rows, max_len = req_to_token.shape
+    check_range("forward_batch.req_pool_indices", fb.req_pool_indices, 0, rows - 1, error=BatchError)
+    check_range("forward_batch.seq_lens", fb.seq_lens, 0, max_len, error=BatchError,
+                fix="seq_lens may not exceed max_context_len.")
+    if not torch.equal(positions.long(), fb.positions):
+        raise BatchError("positions: differ from forward_batch.positions; RoPE and the causal mask would use "
+                         "other positions than the cache. Fix: pass positions=forward_batch.positions.")
+    counts = torch.ones_like(fb.seq_lens) if counts is None else counts
+    if int(counts.min()) < 0 or int(counts.sum()) != T:
+        raise BatchError(f"forward_batch: new tokens per request {counts.tolist()} do not add up to the {T} "
+                         "tokens of positions. Fix: build the batch with build_extend_batch / build_decode_batch.")
+    token_req = torch.repeat_interleave(torch.arange(bs, device=positions.device), counts)
+    own_len = fb.seq_lens[token_req]
+    bad = (positions < 0) | (positions >= own_len)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        fail(f"positions[{t}]", f"a position in [0, seq_len={int(own_len[t])}) of request {int(token_req[t])}",
+             str(int(positions[t])), "seq_lens must count the new tokens.", BatchError)
+    expected = req_to_token[fb.req_pool_indices[token_req], positions.long()].long()
+    if not torch.equal(expected, fb.out_cache_loc):
+        t = int((expected != fb.out_cache_loc).nonzero()[0, 0])
+        fail(f"forward_batch.out_cache_loc[{t}]", f"slot {int(expected[t])}, where req_to_token keeps that "
+             "token (its key would be written where its request never reads it)", str(int(fb.out_cache_loc[t])),
+             "build the batch from the pool.", BatchError)
+    indexer.cache.check_history(layer_id, fb.req_pool_indices, fb.seq_lens - counts)
+
+
+def check_index_width(indexer, forward_batch, width) -> int:
+    """The width of ``index_scores``: ``max(seq_lens)`` by default (one host sync), at most ``max_context_len``."""
+    if width is None:
+        width = int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
+    return check_int("width", width, low=0, high=indexer.cache.req_to_token_pool.req_to_token.shape[1],
+                     error=ShapeError)
+
+
+def missing_dsa_kwargs_message(missing) -> str:
+    """The seed message, then exactly which of the five kwargs are missing, why they matter and the fix."""
+    return (
+        f"{SEED_DSA_REQUIRED}. Missing: {', '.join(missing)} (not passed, or None). DSA retrieval runs the model's "
+        "lightning indexer, which scores every cached token of a request from the hidden states (x), the low-rank "
+        "query latent (q_lora) and the token positions, and needs the batch (forward_batch) to find each request's "
+        "keys. Fix: algo.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, indexer=indexer, "
+        "forward_batch=forward_batch, x=hidden_states, q_lora=q_lora, positions=forward_batch.positions)"
+    )
+
+
+def check_dsa_retrieve(algo, layer_id, req_pool_indices, sparse_mask, kwargs: dict):
+    """``(indexer, forward_batch)`` of ``DSAAlgorithm.retrieve_topk``: the seed error names the kwargs missing."""
+    missing = [name for name in DSA_REQUIRED if kwargs.get(name) is None]
+    if missing:
+        raise RetrievalError(missing_dsa_kwargs_message(missing))
+    indexer, fb = kwargs["indexer"], kwargs["forward_batch"]
+    if not callable(indexer):
+        fail("indexer", "the model's LightningIndexer (a callable module)", describe(indexer), error=RetrievalError)
+    if not isinstance(fb, ForwardBatch):
+        fail("forward_batch", "a sparse_ref.ForwardBatch", describe(fb), error=RetrievalError)
+    if algo.req_to_token_pool is not None:
+        algo.check_layer(layer_id)
+    check_tensor("req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, shape=(fb.batch_size,),
+                 fix="pass forward_batch.req_pool_indices.")
+    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, shape=(fb.batch_size,),
+                 fix="pass a bool tensor [bs], True for requests that may go sparse.")
+    check_same_device("retrieve_topk", "req_pool_indices", {"req_pool_indices": req_pool_indices,
+                      "sparse_mask": sparse_mask, "forward_batch.req_pool_indices": fb.req_pool_indices})
+    if not capturing() and not torch.equal(req_pool_indices.long(), fb.req_pool_indices):
+        raise BatchError("req_pool_indices: differ from forward_batch.req_pool_indices (another request's "
+                         "row would be scored). Fix: pass forward_batch.req_pool_indices.")
+    return indexer, fb

@@ -24,7 +24,19 @@ from __future__ import annotations
 import torch
 
 from sparse_ref import checks
-from sparse_ref.algorithms.base import SparseAlgorithm
+from sparse_ref.algorithms.base import SparseAlgorithm, check_algorithm_batch, check_algorithm_layer
+from sparse_ref.batch import ForwardMode
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    capturing,
+    check_index_list,
+    check_range,
+    check_tensor,
+    describe,
+    fail,
+)
+from sparse_ref.errors import BatchError, ConfigError, PoolError, ShapeError
 
 
 def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gqa_mode: str):
@@ -32,7 +44,7 @@ def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gq
 
     Raises ShapeError with SGLang's Quest messages (verbatim) followed by the fix.
     """
-    queries = checks.check_quest_queries(queries, num_kv_heads, head_dim)  # [bs, H_q, D], or SGLang's errors
+    queries = check_quest_queries(queries, num_kv_heads, head_dim)  # [bs, H_q, D], or SGLang's errors
     bs, num_q_heads = queries.shape[:2]
     q = queries.float().reshape(bs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     if gqa_mode == "mean":
@@ -53,7 +65,7 @@ def quest_page_scores_reference(q_pos: torch.Tensor, q_neg: torch.Tensor, page_m
     physical page ids in ``[0, num_pages)``. Gathers the bounds of every logical page into
     ``[bs, max_pages, H_kv*D]`` and runs ``bmm``: simple, and the reference for the Triton kernel.
     """
-    checks.check_quest_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages)
+    check_quest_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages)
     return _page_scores(q_pos, q_neg, page_min, page_max, page_valid, pages)
 
 
@@ -101,7 +113,7 @@ class QuestAlgorithm(SparseAlgorithm):
     def __init__(self, config=None, device="cpu", selection_backend: str = "auto", scoring_backend: str = "auto",
                  bounds_dtype: torch.dtype = torch.float32):
         super().__init__(config, device, selection_backend)
-        checks.check_quest(bounds_dtype, scoring_backend, BOUNDS_DTYPES, SCORING_BACKENDS)
+        check_quest(bounds_dtype, scoring_backend, BOUNDS_DTYPES, SCORING_BACKENDS)
         self.bounds_dtype, self.scoring_backend = bounds_dtype, scoring_backend
 
     def uses_triton_scoring(self) -> bool:
@@ -119,7 +131,7 @@ class QuestAlgorithm(SparseAlgorithm):
         without one is refused (its frees would go unheard and stale bounds be selected).
         ``page_allocator``: an extra allocator to listen to (optional; the pool's is always used).
         """
-        allocators = checks.check_quest_allocators(token_to_kv_pool, page_allocator)
+        allocators = check_quest_allocators(token_to_kv_pool, page_allocator)
         super().initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool)
         pool = token_to_kv_pool
         self.num_pages, self.num_kv_heads, self.head_dim = pool.num_pages, pool.num_kv_heads, pool.head_dim
@@ -146,7 +158,7 @@ class QuestAlgorithm(SparseAlgorithm):
         A request with prefix ``p`` and length ``s`` completes logical pages ``[p // P, s // P)``;
         each is rebuilt from all of its ``P`` keys (earlier chunks included).
         """
-        k_pages = checks.check_quest_hook(self, "construct_representations", layer_id, forward_batch, k_buffer)
+        k_pages = check_quest_hook(self, "construct_representations", layer_id, forward_batch, k_buffer)
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
         pages = []
@@ -156,7 +168,7 @@ class QuestAlgorithm(SparseAlgorithm):
             first_token_of_page = torch.arange(prefix // P, seq_len // P, device=req_to_token.device) * P
             pages.append(req_to_token[r, first_token_of_page].long() // P)
         pages = torch.cat(pages).to(self.device)
-        checks.check_real_pages(self, pages)
+        check_real_pages(self, pages)
         if self.uses_triton_scoring():  # one launch: every completed page of every request
             from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
 
@@ -174,19 +186,19 @@ class QuestAlgorithm(SparseAlgorithm):
         token, and keeps them only where ``seq_len % P == 0`` (the page just filled up). With the
         Triton backend: one launch, whose programs for rows that completed nothing only read two ints.
         """
-        k_pages = checks.check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
+        k_pages = check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
         if self.uses_triton_scoring():  # one launch, no torch ops at all while a CUDA graph captures
             from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
 
             if not checks.capturing():
-                checks.check_real_pages(self, *self._decode_pages(forward_batch))
+                check_real_pages(self, *self._decode_pages(forward_batch))
             update_page_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
                                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, P)
             return
         pages, completed = self._decode_pages(forward_batch)
-        checks.check_real_pages(self, pages, completed)
+        check_real_pages(self, pages, completed)
         self._write_bounds(layer_id, pages, k_pages[pages], completed)
 
     def _decode_pages(self, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +214,7 @@ class QuestAlgorithm(SparseAlgorithm):
 
     def invalidate_pages(self, pages) -> None:
         """Forget the bounds of freed physical ``pages`` in every layer (the free-listener hook)."""
-        pages = checks.check_invalidate_pages(self, pages).to(self.device)
+        pages = check_invalidate_pages(self, pages).to(self.device)
         for layer in self.page_valid:
             self.page_valid[layer][pages] = False
             self.page_min[layer][pages] = 0.0
@@ -224,7 +236,7 @@ class QuestAlgorithm(SparseAlgorithm):
     def score_pages(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                     forward_batch) -> torch.Tensor:
         """fp32 ``[bs, max_pages]`` Quest bounds of each logical page; -inf where a page has no bounds."""
-        checks.check_score_pages(self, queries, layer_id, forward_batch)
+        check_score_pages(self, queries, layer_id, forward_batch)
         if self.uses_triton_scoring():  # the Triton kernel splits the signs and maps the pages itself
             from sparse_ref.kernels.quest import quest_page_scores_from_queries  # kernels import only when used
 
@@ -237,3 +249,121 @@ class QuestAlgorithm(SparseAlgorithm):
         bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
                   self.physical_pages(req_pool_indices))
         return _page_scores(q_pos, q_neg, *bounds)  # pages checked by check_score_pages
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_quest_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages) -> None:
+    """The inputs of ``quest_page_scores_reference``: shapes that agree, and every page id in ``[0, num_pages)``."""
+    check_tensor("page_min", page_min, dtype=FLOAT_DTYPES, dims=3, fix="pass the bounds [num_pages, H_kv, D].")
+    num_pages, h_kv, d = page_min.shape
+    check_tensor("page_max", page_max, dtype=FLOAT_DTYPES, shape=(num_pages, h_kv, d), device=page_min.device.type)
+    check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(num_pages,), device=page_min.device.type)
+    check_tensor("pages", pages, dtype=INDEX_DTYPES, dims=2, device=page_min.device.type,
+                 fix="pass physical pages [bs, max_pages] (req_to_token at each page's first token // page_size).")
+    for name, q in (("q_pos", q_pos), ("q_neg", q_neg)):
+        check_tensor(name, q, dtype=FLOAT_DTYPES, shape=(pages.shape[0], h_kv, d), device=page_min.device.type,
+                     fix="pass split_query_sign(queries) [bs, H_kv, D].")
+    check_range("pages", pages, 0, num_pages - 1, f"physical page ids lie in [0, {num_pages}) (page 0 is padding).")
+
+
+def check_quest_queries(queries, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Decode queries as ``[bs, H_q, D]``; SGLang's Quest messages (verbatim, then the fix) for shapes it refuses."""
+    bs = queries.shape[0]
+    if queries.dim() == 2:
+        hidden = queries.shape[1]
+        if hidden % head_dim != 0:
+            raise ShapeError(
+                f"Quest query hidden size {hidden} not divisible by head_dim {head_dim}. Fix: pass queries as "
+                f"[bs, H_q * {head_dim}] (all query heads of the layer, flattened) or as [bs, H_q, {head_dim}]."
+            )
+        queries = queries.reshape(bs, hidden // head_dim, head_dim)
+    elif queries.dim() != 3 or queries.shape[2] != head_dim:
+        raise ShapeError(
+            f"Unsupported query shape for Quest: {tuple(queries.shape)}. Fix: pass one decode query per request, "
+            f"[bs, H_q * {head_dim}] or [bs, H_q, {head_dim}] (head_dim of the KV pool is {head_dim})."
+        )
+    num_q_heads = queries.shape[1]
+    if num_q_heads % num_kv_heads != 0 or num_q_heads == 0:
+        raise ShapeError(
+            f"Query heads {num_q_heads} not divisible by KV heads {num_kv_heads}. Fix: pass all H_q query heads of "
+            f"the layer; with grouped-query attention H_q must be a multiple of the pool's {num_kv_heads} KV heads."
+        )
+    return queries
+
+
+def check_quest(bounds_dtype, scoring_backend, bounds_dtypes, scoring_backends) -> None:
+    if bounds_dtype not in bounds_dtypes:
+        raise ConfigError(
+            f"bounds_dtype: expected one of {bounds_dtypes}, got {bounds_dtype!r}. Fix: torch.float32 (exact "
+            f"bounds), or torch.bfloat16 / torch.float16 (half the bytes to score; min rounded down, max up)."
+        )
+    if not isinstance(scoring_backend, str) or scoring_backend not in scoring_backends:
+        raise ConfigError(
+            f"scoring_backend: expected one of {scoring_backends}, got {scoring_backend!r}. Fix: \"auto\" (Triton "
+            f"kernel on CUDA, torch otherwise), \"torch\" (the reference) or \"triton\" (the kernel; on CPU it "
+            f"needs TRITON_INTERPRET=1)."
+        )
+
+
+def check_quest_allocators(token_to_kv_pool, page_allocator) -> list:
+    """The allocators whose frees Quest must hear: the pool's own (required) and an extra one (optional)."""
+    allocators = [a for a in (getattr(token_to_kv_pool, "allocator", None), page_allocator) if a is not None]
+    if not allocators or not all(callable(getattr(a, "add_free_listener", None)) for a in allocators):
+        fail("token_to_kv_pool.allocator", "a PageAllocator (with add_free_listener) that frees its pages",
+             describe(getattr(token_to_kv_pool, "allocator", None)),
+             "pass a sparse_ref.TokenToKVPool (it carries its allocator), or set pool.allocator.", PoolError)
+    return allocators
+
+
+def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> torch.Tensor:
+    """The inputs of ``construct_representations`` (EXTEND) / ``update_representations`` (DECODE); returns
+    ``k_buffer`` ``[num_pages * P, H_kv, D]`` seen as ``[num_pages, P, H_kv, D]``."""
+    check_algorithm_layer(algo, layer_id)
+    check_algorithm_batch(algo, fn, forward_batch)
+    want_mode, other = ((ForwardMode.EXTEND, "after a decode step call update_representations") if
+                        fn == "construct_representations" else
+                        (ForwardMode.DECODE, "after a prefill call construct_representations"))
+    if forward_batch.forward_mode is not want_mode:
+        article = "an" if want_mode is ForwardMode.EXTEND else "a"
+        raise BatchError(f"{fn}: expected {article} {want_mode.name} batch, got {forward_batch.forward_mode}. "
+                         f"Fix: {other} instead.")
+    want = (algo.num_pages * algo.page_size, algo.num_kv_heads, algo.head_dim)
+    check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, shape=want, device=algo.device.type,
+                 fix="pass token_to_kv_pool.get_key_buffer(layer_id).")
+    return k_buffer.view(algo.num_pages, algo.page_size, algo.num_kv_heads, algo.head_dim)
+
+
+def check_real_pages(algo, pages: torch.Tensor, write: torch.Tensor | None = None) -> None:
+    """Pages whose bounds are about to be built (where ``write``) hold real tokens: never padding page 0."""
+    if not capturing() and bool(((pages < 1) & (True if write is None else write)).any()):
+        fail("forward_batch.seq_lens", "lengths within each request's tokens (every page to summarize mapped to "
+             f"a page in [1, {algo.num_pages}) by req_to_token)", "a length that reaches padding page 0",
+             "pass the batch built for these requests (build_extend_batch / build_decode_batch).", BatchError)
+
+
+def check_invalidate_pages(algo, pages) -> torch.Tensor:
+    pages = torch.tensor(check_index_list("invalidate_pages(pages)", pages), dtype=torch.int64)
+    check_range("invalidate_pages(pages)", pages, 0, algo.num_pages - 1,
+                "pass physical pages of this pool (a negative id does not wrap to the last page).", PoolError)
+    return pages
+
+
+def check_score_pages(algo, queries, layer_id, forward_batch) -> None:
+    """The layer, the query shape (Quest's messages) and, eagerly, every real token's page in [1, num_pages)."""
+    check_algorithm_layer(algo, layer_id)
+    check_quest_queries(queries, algo.num_kv_heads, algo.head_dim)
+    if capturing() or forward_batch.batch_size == 0:
+        return
+    req_to_token = algo.req_to_token_pool.req_to_token
+    rows = forward_batch.req_pool_indices.to(req_to_token.device).long()
+    n = -(-forward_batch.seq_lens.to(req_to_token.device) // algo.page_size)
+    cols = torch.arange(algo.max_pages, device=req_to_token.device)
+    raw = req_to_token[rows[:, None], cols[None, :] * algo.page_size].long() // algo.page_size
+    bad = (cols[None, :] < n[:, None]) & ((raw < 1) | (raw >= algo.num_pages))
+    if bool(bad.any()):
+        r, j = (int(x) for x in bad.nonzero()[0])
+        raise ShapeError(
+            f"req_to_token: request {r} (row {int(rows[r])}) maps logical page {j} to physical page "
+            f"{int(raw[r, j])}, outside the KV pool's usable pages [1, {algo.num_pages}). Fix: fill req_to_token "
+            "through KVCacheManager (admit/grow), and pass forward_batch for the same requests."
+        )

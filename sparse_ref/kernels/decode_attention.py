@@ -47,8 +47,18 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref import checks
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    check_float,
+    check_int,
+    check_kernel_device,
+    check_range,
+    check_same_device,
+    check_tensor,
+    fail,
+)
 from sparse_ref.device import triton_interpreted
+from sparse_ref.errors import ConfigError, ShapeError
 from sparse_ref.kernels import after_previous_launch, pdl_options
 
 LOG2E = 1.4426950408889634
@@ -244,9 +254,9 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     ``[0, W * P]``. ``scale`` defaults to ``1 / sqrt(D)``. ``out``: fp32 ``[bs, H_q, D]`` buffer.
     Launch knobs (splits, tile, warps, dot path) are in ``TUNING``.
     """
-    page_size, scale, num_pages = checks.check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens,
+    page_size, scale, num_pages = check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens,
                                                                 page_size, scale, out)
-    knobs = checks.check_decode_knobs(TUNING, MAX_SPLITS)
+    knobs = check_decode_knobs(TUNING, MAX_SPLITS)
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads, width = k_buffer.shape[1], page_table.shape[1]
     interpreted = triton_interpreted()
@@ -274,3 +284,76 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
                                                   BLOCK_S=triton.next_power_of_2(num_splits),
                                                   BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl)
     return out
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def _check_knob(name: str, value, low: int) -> None:
+    if value is None:
+        return
+    check_int(name, value, low=low, high=1024, fix=f"leave {name}=None for the default.")
+    if value & (value - 1):
+        fail(name, "a power of two", repr(value), f"leave {name}=None for the default.", ConfigError)
+
+
+def check_decode_knobs(knobs: dict, max_splits: int) -> dict:
+    """The decode attention launch knobs (``TUNING``), checked: splits, powers of two, the dot path's switches."""
+    if knobs["num_splits"] is not None:
+        check_int("num_splits", knobs["num_splits"], low=1, high=max_splits, fix="leave num_splits=None.")
+    _check_knob("block_n", knobs["block_n"], 16)
+    _check_knob("num_warps", knobs["num_warps"], 1)
+    if knobs["num_stages"] is not None:
+        check_int("num_stages", knobs["num_stages"], low=1, high=8, fix="leave num_stages=None for the default.")
+    if knobs["use_dot"] not in (None, True, False) or knobs["precise"] not in (True, False):
+        fail("use_dot / precise", "None, True or False (use_dot) and True or False (precise)",
+             f"{knobs['use_dot']!r} / {knobs['precise']!r}", "leave the defaults.", ConfigError)
+    if knobs["pdl"] not in (True, False):
+        fail("pdl", "True or False", repr(knobs["pdl"]), "leave pdl=True (it is off by itself off Hopper).",
+             ConfigError)
+    return knobs
+
+
+def check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale, out):
+    """``(page_size, scale, num_pages)`` of ``paged_decode_attention``."""
+    fn = "paged_decode_attention"
+    check_tensor("q", q, dtype=FLOAT_DTYPES, dims=3, fix="pass one query token per request, [bs, H_q, D].")
+    check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, dims=3, contiguous=True,
+                 fix="pass the layer's key buffer of the KV pool, [num_slots, H_kv, D].")
+    check_tensor("v_buffer", v_buffer, dtype=k_buffer.dtype, shape=tuple(k_buffer.shape), contiguous=True,
+                 fix="pass the layer's value buffer: same shape and dtype as k_buffer.")
+    bs, num_q_heads, head_dim = q.shape
+    num_slots, num_kv_heads, kv_dim = k_buffer.shape
+    if kv_dim != head_dim:
+        fail("q", f"head dim {kv_dim} (the KV buffers' head dim)", f"shape {tuple(q.shape)}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        fail("q", f"a multiple of the {num_kv_heads} KV heads as query heads (GQA)", f"{num_q_heads} query heads",
+             "pass all query heads of the layer.")
+    if head_dim == 0:
+        fail("q", "a head dim >= 1", f"shape {tuple(q.shape)}")
+    check_tensor("page_table", page_table, dtype=torch.int32, dims=2, contiguous=True,
+                 fix="pass the page_table of adaptor.to_attention_metadata (int32 [bs, W]).")
+    check_tensor("kv_lens", kv_lens, dtype=torch.int32, shape=(bs,), contiguous=True,
+                 fix="pass the kv_lens of adaptor.to_attention_metadata (int32, one per request).")
+    if page_table.shape[0] != bs:
+        fail("page_table", f"{bs} rows (one per query)", f"shape {tuple(page_table.shape)}")
+    page_size = check_int("page_size", page_size, low=1, error=ShapeError, fix="pass the KV pool's page size.")
+    if num_slots % page_size or num_slots == 0:
+        fail("k_buffer", f"a whole number (>= 1) of pages of {page_size} slots", f"{num_slots} slots",
+             "pass the buffer of a pool created with this page_size.")
+    num_pages = num_slots // page_size
+    width = page_table.shape[1]
+    if out is not None:
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, num_q_heads, head_dim), contiguous=True,
+                     fix="pass torch.empty(bs, H_q, D, dtype=torch.float32) on the device of q.")
+    check_same_device(fn, "q", {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer, "page_table": page_table,
+                                "kv_lens": kv_lens, "out": out})
+    check_kernel_device(f"{fn}: q", q, "move the tensors to the GPU, or use sparse_ref.attention."
+                        "sparse_decode_attention on CPU.")
+    scale = 1.0 / head_dim ** 0.5 if scale is None else check_float("scale", scale, error=ShapeError)
+    if width * page_size >= 2**31:
+        fail("page_table", "W * page_size < 2**31", f"W={width}, page_size={page_size}")
+    # value checks (host syncs; skipped while a CUDA graph captures: the kernel clamps instead)
+    check_range("page_table", page_table, 0, num_pages - 1,
+                "entries past a row's pages must be the padding page 0; every id must name a page of the pool.")
+    check_range("kv_lens", kv_lens, 0, width * page_size,
+                f"kv_lens[r] counts tokens of the row's {width} table entries of {page_size} slots.")
+    return page_size, scale, num_pages

@@ -57,9 +57,9 @@ import triton
 import triton.language as tl
 
 from sparse_ref import checks
-from sparse_ref.checks import fail
+from sparse_ref.checks import capturing, check_int, check_kernel_device, check_tensor, fail
 from sparse_ref.device import triton_interpreted
-from sparse_ref.errors import SparseRefError
+from sparse_ref.errors import ShapeError, SparseRefError
 
 FP8 = torch.float8_e4m3fn
 BLOCK_T = 64  # key tokens per tile (the page size DeepGEMM and SGLang use on Hopper)
@@ -265,7 +265,7 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
     ids, bounds and ``token_req`` rows (a row outside the block table reads no key), so an unchecked bad
     value gives wrong logits for that token, never an out-of-bounds read.
     """
-    T, H, D, page, bs, max_pages, num_pages, width, out = checks.check_indexer_logits(
+    T, H, D, page, bs, max_pages, num_pages, width, out = check_indexer_logits(
         q, weights, keys, scales, block_table, token_req, bounds, width, out, check_values, FP8)
     fn, device, fp8 = "paged_indexer_logits", q.device, q.dtype == FP8
     tiles, block_t, queries_per_program = TUNING["tiles"], TUNING["block_t"], TUNING["queries_per_program"]
@@ -306,3 +306,68 @@ def paged_indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
                                  PAGE_STRIDE_S=stride_s, FILL_TAIL=fill_tail, RUNTIME_LOOP=not triton_interpreted(),
                                  **opts)
     return out
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_indexer_logits(q, weights, keys, scales, block_table, token_req, bounds, width, out, check_values,
+                         fp8_dtype):
+    """``(T, H, D, page, bs, max_pages, num_pages, width, out)`` of ``paged_indexer_logits`` (``out`` allocated)."""
+    fn = "paged_indexer_logits"
+    check_tensor("q", q, dtype=(fp8_dtype, torch.float32), dims=3, contiguous=True,
+                 fix="pass the indexer's queries [T, H, D] (FP8, or fp32 for a full-precision cache).")
+    T, H, D = q.shape
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), contiguous=True,
+                 fix=f"pass the fp32 head weights [T={T}, H={H}].")
+    check_tensor("keys", keys, dtype=q.dtype, dims=3, fix="pass IndexerKeyCache.key_pages(layer_id).")
+    num_pages, page, kd = keys.shape
+    if kd != D or keys.stride(2) != 1 or keys.stride(1) != D:
+        fail(f"{fn}: keys", f"[num_pages, page_size, D={D}] with token-major rows of D contiguous values",
+             f"shape {tuple(keys.shape)}, strides {keys.stride()}", "pass IndexerKeyCache.key_pages(layer_id).")
+    check_tensor("scales", scales, dtype=torch.float32, shape=(num_pages, page),
+                 fix="pass IndexerKeyCache.scale_pages(layer_id).")
+    if scales.stride(1) != 1:
+        fail(f"{fn}: scales", "one page's scales contiguous", f"strides {scales.stride()}",
+             "pass IndexerKeyCache.scale_pages(layer_id).")
+    check_tensor("block_table", block_table, dtype=torch.int32, dims=2, contiguous=True,
+                 fix="pass req_to_token[req_pool_indices, ::page_size] // page_size as int32.")
+    bs, max_pages = block_table.shape
+    check_tensor("token_req", token_req, dtype=torch.int32, shape=(T,), contiguous=True,
+                 fix=f"pass the block-table row of each query token, int32 [T={T}].")
+    check_tensor("bounds", bounds, dtype=torch.int32, shape=(T,), contiguous=True,
+                 fix=f"pass each query token's position + 1, int32 [T={T}].")
+    width = check_int("width", width, low=0, high=2**31 - 1, error=ShapeError)
+    if out is None:
+        out = torch.empty((T, width), dtype=torch.float32, device=q.device)
+    check_tensor("out", out, dtype=torch.float32, shape=(T, width), contiguous=True,
+                 fix=f"pass out=None, or torch.empty({T}, {width}) in fp32.")
+    device = q.device
+    check_kernel_device(f"{fn}: q", q, "move the cache and queries to the GPU, or use "
+                        "LightningIndexer(scoring_backend='torch').")
+    for name, t in (("weights", weights), ("keys", keys), ("scales", scales), ("block_table", block_table),
+                    ("token_req", token_req), ("bounds", bounds), ("out", out)):
+        if t.device != device:
+            fail(f"{fn}: {name}", f"a tensor on {device} (the device of q)", f"one on {t.device}",
+                 f"move it with {name}.to({str(device)!r}).")
+    fp8 = q.dtype == fp8_dtype
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise SparseRefError(f"{fn}: FP8 e4m3 tl.dot needs compute capability >= 8.9, this GPU has "
+                             f"{torch.cuda.get_device_capability(device)}. Fix: use "
+                             f"LightningIndexer(scoring_backend='torch') (dequantised keys), or a Hopper/Ada GPU.")
+    if fp8 and (keys.stride(0) % 4 or (scales.data_ptr() - keys.data_ptr()) % 4):
+        fail(f"{fn}: keys", "pages whose byte size is a multiple of 4", f"page stride {keys.stride(0)} bytes",
+             "use a page_size * head_dim that is a multiple of 4.")
+    if T and check_values and not capturing():  # LightningIndexer checked its batch already
+        lo, hi = (int(x) for x in token_req.aminmax())
+        if lo < 0 or hi >= bs:
+            fail(f"{fn}: token_req", f"rows in [0, {bs}) of block_table", f"min {lo}, max {hi}",
+                 "one block-table row per query token's request.")
+        lo, hi = (int(x) for x in bounds.aminmax())
+        if lo < 0 or hi > min(width, max_pages * page):
+            fail(f"{fn}: bounds", f"values in [0, {min(width, max_pages * page)}] (width, and the pages of "
+                 "block_table)", f"min {lo}, max {hi}", "bounds are positions + 1, within the row width.")
+        if block_table.numel():
+            lo, hi = (int(x) for x in block_table.aminmax())
+            if lo < 0 or hi >= num_pages:
+                fail(f"{fn}: block_table", f"page ids in [0, {num_pages})", f"min {lo}, max {hi}",
+                     "build it from req_to_token of the cache's own pools.")
+    return T, H, D, page, bs, max_pages, num_pages, width, out

@@ -34,8 +34,19 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref import checks
-from sparse_ref.checks import capturing
+from sparse_ref.checks import (
+    INDEX_DTYPES,
+    capturing,
+    check_int,
+    check_kernel_device,
+    check_range,
+    check_same_device,
+    check_scores,
+    check_tensor,
+    check_tokens_on_real_pages,
+    fail,
+)
+from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import after_previous_launch, pdl_options
 from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
 from sparse_ref.kernels.topk import TUNING, short_row_warps
@@ -201,7 +212,7 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mas
     ``check_values=False`` skips the host-side range checks of index values when the caller has made
     them (one host sync per call, not two); the kernel still clamps every index it reads.
     """
-    page_size, W = checks.check_page_select("select_pages_triton", scores, seq_lens, sparse_mask, page_size, config,
+    page_size, W = check_page_select("select_pages_triton", scores, seq_lens, sparse_mask, page_size, config,
                                             width, check_values, MAX_REGISTER_PAGES)
     bs, max_pages = scores.shape
     selected = torch.empty((bs, W), dtype=torch.int32, device=scores.device)
@@ -229,7 +240,7 @@ def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_m
     ``[bs, W_out]``, ``[bs]``, ``[bs + 1]``) written in place. ``check_values=False``: the caller
     checked the index values (the kernel clamps every index it reads anyway).
     """
-    page_size, W, out_width, shapes = checks.check_select_to_table(
+    page_size, W, out_width, shapes = check_select_to_table(
         scores, seq_lens, sparse_mask, page_size, config, req_pool_indices, req_to_token, out, check_values,
         MAX_REGISTER_PAGES)
     bs, max_pages = scores.shape
@@ -257,3 +268,65 @@ def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_m
                                    *out, sizes, rules, BLOCK_T=min(1024, max(16, triton.next_power_of_2(out_width))),
                                    **ce, **pdl)
     return selected, lengths, out[0], out[1], out[2]
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_page_select(fn, scores, seq_lens, sparse_mask, page_size, config, width, check_values, max_pages_limit):
+    """The fused selection's input checks; returns ``(page_size, W)``."""
+    check_scores(fn, "scores", scores)
+    bs, max_pages = scores.shape
+    check_tensor(f"{fn}: seq_lens", seq_lens, dtype=INDEX_DTYPES, shape=(bs,), fix="pass forward_batch.seq_lens.")
+    check_tensor(f"{fn}: sparse_mask", sparse_mask, dtype=torch.bool, shape=(bs,), fix="one bool per request.")
+    check_same_device(fn, "scores", {"scores": scores, "seq_lens": seq_lens, "sparse_mask": sparse_mask})
+    page_size = check_int(f"{fn}: page_size", page_size, low=1, fix="pass the KV pool's page size.")
+    if not callable(getattr(config, "selection_width", None)):  # (a kernel imports no config class: duck-typed)
+        fail(f"{fn}: config", "a sparse_ref.SparseConfig", type(config).__name__, "pass SparseConfig(...).",
+             SparseRefError)
+    if check_values:  # retrieve_topk checked the lengths already
+        check_range(f"{fn}: seq_lens", seq_lens, 0, max_pages * page_size,
+                    "score every page of the longest request (scores cover max_pages * page_size tokens).")
+    W = config.selection_width(max_pages)
+    if width is not None:  # wider is allowed (extra -1 padding); narrower would cut rows off
+        width = check_int(f"{fn}: width", width, low=W, fix="leave width=None (a narrower output would cut rows "
+                          "off).", error=SparseRefError)
+        W = min(width, max_pages)  # as select_pages: a row never keeps more pages than it has
+    if max_pages > max_pages_limit:
+        fail(f"{fn}: scores", f"at most {max_pages_limit} pages per row (one program holds a row in registers)",
+             f"{max_pages} pages", "use sparse_ref.selection.select_pages for longer rows (retrieve_topk does).",
+             SparseRefError)
+    return page_size, W
+
+
+def check_select_to_table(scores, seq_lens, sparse_mask, page_size, config, req_pool_indices, req_to_token, out,
+                          check_values, max_pages_limit):
+    """``(page_size, W, out_width, shapes)`` of ``select_pages_to_table``."""
+    fn = "select_pages_to_table"
+    page_size, W = check_page_select(fn, scores, seq_lens, sparse_mask, page_size, config, None, check_values,
+                                     max_pages_limit)
+    bs, max_pages = scores.shape
+    check_tensor(f"{fn}: req_pool_indices", req_pool_indices, dtype=INDEX_DTYPES, shape=(bs,),
+                 fix="pass forward_batch.req_pool_indices.")
+    check_tensor(f"{fn}: req_to_token", req_to_token, dtype=torch.int32, dims=2, contiguous=True,
+                 fix="pass the req_to_token table of the ReqToTokenPool.")
+    r2t_rows, r2t_width = req_to_token.shape
+    if r2t_rows == 0 or r2t_width == 0:
+        fail(f"{fn}: req_to_token", "at least one row and one column", f"shape {tuple(req_to_token.shape)}",
+             "pass the req_to_token table of the ReqToTokenPool.")
+    out_width = max(W, -(-r2t_width // page_size))
+    shapes = ((bs, out_width), (bs,), (bs + 1,))
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            fail(f"{fn}: out", "a tuple (page_table, kv_lens, cu_kv_lens) of int32 buffers", repr(type(out)))
+        for name, t, shape in zip(("page_table", "kv_lens", "cu_kv_lens"), out, shapes, strict=True):
+            check_tensor(f"{fn}: out {name}", t, dtype=torch.int32, shape=shape, contiguous=True,
+                         fix=f"preallocate torch.zeros({shape}, dtype=torch.int32) on the device of scores.")
+    check_same_device(fn, "scores", {"scores": scores, "req_pool_indices": req_pool_indices,
+                                     "req_to_token": req_to_token,
+                                     **({} if out is None else {"out page_table": out[0], "out kv_lens": out[1],
+                                                                "out cu_kv_lens": out[2]})})
+    check_kernel_device(f"{fn}: scores", scores, "use select_pages and adaptor.to_attention_metadata on CPU.")
+    if check_values:
+        check_range(f"{fn}: req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass rows of req_to_token.")
+        check_range(f"{fn}: seq_lens", seq_lens, 0, r2t_width, "every request fits in req_to_token.")
+        check_tokens_on_real_pages(seq_lens, req_pool_indices, req_to_token, page_size, f"{fn}: seq_lens")
+    return page_size, W, out_width, shapes

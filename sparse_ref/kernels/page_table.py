@@ -32,7 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref import checks
+from sparse_ref.checks import (
+    INDEX_DTYPES,
+    check_int,
+    check_kernel_device,
+    check_same_device,
+    check_selection_values,
+    check_tensor,
+    fail,
+)
 from sparse_ref.device import triton_interpreted
 
 
@@ -157,7 +165,7 @@ def page_table_from_selection(selected: torch.Tensor, lengths: torch.Tensor, spa
     captures, where the kernel's clamps keep every read inside the row's own pages). The adaptor passes
     False after making the same checks itself.
     """
-    out_width, shapes = checks.check_page_table(selected, lengths, sparse_mask, seq_lens, req_pool_indices,
+    out_width, shapes = check_page_table(selected, lengths, sparse_mask, seq_lens, req_pool_indices,
                                                 req_to_token, page_size, out, check_values)
     bs, width = selected.shape
     r2t_rows, r2t_width = req_to_token.shape
@@ -171,3 +179,42 @@ def page_table_from_selection(selected: torch.Tensor, lengths: torch.Tensor, spa
                              out[0], out[1], out[2], bs, width, out_width, r2t_rows, r2t_width, page_size,
                              BLOCK_W=block_w, BLOCK_B=block_b, num_warps=4)
     return out[0], out[1], out[2]
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_page_table(selected, lengths, sparse_mask, seq_lens, req_pool_indices, req_to_token, page_size, out,
+                     check_values: bool):
+    """``(out_width, shapes)`` of ``page_table_from_selection``: the contract of ``to_attention_metadata``."""
+    fn = "page_table_from_selection"
+    check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2,
+                 fix="pass the selection returned by retrieve_topk, int32 [bs, W].")
+    bs, width = selected.shape
+    for name, t, dtype in (("lengths", lengths, INDEX_DTYPES), ("sparse_mask", sparse_mask, torch.bool),
+                           ("seq_lens", seq_lens, INDEX_DTYPES), ("req_pool_indices", req_pool_indices, INDEX_DTYPES)):
+        check_tensor(name, t, dtype=dtype, shape=(bs,), fix=f"pass one {name} entry per row of selected.")
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, contiguous=True,
+                 fix="pass the req_to_token table of the ReqToTokenPool.")
+    page_size = check_int("page_size", page_size, low=1, fix="pass the KV pool's page size.")
+    r2t_rows, r2t_width = req_to_token.shape
+    if r2t_rows == 0:
+        fail("req_to_token", "at least one row", f"shape {tuple(req_to_token.shape)}")
+    out_width = max(width, -(-r2t_width // page_size))
+    shapes = ((bs, out_width), (bs,), (bs + 1,))
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            fail("out", "a tuple (page_table, kv_lens, cu_kv_lens) of int32 buffers", repr(type(out)))
+        for name, t, shape in zip(("page_table", "kv_lens", "cu_kv_lens"), out, shapes, strict=True):
+            check_tensor(f"out {name}", t, dtype=torch.int32, shape=shape, contiguous=True,
+                         fix=f"preallocate torch.zeros({shape}, dtype=torch.int32) on the device of selected.")
+    check_same_device(fn, "selected", {"selected": selected, "lengths": lengths, "sparse_mask": sparse_mask,
+                                       "seq_lens": seq_lens, "req_pool_indices": req_pool_indices,
+                                       "req_to_token": req_to_token,
+                                       **({} if out is None else {"out page_table": out[0], "out kv_lens": out[1],
+                                                                  "out cu_kv_lens": out[2]})})
+    check_kernel_device(f"{fn}: selected", selected,
+                        "use sparse_ref.adaptor.to_attention_metadata(backend='torch') on CPU.")
+    if check_values:
+        check_selection_values(selected, lengths, sparse_mask, seq_lens, req_pool_indices, req_to_token, page_size)
+    if bs >= 65535:
+        fail("selected", "fewer than 65535 rows (one launch)", f"{bs} rows", "build the table in chunks of rows.")
+    return out_width, shapes

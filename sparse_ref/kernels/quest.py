@@ -39,8 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref import checks
-from sparse_ref.checks import fail
+from sparse_ref.checks import (
+    check_choice,
+    check_int,
+    check_kernel_device,
+    check_quest_bounds_pool,
+    check_range,
+    check_same_device,
+    check_tensor,
+    fail,
+)
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import after_previous_launch, pdl_options
 
@@ -174,7 +182,7 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
 
     ``out`` (fp32 ``[bs, max_pages]``, contiguous) receives the scores if given.
     """
-    num_pages, hd = checks.check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out)
+    num_pages, hd = check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out)
     bs, max_pages = pages.shape
     device = page_min.device
     block_p, block_hd, num_warps = _block_sizes(hd, bs, max_pages, device)
@@ -204,7 +212,7 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     ``check_values=False`` skips the host-side range checks of index values when the caller has made
     them (one host sync per call, not two); the kernel still clamps every index it reads.
     """
-    num_pages, hd, head_dim, group, page_size, max_pages = checks.check_quest_scores_from_queries(
+    num_pages, hd, head_dim, group, page_size, max_pages = check_quest_scores_from_queries(
         queries, page_min, page_max, page_valid, req_to_token, req_pool_indices, page_size, max_pages, gqa_mode,
         out, check_values)
     bs = req_pool_indices.shape[0]
@@ -222,3 +230,78 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
         GROUP=group, MEAN=gqa_mode == "mean", BLOCK_P=block_p, BLOCK_HD=block_hd, num_warps=num_warps,
         **pdl_options(device, TUNING["pdl"]))
     return out
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+_QUEST_QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out) -> tuple[int, int]:
+    """``(num_pages, H_kv * D)`` of ``quest_page_scores``."""
+    fn = "quest_page_scores"
+    num_pages, num_kv_heads, head_dim = check_quest_bounds_pool(page_min, page_max, page_valid)
+    hd = num_kv_heads * head_dim
+    check_tensor("pages", pages, dtype=(torch.int32, torch.int64), dims=2, contiguous=True,
+                 fix="pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
+    bs, max_pages = pages.shape
+    for name, q in (("q_pos", q_pos), ("q_neg", q_neg)):
+        shape = (bs, num_kv_heads, head_dim) if isinstance(q, torch.Tensor) and q.dim() == 3 else (bs, hd)
+        check_tensor(name, q, dtype=torch.float32, shape=shape, contiguous=True,
+                     fix=f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
+    if out is not None:
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
+                     fix="pass torch.empty(bs, max_pages) in fp32.")
+    check_kernel_device(f"{fn}: page_min", page_min, "move the pools and queries to the GPU, or use the torch "
+                        "scoring backend.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "q_pos": q_pos, "q_neg": q_neg, "page_max": page_max,
+                                       "page_valid": page_valid, "pages": pages, "out": out})
+    if pages.numel() and num_pages == 0:
+        fail("page_min", "a pool with pages", f"shape {tuple(page_min.shape)} for {pages.numel()} pages to score",
+             "allocate the Quest pools before scoring.")
+    check_range("pages", pages, 0, num_pages - 1, "build pages with QuestAlgorithm.physical_pages (which clamps), "
+                "from a req_to_token filled through KVCacheManager.")
+    if bs > 65535:
+        fail("pages", "at most 65535 requests (rows) per launch", f"bs={bs}", "score the batch in chunks.")
+    return num_pages, hd
+
+
+def check_quest_scores_from_queries(queries, page_min, page_max, page_valid, req_to_token, req_pool_indices,
+                                    page_size, max_pages, gqa_mode, out, check_values):
+    """``(num_pages, H_kv * D, D, GQA group, page_size, max_pages)`` of ``quest_page_scores_from_queries``."""
+    fn = "quest_page_scores_from_queries"
+    num_pages, num_kv_heads, head_dim = check_quest_bounds_pool(page_min, page_max, page_valid)
+    hd = num_kv_heads * head_dim
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, fix="pass ReqToTokenPool.req_to_token.")
+    check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+                 fix="pass forward_batch.req_pool_indices, one row of req_to_token per request.")
+    bs = req_pool_indices.shape[0]
+    check_tensor("queries", queries, dtype=_QUEST_QUERY_DTYPES, dims=(2, 3), fix="pass the float decode queries.")
+    if queries.dim() == 3:
+        num_q_heads, head_dim_fits = queries.shape[1], queries.shape[2] == head_dim
+    else:
+        num_q_heads, head_dim_fits = queries.shape[1] // head_dim, queries.shape[1] % head_dim == 0
+    if queries.shape[0] != bs or not head_dim_fits or num_q_heads == 0 or num_q_heads % num_kv_heads:
+        fail("queries", f"[bs={bs}, H_q, {head_dim}] or [bs, H_q * {head_dim}] with H_q a multiple of the "
+             f"{num_kv_heads} KV heads", f"shape {tuple(queries.shape)}",
+             "pass all query heads of the layer, one decode query per request.")
+    group = num_q_heads // num_kv_heads
+    check_choice("gqa_mode", gqa_mode, ("mean", "per_kv_head"), "pass SparseConfig.gqa_mode.", SparseRefError)
+    page_size = check_int("page_size", page_size, low=1, fix="pass the pool's page size.", error=SparseRefError)
+    max_pages = check_int("max_pages", max_pages, low=0, fix="pass QuestAlgorithm.max_pages.", error=SparseRefError)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
+                     fix="pass torch.empty(bs, max_pages) in fp32.")
+    check_kernel_device(f"{fn}: page_min", page_min, "move the pools and queries to the GPU, or use the torch "
+                        "scoring backend.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "queries": queries, "page_max": page_max,
+                                       "page_valid": page_valid, "req_to_token": req_to_token,
+                                       "req_pool_indices": req_pool_indices, "out": out})
+    r2t_rows, r2t_width = req_to_token.shape
+    if bs and max_pages and (num_pages == 0 or r2t_rows == 0 or r2t_width == 0):
+        fail("page_min", "allocated pools", f"page_min {tuple(page_min.shape)}, req_to_token "
+             f"{tuple(req_to_token.shape)}", "allocate the pools before scoring.")
+    if check_values:  # retrieve_topk checked the rows already (one host sync per call, not two)
+        check_range("req_pool_indices", req_pool_indices, 0, r2t_rows - 1, "pass forward_batch.req_pool_indices.")
+    if bs > 65535:
+        fail("req_pool_indices", "at most 65535 requests per launch", f"bs={bs}", "score the batch in chunks.")
+    return num_pages, hd, head_dim, group, page_size, max_pages

@@ -31,7 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref import checks
+from sparse_ref.checks import (
+    FLOAT_DTYPES,
+    check_int,
+    check_kernel_device,
+    check_quest_bounds_pool,
+    check_same_device,
+    check_tensor,
+)
+from sparse_ref.errors import SparseRefError
 
 _BOUNDS_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -113,7 +121,7 @@ def update_page_bounds(k_buffer: torch.Tensor, page_min: torch.Tensor, page_max:
     ``seq_lens`` ``[bs]`` (after the step). ``prefix_lens`` ``[bs]``: the tokens before a prefill; ``None``
     for a decode step (one new token per request).
     """
-    checks.check_page_bounds_update(k_buffer, page_min, page_max, page_valid, req_to_token, req_pool_indices,
+    check_page_bounds_update(k_buffer, page_min, page_max, page_valid, req_to_token, req_pool_indices,
                                     seq_lens, page_size, prefix_lens)
     bs = req_pool_indices.shape[0]
     num_pages, num_kv_heads, head_dim = page_min.shape
@@ -128,3 +136,29 @@ def update_page_bounds(k_buffer: torch.Tensor, page_min: torch.Tensor, page_max:
         (num_kv_heads, r2t_rows, r2t_width, num_pages, parts), P=page_size, D=head_dim,
         BLOCK_P=triton.next_power_of_2(page_size), BLOCK_D=triton.next_power_of_2(head_dim),
         DECODE=prefix_lens is None, OUT=_BOUNDS_CODE[page_min.dtype], num_warps=TUNING["num_warps"])
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_page_bounds_update(k_buffer, page_min, page_max, page_valid, req_to_token, req_pool_indices, seq_lens,
+                             page_size, prefix_lens) -> None:
+    """The inputs of ``update_page_bounds`` (the Quest bounds kernel): shapes, dtypes, one device; the values are
+    the caller's (``QuestAlgorithm`` checks them eagerly; the kernel clamps every index)."""
+    fn = "update_page_bounds"
+    num_pages, num_kv_heads, head_dim = check_quest_bounds_pool(page_min, page_max, page_valid)
+    page_size = check_int("page_size", page_size, low=1, fix="pass the pool's page size.", error=SparseRefError)
+    check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, shape=(num_pages * page_size, num_kv_heads, head_dim),
+                 contiguous=True, fix="pass token_to_kv_pool.get_key_buffer(layer_id) of the pool the bounds cover.")
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, contiguous=True,
+                 fix="pass ReqToTokenPool.req_to_token.")
+    check_tensor("req_pool_indices", req_pool_indices, dtype=(torch.int32, torch.int64), dims=1,
+                 fix="pass forward_batch.req_pool_indices, one row of req_to_token per request.")
+    bs = req_pool_indices.shape[0]
+    lens = {"seq_lens": seq_lens} | ({} if prefix_lens is None else {"prefix_lens": prefix_lens})
+    for name, t in lens.items():
+        check_tensor(name, t, dtype=(torch.int32, torch.int64), shape=(bs,),
+                     fix=f"pass forward_batch.{'extend_prefix_lens' if name == 'prefix_lens' else name}, one per "
+                         "request.")
+    check_kernel_device(f"{fn}: page_min", page_min, "move the pools to the GPU, or use the torch bounds update.")
+    check_same_device(fn, "page_min", {"page_min": page_min, "page_max": page_max, "page_valid": page_valid,
+                                       "k_buffer": k_buffer, "req_to_token": req_to_token,
+                                       "req_pool_indices": req_pool_indices, **lens})

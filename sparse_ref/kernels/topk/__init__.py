@@ -75,8 +75,18 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref import checks
-from sparse_ref.checks import capturing
+from sparse_ref.checks import (
+    INDEX_DTYPES,
+    capturing,
+    check_choice,
+    check_int,
+    check_range,
+    check_same_device,
+    check_scores,
+    check_tensor,
+    fail,
+)
+from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import pdl_options as kernel_pdl_options
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, _pad, _row_k_len
@@ -326,7 +336,7 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
     ``order``: ``"score"`` (descending score, ties by lower id), ``"index"`` (ascending ids) or
     ``"none"`` (the cheapest: here also ascending ids).
     """
-    k_scalar, k_tensor, lengths, width, out = checks.check_topk(scores, k, lengths, order, width, out,
+    k_scalar, k_tensor, lengths, width, out = check_topk(scores, k, lengths, order, width, out,
                                                                 ORDERS, MAX_SORT_WIDTH)
     R, N = scores.shape
     if R == 0 or width == 0:
@@ -337,3 +347,43 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
     if order == "score":
         _sort_winners(scores, out)
     return out
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_topk(scores, k, lengths, order, width, out, orders, max_sort_width):
+    """``(k_scalar, k_tensor, lengths, width, out)`` of a ``topk`` call (``k`` an int, or a clamped int32 tensor)."""
+    fn = "topk"
+    check_scores(fn, "scores", scores)
+    check_choice(f"{fn}: order", order, orders, "order='score' or order='index'.", error=SparseRefError)
+    R, N = scores.shape
+    k_tensor = None
+    if isinstance(k, torch.Tensor):
+        check_tensor(f"{fn}: k", k, dtype=INDEX_DTYPES, shape=(R,), fix="pass an int, or one int k per row.")
+        check_same_device(fn, "scores", {"scores": scores, "k": k})
+        check_range(f"{fn}: k", k, 0, 2**63 - 1, "clamp k at 0.", error=SparseRefError)
+        if width is None:
+            if capturing():
+                fail(f"{fn}: width", "an int while a CUDA graph captures (reading k.max() would sync)", "None",
+                     "pass width=<max k>.", SparseRefError)
+            width = int(k.max()) if R else 0
+        k_tensor = k.clamp(0, N).to(torch.int32).contiguous()  # k >= 2**31 must not wrap around
+        k_scalar = 0
+    else:
+        k_scalar = check_int(f"{fn}: k", k, low=0, fix="pass a non-negative int (or an int tensor [R]).",
+                             error=SparseRefError)
+        width = k_scalar if width is None else width
+    width = check_int(f"{fn}: width", width, low=0, fix="pass width=k.", error=SparseRefError)
+    if order == "score" and width > max_sort_width:
+        fail(f"{fn}: width", f"at most {max_sort_width} with order='score' (the winners are sorted in one tile)",
+             str(width), f"use order='index', or k <= {max_sort_width}.", SparseRefError)
+    if lengths is not None:
+        check_tensor(f"{fn}: lengths", lengths, dtype=INDEX_DTYPES, shape=(R,), fix="one length per row, or None.")
+        check_same_device(fn, "scores", {"scores": scores, "lengths": lengths})
+        check_range(f"{fn}: lengths", lengths, 0, N, "clamp lengths to [0, scores.shape[1]].")
+        lengths = lengths.contiguous()
+    if out is None:
+        out = torch.empty((R, width), dtype=torch.int32, device=scores.device)
+    else:
+        check_tensor(f"{fn}: out", out, dtype=torch.int32, shape=(R, width), contiguous=True, fix="pass out=None.")
+        check_same_device(fn, "scores", {"scores": scores, "out": out})
+    return k_scalar, k_tensor, lengths, width, out

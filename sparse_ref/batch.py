@@ -10,19 +10,20 @@ from __future__ import annotations
 import enum
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sparse_ref.checks import (
     INT64_MAX,
-    capturing,
     check_range,
     check_rows,
     check_same_device,
     check_tensor,
     describe,
     fail,
+    skip_value_checks,
+    values_checked,
 )
 from sparse_ref.errors import BatchError
 from sparse_ref.memory import KVCacheManager, Request, check_fits, check_page_alloc
@@ -48,6 +49,19 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     extend_prefix_lens: torch.Tensor | None = None
     extend_seq_lens: torch.Tensor | None = None
+    # Set by the builders: the manager, its generation and the requests the batch was built from. While the
+    # generation has not moved, the batch is exactly those requests now, so a caller can trust its values
+    # without reading them back from the device (the engine's decode step does).
+    built_from: tuple | None = field(default=None, repr=False, compare=False)
+
+    def is_current(self, manager: KVCacheManager, requests: Sequence[Request]) -> bool:
+        """Built by ``build_*_batch`` / ``decode_step`` from ``manager`` for exactly ``requests``, and no request
+        admitted, grown or released since (host-side: reads no device value)."""
+        if self.built_from is None:
+            return False
+        by, generation, built = self.built_from
+        return by is manager and generation == manager.generation and len(built) == len(requests) and all(
+            a is b for a, b in zip(built, requests, strict=True))
 
     @property
     def batch_size(self) -> int:
@@ -74,15 +88,17 @@ def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
     device = manager.req_to_token_pool.device
     seq_lens = torch.tensor([r.seq_len for r in requests], dtype=torch.int64, device=device)
     prefix = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        req_pool_indices=torch.tensor([r.req_pool_idx for r in requests], dtype=torch.int64, device=device),
-        seq_lens=seq_lens,
-        positions=torch.cat(positions).to(device),
-        out_cache_loc=torch.cat(locs).to(device),
-        extend_prefix_lens=prefix,
-        extend_seq_lens=seq_lens - prefix,
-    )
+    with values_checked():  # built from checked host values: the batch check reads nothing back
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in requests], dtype=torch.int64, device=device),
+            seq_lens=seq_lens,
+            positions=torch.cat(positions).to(device),
+            out_cache_loc=torch.cat(locs).to(device),
+            extend_prefix_lens=prefix,
+            extend_seq_lens=seq_lens - prefix,
+            built_from=(manager, manager.generation, tuple(requests)),
+        )
 
 
 def build_decode_batch(manager: KVCacheManager, requests: Sequence[Request]) -> ForwardBatch:
@@ -97,7 +113,9 @@ def build_decode_batch(manager: KVCacheManager, requests: Sequence[Request]) -> 
     idx = torch.tensor([r.req_pool_idx for r in requests], dtype=torch.int64, device=device)
     positions = seq_lens - 1
     out_cache_loc = manager.req_to_token_pool.req_to_token[idx, positions].to(torch.int64)
-    return ForwardBatch(ForwardMode.DECODE, idx, seq_lens, positions, out_cache_loc)
+    with values_checked():  # built from checked host values: the batch check reads nothing back
+        return ForwardBatch(ForwardMode.DECODE, idx, seq_lens, positions, out_cache_loc,
+                            built_from=(manager, manager.generation, tuple(requests)))
 
 
 def decode_step(manager: KVCacheManager, requests: Sequence[Request]) -> ForwardBatch:
@@ -137,7 +155,7 @@ def check_forward_batch(fb) -> None:
         else:
             check_rows(name, t, bs, "DECODE: one new token per request", BatchError)
         check_range(name, t, 0, INT64_MAX, "ids, lengths and slots are >= 0.", BatchError)
-    if capturing():
+    if skip_value_checks():
         return
     if not extend and not torch.equal(fb.positions, fb.seq_lens - 1):
         fail("ForwardBatch.positions", f"seq_lens - 1 = {(fb.seq_lens - 1).tolist()} (DECODE: the token being "
@@ -228,7 +246,7 @@ def check_decode_step(manager, requests) -> None:
 def check_batch_slots(req_to_token, fb, batch: str = "forward_batch.", error=BatchError) -> None:
     """Eager: every new token's ``out_cache_loc`` is the slot req_to_token keeps for it (``req_pool_indices``,
     ``positions``), so a K/V or key write lands where its own request reads it (skipped while capturing)."""
-    if capturing() or fb.positions.numel() == 0:
+    if skip_value_checks() or fb.positions.numel() == 0:
         return
 
     counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else torch.ones_like(fb.seq_lens)

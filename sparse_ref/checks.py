@@ -20,6 +20,7 @@ This module is a leaf (it imports only torch, ``sparse_ref.errors`` and, inside 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import NoReturn
@@ -42,6 +43,26 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def capturing() -> bool:
     """True while a CUDA graph is being captured: then no check may read device data."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_values_checked_depth = 0  # > 0 inside values_checked()
+
+
+@contextlib.contextmanager
+def values_checked():
+    """A block whose caller has checked its tensors' values already, once for the whole batch: the value checks
+    inside skip their host reads (one sync each on a GPU). The engine runs a decode step's layers in one."""
+    global _values_checked_depth
+    _values_checked_depth += 1
+    try:
+        yield
+    finally:
+        _values_checked_depth -= 1
+
+
+def skip_value_checks() -> bool:
+    """True where a check must not read device values (a CUDA graph captures) or need not (``values_checked``)."""
+    return _values_checked_depth > 0 or capturing()
 
 
 def describe(x) -> str:
@@ -167,7 +188,7 @@ def check_rows(name: str, t: torch.Tensor, rows: int, what: str = "one per reque
 def check_range(name: str, t: torch.Tensor, low: int, high: int, fix: str = "",
                 error: type[SparseRefError] = ShapeError) -> None:
     """Every value of integer tensor ``t`` lies in ``[low, high]`` (one host sync; skipped while capturing)."""
-    if t.numel() == 0 or capturing():
+    if t.numel() == 0 or skip_value_checks():
         return
     lo, hi = (int(x) for x in t.aminmax()) if t.dtype != torch.bool else (0, 1)
     if lo < low or hi > high:
@@ -195,7 +216,7 @@ def check_fits_memory(what: str, nbytes: int) -> None:
 # ------------------------------------------------- selections against req_to_token (adaptor and page-table kernels)
 def check_tokens_on_real_pages(seq_lens, rows, req_to_token, page_size: int, name: str = "seq_lens") -> None:
     """Eager: every token ``[0, seq_len)`` of each row lies on a real page (req_to_token never names page 0)."""
-    if seq_lens.numel() == 0 or capturing():
+    if seq_lens.numel() == 0 or skip_value_checks():
         return
     t = torch.arange(req_to_token.shape[1], device=req_to_token.device)
     padding = (t[None, :] < seq_lens.to(t.device)[:, None]) & (req_to_token[rows.to(t.device).long()] < page_size)
@@ -211,7 +232,7 @@ def check_selection_values(selected, lengths, sparse_mask, seq_lens, rows, req_t
     and rows in range, every token of a request on a real page, each sparse row naming only its own pages, in
     order, once, its last page last. ``batch``: the prefix of the batch fields' names in messages."""
     bs, width = selected.shape
-    if bs == 0 or capturing():
+    if bs == 0 or skip_value_checks():
         return
     check_range(f"{batch}seq_lens", seq_lens, 0, req_to_token.shape[1])
     check_range(f"{batch}req_pool_indices", rows, 0, req_to_token.shape[0] - 1)

@@ -22,9 +22,10 @@ import torch
 from sparse_ref import checks
 from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
+from sparse_ref.algorithms.base import retrieve_attention_metadata
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, check_batch_slots, decode_step
-from sparse_ref.checks import capturing, check_choice, check_device, check_int, describe, fail
+from sparse_ref.checks import capturing, check_choice, check_device, check_int, describe, fail, values_checked
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import BatchError, ConfigError, PoolError
 from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request, check_request
@@ -115,7 +116,8 @@ class SparseCoordinator:
         self.dense = Metadata(table, kv_lens, self.manager.page_size)
 
     def attention_begin(self, layer: int, queries: torch.Tensor, batch: ForwardBatch, **kwargs) -> Metadata:
-        """Sparse mask -> ``retrieve_topk`` -> adaptor; the dense metadata for a dense layer."""
+        """Sparse mask -> ``retrieve_topk`` -> adaptor; the dense metadata for a dense layer. A page algorithm runs
+        ``retrieve_attention_metadata``, the decode step's one retrieval call (the bench times the same call)."""
         algo = self.algorithms[check_coordinator_layer(self, layer)]
         if algo is None:
             return self.dense
@@ -126,11 +128,11 @@ class SparseCoordinator:
                                              indexer=self.indexers[layer], forward_batch=batch,
                                              positions=batch.positions, **kwargs)
             lengths, page_size = lengths_from_selection(selected), 1
-        else:  # pages: (selected logical pages, lengths)
-            selected, lengths = algo.retrieve_topk(queries, layer, batch.req_pool_indices, sparse_mask,
-                                                   forward_batch=batch)
+            table, kv_lens, _ = to_attention_metadata(selected, lengths, sparse_mask, batch, req_to_token, page_size)
+        else:  # pages: retrieve_topk + the adaptor as one call (on CUDA one launch selects and writes the table)
+            selected, lengths, table, kv_lens, _ = retrieve_attention_metadata(
+                algo, queries, layer, batch.req_pool_indices, sparse_mask, batch, req_to_token)
             page_size = self.manager.page_size
-        table, kv_lens, _ = to_attention_metadata(selected, lengths, sparse_mask, batch, req_to_token, page_size)
         return Metadata(table, kv_lens, page_size, selected, lengths, sparse_mask)
 
     def attention_end(self, layer: int, batch: ForwardBatch) -> None:
@@ -233,16 +235,17 @@ class DecodeEngine:
         -> attention -> ``attention_end``. No host sync and no host bookkeeping here (for dense and
         Quest layers), so ``sparse_ref.engine_graph`` can capture exactly this in one CUDA graph.
         """
-        check_engine_forward(self, batch, inputs)  # the live requests' batch now (eager; not while capturing)
+        check_engine_forward(self, batch, inputs)  # the live requests' batch now: once per batch, before any write
         coord, pool, traces = self.coordinator, self.manager.token_to_kv_pool, []
-        coord.forward_begin(batch)
-        dense = coord.dense
-        for layer, (q, k, v, x, q_lora) in enumerate(inputs):
-            pool.set_kv(layer, batch.out_cache_loc, k, v)
-            md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
-            traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
-            coord.attention_end(layer, batch)
-        coord.forward_end(batch)
+        with values_checked():  # its values are checked: the layers' entry points read nothing back (no host sync)
+            coord.forward_begin(batch)
+            dense = coord.dense
+            for layer, (q, k, v, x, q_lora) in enumerate(inputs):
+                pool.set_kv(layer, batch.out_cache_loc, k, v)
+                md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
+                traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
+                coord.attention_end(layer, batch)
+            coord.forward_end(batch)
         return traces, dense
 
     def step(self) -> StepResult:
@@ -344,9 +347,13 @@ def check_engine_forward(engine, batch, inputs) -> None:
     layers = engine.manager.token_to_kv_pool.num_layers
     if not isinstance(inputs, (list, tuple)) or len(inputs) != layers:
         fail("inputs", f"one (q, k, v, x, q_lora) per layer ({layers})", describe(inputs), error=BatchError)
-    if capturing():
+    if capturing() or batch.is_current(engine.manager, engine.live):  # decode_step's batch of the live requests now
         return
-    live = engine.live
+    if batch.built_from is not None and batch.built_from[0] is engine.manager:
+        fail("batch", f"the batch of the live requests now (generation {engine.manager.generation})",
+             f"one built at generation {batch.built_from[1]} (a request joined, grew or left since)",
+             "build it after the last add_request / finish / grow (decode_step), or call engine.step().", BatchError)
+    live = engine.live  # a batch built by hand: its values, read back once
     rows = torch.tensor([r.req_pool_idx for r in live], dtype=torch.int64)
     seq_lens = torch.tensor([r.seq_len for r in live], dtype=torch.int64)
     if batch.batch_size != len(live) or not torch.equal(batch.req_pool_indices.cpu(), rows) or \

@@ -19,7 +19,6 @@ from sparse_ref.batch import ForwardBatch, check_batch_slots
 from sparse_ref.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    capturing,
     check_choice,
     check_device,
     check_int,
@@ -29,6 +28,7 @@ from sparse_ref.checks import (
     check_tensor,
     describe,
     fail,
+    skip_value_checks,
 )
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SEED_TOPK_NEEDS_SEQ_LENS, BatchError, ConfigError, PoolError, RetrievalError
@@ -188,7 +188,7 @@ def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_
     scores = algo.score_pages(queries, layer_id, req_pool_indices, forward_batch)
     return select_pages_to_table(scores, forward_batch.seq_lens.to(scores.device), sparse_mask.to(scores.device),
                                  algo.page_size, algo.config, forward_batch.req_pool_indices.to(scores.device),
-                                 req_to_token, out=out, check_values=not checks.capturing())
+                                 req_to_token, out=out, check_values=not checks.skip_value_checks())
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
@@ -285,7 +285,7 @@ def check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, kwarg
     check_same_device("retrieve_topk", "req_pool_indices", {
         "req_pool_indices": req_pool_indices, "queries": queries, "sparse_mask": sparse_mask,
         "forward_batch.seq_lens": seq_lens, "forward_batch.req_pool_indices": batch_rows})
-    if bs == 0 or capturing():
+    if bs == 0 or skip_value_checks():
         return forward_batch
     size, max_len = algo.req_to_token_pool.req_to_token.shape
     check_range("req_pool_indices", req_pool_indices, 0, size - 1, "pass rows of req_to_token.")

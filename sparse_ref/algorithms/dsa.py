@@ -30,7 +30,6 @@ from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.batch import ForwardBatch, ForwardMode
 from sparse_ref.checks import (
     INDEX_DTYPES,
-    capturing,
     check_choice,
     check_int,
     check_range,
@@ -39,6 +38,7 @@ from sparse_ref.checks import (
     check_tensor,
     describe,
     fail,
+    skip_value_checks,
 )
 from sparse_ref.config import IndexerConfig
 from sparse_ref.errors import SEED_DSA_REQUIRED, BatchError, ConfigError, RetrievalError, ShapeError
@@ -397,7 +397,7 @@ def check_indexer_call(indexer, x, q_lora, positions, forward_batch, layer_id) -
     counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else None
     if counts is not None:
         check_rows("forward_batch.extend_seq_lens", counts, bs, error=BatchError)
-    if capturing() or bs == 0:
+    if skip_value_checks() or bs == 0:
         return
     req_to_token = indexer.cache.req_to_token_pool.req_to_token
     rows, max_len = req_to_token.shape
@@ -464,7 +464,7 @@ def check_dsa_retrieve(algo, layer_id, req_pool_indices, sparse_mask, kwargs: di
                  fix="pass a bool tensor [bs], True for requests that may go sparse.")
     check_same_device("retrieve_topk", "req_pool_indices", {"req_pool_indices": req_pool_indices,
                       "sparse_mask": sparse_mask, "forward_batch.req_pool_indices": fb.req_pool_indices})
-    if not capturing() and not torch.equal(req_pool_indices.long(), fb.req_pool_indices):
+    if not skip_value_checks() and not torch.equal(req_pool_indices.long(), fb.req_pool_indices):
         raise BatchError("req_pool_indices: differ from forward_batch.req_pool_indices (another request's "
                          "row would be scored). Fix: pass forward_batch.req_pool_indices.")
     return indexer, fb

@@ -29,12 +29,12 @@ from sparse_ref.batch import ForwardMode
 from sparse_ref.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    capturing,
     check_index_list,
     check_range,
     check_tensor,
     describe,
     fail,
+    skip_value_checks,
 )
 from sparse_ref.errors import BatchError, ConfigError, PoolError, ShapeError
 
@@ -192,7 +192,7 @@ class QuestAlgorithm(SparseAlgorithm):
         if self.uses_triton_scoring():  # one launch, no torch ops at all while a CUDA graph captures
             from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
 
-            if not checks.capturing():
+            if not checks.skip_value_checks():
                 check_real_pages(self, *self._decode_pages(forward_batch))
             update_page_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
                                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, P)
@@ -335,7 +335,7 @@ def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> torch.
 
 def check_real_pages(algo, pages: torch.Tensor, write: torch.Tensor | None = None) -> None:
     """Pages whose bounds are about to be built (where ``write``) hold real tokens: never padding page 0."""
-    if not capturing() and bool(((pages < 1) & (True if write is None else write)).any()):
+    if not skip_value_checks() and bool(((pages < 1) & (True if write is None else write)).any()):
         fail("forward_batch.seq_lens", "lengths within each request's tokens (every page to summarize mapped to "
              f"a page in [1, {algo.num_pages}) by req_to_token)", "a length that reaches padding page 0",
              "pass the batch built for these requests (build_extend_batch / build_decode_batch).", BatchError)
@@ -352,7 +352,7 @@ def check_score_pages(algo, queries, layer_id, forward_batch) -> None:
     """The layer, the query shape (Quest's messages) and, eagerly, every real token's page in [1, num_pages)."""
     check_algorithm_layer(algo, layer_id)
     check_quest_queries(queries, algo.num_kv_heads, algo.head_dim)
-    if capturing() or forward_batch.batch_size == 0:
+    if skip_value_checks() or forward_batch.batch_size == 0:
         return
     req_to_token = algo.req_to_token_pool.req_to_token
     rows = forward_batch.req_pool_indices.to(req_to_token.device).long()

@@ -71,6 +71,18 @@ def test_radix_topk_equals_package_topk_and_reference(rows, n, k, seed):
     assert torch.equal(ours.cpu(), topk_reference(x.cpu(), k, lengths.cpu(), order="index"))
 
 
+def test_radix_topk_writes_only_its_own_rows():
+    """Each program writes exactly k slots of its own row: a guard past the last row stays untouched, on plateau
+    rows (where one extra tie kept would spill into the next row, which the interpreter's serial order hides)."""
+    rows, n, k = 3, 40, 7
+    x = torch.randint(0, 2, (rows, n)).float().to(DEVICE)  # two values: the k-th key is tied many times
+    lengths = torch.full((rows,), n, device=DEVICE)
+    out = torch.full((rows * k + 16,), 12345, dtype=torch.int32, device=DEVICE)
+    radix_topk.radix_topk_kernel[(rows,)](x, out, lengths, n, k, N_PAD=64, K_PAD=8)
+    assert bool((out[rows * k:] == 12345).all())
+    assert torch.equal(out[: rows * k].view(rows, k).cpu(), topk_reference(x.cpu(), k, lengths.cpu(), order="index"))
+
+
 def test_sortable_keys_order_like_floats():
     values = torch.tensor([float("nan"), float("-inf"), -3.0e38, -1.5, -0.0, 0.0, 1e-30, 1.5, float("inf")])
     keys = radix_topk.sortable_keys(values.to(DEVICE)).cpu().to(torch.int64) & 0xFFFFFFFF

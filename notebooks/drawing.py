@@ -380,6 +380,33 @@ def topk_launch_timeline(rows: list, grids: dict, result: dict):
     return fig
 
 
+def use_lesson_kernels() -> str:
+    """Put the repository's ``kernels/`` folder (the lesson kernels, one file per lesson) on ``sys.path``, found from
+    the notebook's folder upward (``notebooks/`` or a student copy under ``build/``); return its path."""
+    import sys
+    from pathlib import Path
+
+    here = Path.cwd().resolve()
+    folder = next(str(p / "kernels") for p in (here, *here.parents) if (p / "kernels" / "radix_topk.py").is_file())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return folder
+
+
+def show_lesson(*fns) -> None:
+    """Print the whole source of each lesson function (a ``@triton.jit`` kernel or a launcher) with its file and
+    line numbers: what the notebook runs is exactly what it shows."""
+    import inspect
+    for fn in fns:
+        while hasattr(fn, "fn"):  # a @triton.jit kernel wraps the Python function
+            fn = fn.fn
+        lines, start = inspect.getsourcelines(fn)
+        print(f"# kernels/{inspect.getsourcefile(fn).rsplit('/', 1)[-1]}, lines {start}-{start + len(lines) - 1}")
+        for n, line in enumerate(lines):
+            print(f"{start + n:4d} {line.rstrip()}")
+        print()
+
+
 def show_excerpt(fn, first: str, last: str) -> None:
     """Print the lines of ``fn``'s source from the first line containing ``first`` to the next containing ``last``,
     with their line numbers in the package file: an excerpt of the real code that cannot go stale."""

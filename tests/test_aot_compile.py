@@ -45,6 +45,7 @@ import sparse_ref.kernels
 
 tests, part, parts, records_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 sys.path.insert(0, tests)
+sys.path.insert(0, os.path.join(os.path.dirname(tests), "kernels"))  # the lesson kernels (kernels/*.py)
 from aot_variants import VARIANTS
 
 target = GPUTarget("cuda", 90, 32)

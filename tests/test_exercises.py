@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 student = runpy.run_path(str(ROOT / "scripts" / "student_copy.py"))
 sys.path.insert(0, str(ROOT / "notebooks"))  # the notebooks import checkers and drawing from their folder
+sys.path.insert(0, str(ROOT / "kernels"))  # ... and the lesson kernels (drawing.use_lesson_kernels())
 
 
 def run(source: str, namespace: dict, name: str) -> None:

@@ -18,7 +18,7 @@ import sparse_ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
-import delegate_threshold  # noqa: E402
+import delegate_kernels  # noqa: E402
 import dsa_logits  # noqa: E402
 import flash_decode  # noqa: E402
 import quest_scores  # noqa: E402
@@ -43,7 +43,7 @@ DEVICE = sparse_ref.default_device()
 def test_lessons_folder_is_not_a_package():
     root = Path(__file__).resolve().parents[1] / "kernels"
     assert not (root / "__init__.py").exists()
-    assert {p.stem for p in root.glob("*.py")} >= {"radix_topk", "delegate_threshold", "quest_scores", "dsa_logits",
+    assert {p.stem for p in root.glob("*.py")} >= {"radix_topk", "delegate_kernels", "quest_scores", "dsa_logits",
                                                     "select_to_table", "flash_decode"}
 
 
@@ -98,10 +98,10 @@ def test_sortable_keys_order_like_floats():
 def test_delegates_and_bitmask(n, g):
     x = torch.randn(3, n)
     x[1] = torch.randint(0, 4, (n,)).float()  # plateaus
-    dlg = delegate_threshold.delegates(x.to(DEVICE), g).cpu()
+    dlg = delegate_kernels.delegates(x.to(DEVICE), g).cpu()
     assert torch.equal(dlg, x.view(3, n // g, g).amax(1))
     T = dlg.topk(5, dim=1).values[:, -1]  # the 5th largest delegate: at least 5 keys reach it
-    words = delegate_threshold.candidate_bits(x.to(DEVICE), T.to(DEVICE)).cpu().to(torch.int64) & 0xFFFFFFFF
+    words = delegate_kernels.candidate_bits(x.to(DEVICE), T.to(DEVICE)).cpu().to(torch.int64) & 0xFFFFFFFF
     bits = ((words[..., None] >> torch.arange(32)) & 1).reshape(3, n).bool()
     assert torch.equal(bits, x >= T[:, None])
     assert bool((bits.sum(1) >= 5).all())

@@ -1,5 +1,6 @@
 """Packaging: the wheel installs ``sparse_ref`` with its subpackages (``sparse_ref.kernels`` among them, and the
-top-k's ``sparse_ref.kernels.topk``) and nothing as a top-level ``kernels``.
+top-k's ``sparse_ref.kernels.topk``) and nothing as a top-level ``kernels`` (the repository's ``kernels/`` folder
+holds the lesson kernels: no ``__init__.py``, never in the wheel).
 
 ``kernels`` is also a popular PyPI package, so shadowing it would break users. The wheel is built
 from a copy of the sources in a temporary folder (nothing is written into the checkout), unpacked,
@@ -84,14 +85,39 @@ def test_installed_layout_imports_outside_the_repo(wheel_files, tmp_path):
     assert out.returncode == 0, out.stderr
     pkg, kern = out.stdout.split()
     assert Path(pkg).is_relative_to(site) and Path(kern) == site / "sparse_ref" / "kernels" / "__init__.py"
-    out = run([sys.executable, "-c", "import kernels"], cwd=tmp_path, env=env)
-    assert out.returncode != 0 and "No module named 'kernels'" in out.stderr
+    assert_no_kernels_package(tmp_path, env)
+
+
+PROBE = "import kernels; print(getattr(kernels, '__file__', None)); print(list(kernels.__path__))"
+
+
+def assert_no_kernels_package(cwd, env):
+    """``import kernels`` finds no package of ours: it fails, or (an editable install puts the checkout's root on
+    the path) it finds the lesson folder ``kernels/`` as a bare namespace (no ``__init__.py``, no code run), which
+    any installed package named ``kernels`` outranks (``test_a_real_kernels_package_wins``)."""
+    out = run([sys.executable, "-c", PROBE], cwd=cwd, env=env)
+    if out.returncode != 0:
+        assert "No module named 'kernels'" in out.stderr
+        return
+    file, path = out.stdout.splitlines()
+    assert file == "None" and path == repr([str(REPO / "kernels")]), out.stdout
+
+
+def test_a_real_kernels_package_wins(tmp_path):
+    """Someone's installed ``kernels`` (a regular package) outranks the lesson folder, wherever it sits on the path."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("NAME = 'installed'\n")
+    for where in (str(site), os.pathsep.join([str(REPO), str(site)])):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = where
+        out = run([sys.executable, "-c", "import kernels; print(kernels.NAME)"], cwd=tmp_path, env=env)
+        assert out.returncode == 0 and out.stdout.strip() == "installed", out.stderr
 
 
 def test_current_install_does_not_expose_top_level_kernels(tmp_path):
     """Whatever install runs these tests (editable or not), ``import kernels`` fails outside the repo."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = run([sys.executable, "-c", "import kernels"], cwd=tmp_path, env=env)
-    assert out.returncode != 0 and "No module named 'kernels'" in out.stderr
+    assert_no_kernels_package(tmp_path, env)
     out = run([sys.executable, "-c", "import sparse_ref.kernels"], cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr

@@ -474,7 +474,7 @@ def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
     x = long_path_rows(1500, 20, seed=shuffle or 0)
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats: dict = {}
-    steps = topk_module._launches(x, 20, None, None, out, stats)
+    steps = topk_module.launches(x, 20, None, None, out, stats)
     assert [name for name, _ in steps] == ["delegates", "candidates", "select"]
     for _, fn in steps[:2]:
         fn()
@@ -513,7 +513,7 @@ def test_candidates_bitmask(monkeypatch):
     lengths = torch.tensor([1500, 1499, 700, 1, 1500, 64, 0])
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats: dict = {}
-    steps = topk_module._launches(x.to(DEVICE), 20, None, lengths.to(DEVICE), out, stats)
+    steps = topk_module.launches(x.to(DEVICE), 20, None, lengths.to(DEVICE), out, stats)
     for _, fn in steps[:2]:
         fn()
     chunk = stats["plan"]["chunk"]

@@ -100,8 +100,8 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
 
 def scoring_default(s) -> str:
     """The Quest scoring launch's default (block_p, block_hd) for a decode-step setup, as the sweep names it."""
-    from sparse_ref.kernels.quest import _default_blocks
+    from sparse_ref.kernels.quest import default_blocks
 
     hd = s.algo.num_kv_heads * s.algo.head_dim
-    bp, bhd = _default_blocks(hd, s.q.shape[0], s.algo.max_pages, s.q.device)
+    bp, bhd = default_blocks(hd, s.q.shape[0], s.algo.max_pages, s.q.device)
     return f"p{bp}_hd{bhd}_w4"

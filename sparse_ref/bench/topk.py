@@ -94,7 +94,7 @@ def launch_breakdown(copies, k, timer) -> dict:
     plans = []
     for x in copies:
         out = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
-        steps = topk_module._launches(x, k, None, None, out)
+        steps = topk_module.launches(x, k, None, None, out)
         for _, fn in steps:
             fn()
         plans.append(steps)

@@ -50,7 +50,7 @@ from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import after_previous_launch, pdl_options
 from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
 from sparse_ref.kernels.topk import TUNING, short_row_warps
-from sparse_ref.kernels.topk.rows import _select_direct, _select_in_registers, use_direct
+from sparse_ref.kernels.topk.rows import select_direct, select_in_registers, use_direct
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
 # Candidate slots per delegate (the delegates plan). Quest scores are packed (~2% spread); a threshold cut to 16
@@ -109,10 +109,10 @@ def _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scr
     out_row = selected + r.to(tl.int64) * W
     row = scores + r.to(tl.int64) * stride_r
     if DIRECT:
-        k_eff = _select_direct(row, sink_end, recent_start, k, out_row, sink_end, W, scratch + r.to(tl.int64) * PAIR,
+        k_eff = select_direct(row, sink_end, recent_start, k, out_row, sink_end, W, scratch + r.to(tl.int64) * PAIR,
                                N_PAD, PAIR)
     else:
-        k_eff, _ = _select_in_registers(row, sink_end, recent_start, k, out_row, sink_end, W,
+        k_eff, _ = select_in_registers(row, sink_end, recent_start, k, out_row, sink_end, W,
                                         scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
     filled = _write_sink_recent_padding(out_row, W, sparse, n, recent_start, sink_end, k_eff, BLOCK_OUT)
     tl.store(lengths + r, filled)

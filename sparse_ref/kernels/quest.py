@@ -140,11 +140,11 @@ def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_p
 
 
 PROGRAMS_PER_SM = 2  # the default blocks aim for at least this many programs per SM (memory latency hiding)
-# Launch knobs (powers of two; None: the defaults of _default_blocks). Vary them with sparse_ref.kernels.tuning.
+# Launch knobs (powers of two; None: the defaults of default_blocks). Vary them with sparse_ref.kernels.tuning.
 TUNING = {"block_p": None, "block_hd": None, "num_warps": None, "pdl": True}  # pdl: programmatic dependent launch
 
 
-def _default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:
+def default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:
     """``(BLOCK_P, BLOCK_HD)``: 16 pages x 256 values per step, or fewer pages (and wider steps) when few programs.
 
     At bs=1 and 32K tokens (2048 pages) 16 pages per program leave 128 programs on a 132-SM H200:
@@ -165,7 +165,7 @@ def _default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> t
 def _block_sizes(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCK_P, BLOCK_HD, num_warps)``: the ``TUNING`` knobs where set, else the defaults."""
     block_p, block_hd, num_warps = TUNING["block_p"], TUNING["block_hd"], TUNING["num_warps"]
-    default_p, default_hd = _default_blocks(hd, bs, max_pages, device)
+    default_p, default_hd = default_blocks(hd, bs, max_pages, device)
     block_hd = default_hd if block_hd is None else block_hd
     block_p = default_p if block_p is None else block_p
     num_warps = 4 if num_warps is None else num_warps

@@ -90,7 +90,7 @@ from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import pdl_options as kernel_pdl_options
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, _pad, _row_k_len
-from sparse_ref.kernels.topk.rows import _select_direct, _select_in_registers, use_direct
+from sparse_ref.kernels.topk.rows import select_direct, select_in_registers, use_direct
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
@@ -144,10 +144,10 @@ def _short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
     out_row = out + r.to(tl.int64) * W
     row = scores + r.to(tl.int64) * stride_r
     if DIRECT:
-        k_eff = _select_direct(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR)
+        k_eff = select_direct(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR)
         tl.store(flags + r, 0)
     else:
-        k_eff, path = _select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,
+        k_eff, path = select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,
                                            G, SLOTS, PAIR)
         tl.store(flags + r, path)
     _pad(out_row, k_eff, W, BLOCK_OUT)
@@ -184,7 +184,7 @@ def pdl_options(device: torch.device) -> dict:
 
 
 def short_row_warps(n_pad: int) -> int:
-    """Warps of a program that holds a row of ``n_pad`` scores in registers (``_select_direct``): one per
+    """Warps of a program that holds a row of ``n_pad`` scores in registers (``select_direct``): one per
     ``TUNING["scores_per_warp"]`` scores, 8 to 32 (on an H200, 64 x 2048: 4 warps 16.5 us, 8 warps 14.4;
     64 x 8192: 8 warps 51.8, 16 warps 28.7; 16384: 16 warps 65.4, 32 warps 56.5)."""
     return min(32, max(8, n_pad // TUNING["scores_per_warp"]))
@@ -211,7 +211,7 @@ def plan(R: int, N: int, width: int) -> dict:
                 force_fallback=not register and G > TUNING["max_delegates"])
 
 
-def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
+def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
     """The kernel launches of one top-k call (no checks), as ``[(name, fn), ...]``: calling every ``fn``
     in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
     benchmark can time each launch on its own (``sparse_ref.bench.topk``). Private: ``topk`` checks first.
@@ -294,9 +294,9 @@ def _launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = Non
 
 
 def _launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
-    """Run the kernels (no checks; see ``_launches``). Returns the per-row path flags, for tests."""
+    """Run the kernels (no checks; see ``launches``). Returns the per-row path flags, for tests."""
     stats = {} if stats is None else stats
-    for _, fn in _launches(scores, k_scalar, k_tensor, lengths, out, stats):
+    for _, fn in launches(scores, k_scalar, k_tensor, lengths, out, stats):
         fn()
     return stats.get("flags")
 

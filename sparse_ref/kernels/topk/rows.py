@@ -3,10 +3,10 @@
 
 Two plans, chosen on the host from the shape (``use_direct``):
 
-* ``_select_direct``: window rounds over the whole row and a pairwise rank give the exact k-th key, one
+* ``select_direct``: window rounds over the whole row and a pairwise rank give the exact k-th key, one
   prefix sum writes the winners. Its cost hardly depends on k. The plan of rows where k is a large share
   of the row (64 x 4096 at k = 2048: 15-16 us on an H200, against 36 us for the delegates plan).
-* ``_select_in_registers``: the delegate threshold of the long rows, in registers: the max of G strided
+* ``select_in_registers``: the delegate threshold of the long rows, in registers: the max of G strided
   sub-ranges, a threshold from window rounds over them, the candidates (``>= T``) compacted through
   bitmask words into slots, and the exact selection on those few. Cheaper when k is small against the
   row (32 x 8192 at k = 128: 15.3 us, against 25.9 direct), since the exact work is on ~2k candidates.
@@ -30,7 +30,7 @@ from sparse_ref.kernels.topk.common import (
 
 
 def use_direct(n_pad: int, G: int, ratio: int) -> bool:
-    """Whether a row of ``n_pad`` scores in registers takes ``_select_direct`` (else the delegates plan with
+    """Whether a row of ``n_pad`` scores in registers takes ``select_direct`` (else the delegates plan with
     ``G`` delegates): when the delegates would keep at least 1/ratio of the row (the top-k's
     ``TUNING["direct_ratio"]``), they save little. On an H200 direct wins at 2048 pages, k = 123 (10.6 vs
     15.1 us) and at 8192 scores, k = 2048 (26 vs 40), and loses at 8192 scores, k = 128 (25.9 vs 15.3)."""
@@ -38,7 +38,7 @@ def use_direct(n_pad: int, G: int, ratio: int) -> bool:
 
 
 @triton.jit
-def _select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr):
+def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr):
     """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]; ties
     to the lower id. Returns how many were written: min(k, valid keys). The short rows of the top-k and the
     page histories of ``sparse_ref.kernels.page_select``.
@@ -49,7 +49,7 @@ def _select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.cons
     PAIR free int32). Then one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its
     ranks (N_PAD <= 2**14 keeps the packed sum below 2**31): its place is the keys > t before it plus the
     ties before it, capped at the ties the row takes. No delegates and no candidates. When k is small
-    against the row, ``_select_in_registers`` (below) is cheaper (``use_direct``)."""
+    against the row, ``select_in_registers`` (below) is cheaper (``use_direct``)."""
     tl.static_assert(N_PAD <= 16384)  # (the packed prefix sum: no int32 overflow)
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
@@ -131,7 +131,7 @@ def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, 
 
 
 @triton.jit
-def _select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
+def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
                          N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
     """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
     (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: how many were written, and the path

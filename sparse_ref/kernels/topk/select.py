@@ -206,7 +206,7 @@ def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr
 
 
 @triton.jit
-def _select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G: tl.constexpr,
+def select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G: tl.constexpr,
                      SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
     """The exact selection of a row whose ``total`` <= SLOTS candidates' columns sit in its slots in
     ascending order (the bitmask mode): gather their keys from the row (in L2), find ``t`` and ``need``
@@ -289,7 +289,7 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
 
     When the candidates fit the slots: BITMASK, every program copies its span's candidate columns from
     the bitmask into the slots, at the offset the chunks before it give (``_bits_to_slots``), and the
-    row's last program to finish (an atomic counter) selects among them (``_select_from_ids``); else the
+    row's last program to finish (an atomic counter) selects among them (``select_from_ids``); else the
     program of span 0 selects among the runs at once (``_select_from_runs``) and the others return.
     When they do not (the row is flagged), every program writes its span's share of the tie path, or
     copies its span's keys > T into the slots for the row's last program to select among (flag 3), or
@@ -350,7 +350,7 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
             tl.store(work_row + FLAG, flag)
             if (flag == 0) | (flag == 3):
                 if BITMASK:
-                    _select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G, SLOTS, C_PAD,
+                    select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G, SLOTS, C_PAD,
                                      PAIR, TILE)
                 else:
                     _select_from_runs(slots_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS,

@@ -58,6 +58,7 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     from sparse_ref.adaptor import to_attention_metadata
     from sparse_ref.engine_graph import GraphedDecodeStep
     from sparse_ref.kernels.decode_attention import paged_decode_attention
+    from sparse_ref.kernels.page_select import select_pages_to_table
 
     layers_n = 4
     bs, h_q, h_kv, d, ctx, P, budget = (2, 4, 2, 16, 60, 4, 16) if on_cpu else (64, 32, 8, 128, 32768, 16, 2048)
@@ -80,13 +81,17 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     algo, r2t = coord.algorithms[0], engine.manager.req_to_token_pool.req_to_token
     mask = fb.seq_lens >= coord.configs[0].min_sparse_seq_len
     scores = algo.score_pages(q, 0, fb.req_pool_indices, fb)
-    sel, lens = algo._select(scores, fb.seq_lens, mask)
-    table, kv_lens, _ = to_attention_metadata(sel, lens, mask, fb, r2t, P)
+    if algo.uses_triton_selection(scores.is_cuda, algo.max_pages):  # what the engine runs: one launch
+        select_table = partial(select_pages_to_table, scores, fb.seq_lens, mask, P, algo.config, fb.req_pool_indices,
+                               r2t, check_values=False)
+    else:  # (CPU smoke run: the torch selection, then the adaptor)
+        def select_table():
+            return to_attention_metadata(*algo._select(scores, fb.seq_lens, mask), mask, fb, r2t, P)
+    table, kv_lens = select_table()[-3:-1]
     kb, vb = pool.get_key_buffer(0), pool.get_value_buffer(0)
     parts = {"K/V append": partial(pool.set_kv, 0, fb.out_cache_loc, k_new, v_new),
              "scores": partial(algo.score_pages, q, 0, fb.req_pool_indices, fb),
-             "selection": partial(algo._select, scores, fb.seq_lens, mask),
-             "page table": partial(to_attention_metadata, sel, lens, mask, fb, r2t, P),
+             "selection + page table": select_table,
              "attention": partial(paged_decode_attention, q, kb, vb, table, kv_lens, P),
              "representation update": partial(algo.update_representations, 0, fb, kb),
              "dense metadata (once per step)": partial(coord.forward_begin, fb)}

@@ -424,7 +424,8 @@ def show_excerpt(fn, first: str, last: str) -> None:
 
 # ---------------------------------------------------------------- 07_end_to_end (the closing summary)
 def decode_step_summary():
-    """One decode step of one layer with SGLang's hook names, the write path, and each tensor's shape and dtype."""
+    """One decode step with SGLang's hook names: the per-step hooks, the per-layer loop (write path to
+    attention_end, then the next layer), and each tensor's shape and dtype."""
     fig, ax = plt.subplots(figsize=(17, 6.0))
     ax.set_xlim(0, 16.6)
     ax.set_ylim(0, 6.2)
@@ -445,17 +446,21 @@ def decode_step_summary():
         ((0.1 + 5 * step, top), "attention", "q [bs, H_q, D] over the\nselected pages; splits\n+ log-sum-exp "
          "merge\nout fp32 [bs, H_q, D]", "#f6d5d5"),
         ((0.1 + 5 * step, low), "attention_end", "Quest: the bounds of\nthe page this token\ncompleted", "#fde2c8"),
-        ((0.1 + 4 * step, low), "forward_end", "the next layer; then\ndecode_step grows\nevery request", "#eeeeee"),
+        ((0.1, low), "forward_end", "once per step, after\nthe last layer; then\ndecode_step grows\n"
+         "every request", "#eeeeee"),
     ]
     anchors = [_box(ax, xy, w, h, title, body, color) for xy, title, body, color in stages]
     for (_, right), (left, _) in zip(anchors[:5], anchors[1:6], strict=True):
         _arrow(ax, right, left)
     x_attn = 0.1 + 5 * step + w / 2
     _arrow(ax, (x_attn, top - 0.02), (x_attn, low + h + 0.02))
-    _arrow(ax, anchors[6][0], anchors[7][1])
-    ax.text(5.4, 1.35, "per layer, the hooks run in this order; every tensor keeps its shape from step to\n"
-            "step, so the whole device half is captured once as a CUDA graph (GraphedDecodeStep)", ha="center",
-            fontsize=10, style="italic", color="0.3")
+    x_write = 0.1 + step + w / 2  # the next layer starts again at the write path
+    ax.annotate("", xy=(x_write, top - 0.02), xytext=(anchors[6][0][0] - 0.02, low + h / 2),
+                arrowprops={"arrowstyle": "->", "color": "0.25", "connectionstyle": "angle,angleA=180,angleB=-90"})
+    ax.text(x_write + 0.1, low + h + 0.25, "next layer", fontsize=10, color="0.25")
+    ax.text(9.6, 0.05, "forward_begin and forward_end run once per step; the write path to attention_end once per "
+            "layer.\nEvery tensor keeps its shape from step to step, so the whole device half is captured once "
+            "as a CUDA graph (GraphedDecodeStep).", ha="center", fontsize=10, style="italic", color="0.3")
     ax.set_title("The decode step you built: hooks, the write path, and what each stage hands on", fontsize=12)
     return fig
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from host_reads import count_host_reads
 
-from sparse_ref.batch import ForwardBatch, ForwardMode, build_decode_batch, decode_step
+import sparse_ref
+from sparse_ref.batch import ForwardBatch, ForwardMode, decode_step
 from sparse_ref.checks import check_range, skip_value_checks, values_checked
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
@@ -129,14 +130,15 @@ def test_engine_runs_the_fused_retrieval_the_bench_times(monkeypatch):
                          (page_table, "page_table_from_selection")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: (calls.append(_n), _o(*a, **k))[1])
-    e = engine(("quest", None, "quest"), prompts=(40, 61))
+    device = sparse_ref.default_device()
+    e = engine(("quest", None, "quest"), device=device, prompts=(40, 61))
     for algo in e.coordinator.algorithms:
         if algo is not None:
             algo.selection_backend = "triton"  # what "auto" picks on CUDA
     e.step()
     assert calls == ["select_pages_to_table"] * 2, calls
     calls.clear()
-    s = decode_step_setup(2, 4, 2, 16, 200, 16, 128, torch.float32, "cpu", kv_dtype=torch.float32)
+    s = decode_step_setup(2, 4, 2, 16, 200, 16, 128, torch.float32, device, kv_dtype=torch.float32)
     s.algo.selection_backend = "triton"
     s.sparse_step()
     assert calls == ["select_pages_to_table"], calls
@@ -148,13 +150,19 @@ def test_gpu_eager_step_has_no_host_sync():
     """On CUDA, torch itself refuses every synchronizing call inside the step's device half."""
     e = engine(("quest", "deepseek_dsa", None, "quest"), device="cuda", backend="auto")
     e.step()
-    batch = decode_step(e.manager, e.live)
+    batch = decode_step(e.manager, e.live)  # the host half uploads the step's lengths and slots (host -> device)
     inputs = [e.decode_inputs(layer) for layer in range(4)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        e.forward(batch, inputs)
-        build_decode_batch(e.manager, e.live)  # the builders: host values in, no device value read back
+        traces, _ = e.forward(batch, inputs)  # the device half: every layer, no value read back
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    assert len(traces) == 4 and all(bool(torch.isfinite(t.out).all()) for t in traces)
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # the debug mode is on: a value read back raises (the check above is not blind)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            int(batch.seq_lens[0])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -2,7 +2,8 @@
 #   make tutorial   set up .venv, execute every notebook, write executed copies + HTML to build/
 #   make test       set up .venv, run pytest on tests/ and nbmake on notebooks/
 # Other targets: setup, demo (python -m sparse_ref.demo), lab (JupyterLab), exercises (student copies of the
-#   notebooks in build/exercises/, every solution a stub), lint, clean-notebooks, clean,
+#   notebooks in build/exercises/, every solution a stub), track (the 55-minute track, counted and timed), lint,
+#   clean-notebooks, clean,
 #   distclean (also removes .venv), tritons (a second Triton for the compile check), gpu-check (the one GPU
 #   check: kernel tests, notebooks at GPU sizes, a bench smoke; on a CUDA machine, no set-up needed).
 
@@ -27,7 +28,7 @@ LAB_ARGS ?=
 # too (tests/test_aot_compile.py finds it in build/tritons/<version>/). Only its compiler is used: no GPU.
 TRITON_OTHER ?= 3.6.0
 
-.PHONY: setup tutorial demo test lab exercises lint clean-notebooks clean distclean tritons gpu-check
+.PHONY: setup tutorial demo test lab exercises track lint clean-notebooks clean distclean tritons gpu-check
 
 setup: $(VENV)/.installed
 
@@ -93,6 +94,10 @@ lint: setup
 # The notebooks with every exercise's solution replaced by a stub (its checker then fails until it is written).
 exercises: setup
 	$(BIN)/python scripts/student_copy.py $(NOTEBOOKS) --out $(BUILD)/exercises
+
+# The README's 55-minute track: each row's cells counted at a presenter's pace, then run and timed.
+track: setup
+	$(BIN)/python scripts/track.py
 
 # Strip outputs and execution counts from the committed notebooks.
 clean-notebooks: setup

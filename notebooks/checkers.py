@@ -195,6 +195,32 @@ def check_kth_digit(fn):
     _passed("kth_digit")
 
 
+def check_row_argmax(fn):
+    """``fn(x [R, N], lengths [R])``: the Triton launcher of a top-1 kernel, int32 ``[R]``: the id of each row's
+    largest score among its first ``lengths[r]``, ties to the lower id, NaN and -inf never chosen, -1 when the
+    row has no candidate; equal to the package's ``topk(x, 1, lengths)``."""
+    from sparse_ref.kernels.topk import topk
+
+    g = _gen(15)
+    device = sparse_ref.default_device()
+    cases = {"random rows, N not a power of two": (torch.randn(4, 1000, generator=g), None),
+             "ties (three values)": (torch.randint(0, 3, (3, 300), generator=g).float(), None),
+             "NaN and -inf everywhere but one": (torch.full((2, 77), float("nan")), None),
+             "-0.0 before +0.0": (torch.tensor([[-1.0, -0.0, 0.0, -2.0]]), None),
+             "short and empty rows": (torch.randn(4, 130, generator=g), torch.tensor([130, 1, 0, 65]))}
+    cases["NaN and -inf everywhere but one"][0][:, 1::2] = float("-inf")
+    cases["NaN and -inf everywhere but one"][0][0, 40] = -5.0  # row 1 has no candidate at all
+    for name, (x, lengths) in cases.items():
+        lengths = torch.full((x.shape[0],), x.shape[1]) if lengths is None else lengths
+        want = topk(x.to(device), 1, lengths.to(device))[:, 0].cpu()
+        assert torch.equal(want, topk_reference(x, 1, lengths)[:, 0])
+        got = torch.as_tensor(fn(x.to(device), lengths.to(device))).cpu()
+        assert got.dtype == torch.int32 and got.shape == want.shape, f"{name}: got {got.dtype} {tuple(got.shape)}, " \
+            f"want int32 {tuple(want.shape)}"
+        assert torch.equal(got, want), f"{name}: got ids {got.tolist()}, want {want.tolist()}"
+    _passed("row_argmax")
+
+
 # ------------------------------------------------------------------ 06_triton_scoring
 def check_sign_split_scores(fn):
     """``fn(q [bs, H_kv, D], page_min, page_max [pages, H_kv, D])``: Quest scores ``[bs, pages]`` as
@@ -290,6 +316,38 @@ def check_page_table_row(fn):
         got = fn(kept, seq_len, row, P)
         assert (list(got[0]), int(got[1])) == want, f"kept {kept}, seq_len {seq_len}, P {P}: got {got}, want {want}"
     _passed("page_table_row")
+
+
+def check_page_table_kernel(fn):
+    """``fn(selected, lengths, seq_lens, rows, req_to_token, page_size) -> (page_table, kv_lens)``: the Triton
+    launcher of a page-table kernel, int32; equal to the package's ``page_table_from_selection`` (a sparse row
+    lists its kept pages in order, a dense row (length 0) all its pages, zeros after; ``kv_len`` as
+    ``to_attention_metadata``)."""
+    from sparse_ref.kernels.page_table import page_table_from_selection
+
+    g = _gen(16)
+    device = sparse_ref.default_device()
+    for case, (bs, pages, P) in enumerate(((5, 9, 4), (1, 1, 1), (7, 13, 16), (3, 40, 2))):
+        seq_lens = torch.randint(1, pages * P + 1, (bs,), generator=g)
+        seq_lens[0] = pages * P
+        physical = 1 + torch.randperm(bs * pages + 3, generator=g)[: bs * pages].view(bs, pages)
+        r2t = (physical[:, :, None] * P + torch.arange(P)).reshape(bs, pages * P).int()
+        rows = torch.randperm(bs, generator=g).int()
+        scores = torch.randn(bs, pages, generator=g)
+        mask = torch.rand(bs, generator=g) > 0.3
+        cfg = SparseConfig(page_budget=2, num_recent_pages=1, num_sink_pages=case % 2)
+        selected, lengths = select_pages(scores, seq_lens, mask, P, cfg)
+        args = [t.to(device) for t in (selected, lengths, seq_lens.int(), rows)] + [r2t.to(device)]
+        want = page_table_from_selection(args[0], args[1], args[1] > 0, args[2], args[3], args[4], P)[:2]
+        got = fn(*args, P)
+        for name, a, b in (("page_table", got[0], want[0]), ("kv_lens", got[1], want[1])):
+            a = torch.as_tensor(a).cpu()
+            assert a.dtype == torch.int32 and a.shape == b.shape, f"case {case} (bs {bs}, {pages} pages, P {P}): " \
+                f"{name} is {a.dtype} {tuple(a.shape)}, want int32 {tuple(b.shape)}"
+            bad = (a != b.cpu()).nonzero()
+            assert bad.numel() == 0, f"case {case} (bs {bs}, {pages} pages, P {P}): {name}{bad[0].tolist()} is " \
+                f"{a[tuple(bad[0])].item()}, want {b.cpu()[tuple(bad[0])].item()} (lengths {lengths.tolist()})"
+    _passed("page_table_kernel")
 
 
 # ------------------------------------------------------------------ 08_tensor_parallel

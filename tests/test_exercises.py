@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -88,3 +89,59 @@ check(f)'''
     assert "# solution" not in stub and "@decorate\ndef f(x, y=2):\n    \"\"\"Doc.\"\"\"\n    raise" in stub
     assert "return" not in stub and stub.endswith("check(f)")
     assert 'def g():\n    raise NotImplementedError("exercise: write g, then run this cell")' in stub
+
+
+# ---------------------------------------------------------------- the Triton exercises reject plausible mistakes
+def _checkers():
+    import checkers
+
+    return checkers
+
+
+def _masked(x, lengths):
+    cols = torch.arange(x.shape[1], device=x.device)
+    return torch.where(cols[None, :] < lengths[:, None], x, float("-inf"))
+
+
+def test_row_argmax_checker_rejects_nan_as_a_winner():
+    def nan_wins(x, lengths):  # torch.argmax takes NaN as the maximum, and an empty row as id 0
+        return _masked(x, lengths).argmax(1).int()
+
+    with pytest.raises(AssertionError, match="NaN|short and empty"):
+        _checkers().check_row_argmax(nan_wins)
+
+
+def test_row_argmax_checker_rejects_ties_to_the_higher_id():
+    def last_of_ties(x, lengths):
+        v = _masked(x, lengths).nan_to_num(nan=float("-inf"))
+        ids = v.shape[1] - 1 - v.flip(1).argmax(1)
+        return torch.where(torch.isneginf(v.amax(1)), -1, ids).int()
+
+    with pytest.raises(AssertionError, match="ties|-0.0"):
+        _checkers().check_row_argmax(last_of_ties)
+
+
+def _package_table(selected, lengths, seq_lens, rows, req_to_token, page_size):
+    from sparse_ref.kernels.page_table import page_table_from_selection
+
+    return page_table_from_selection(selected, lengths, lengths > 0, seq_lens, rows, req_to_token, page_size)[:2]
+
+
+def test_page_table_checker_accepts_the_package_and_rejects_a_whole_last_page():
+    _checkers().check_page_table_kernel(_package_table)
+
+    def whole_pages(*args):  # kv_len counts the last kept page as full
+        table, kv = _package_table(*args)
+        return table, torch.where(args[1] > 0, args[1].int() * args[5], kv)
+
+    with pytest.raises(AssertionError, match="kv_lens"):
+        _checkers().check_page_table_kernel(whole_pages)
+
+
+def test_page_table_checker_rejects_empty_dense_rows():
+    def dense_rows_empty(*args):  # a dense row (length 0) left without its pages
+        table, kv = _package_table(*args)
+        return torch.where((args[1] > 0)[:, None], table, 0), kv
+
+    with pytest.raises(AssertionError, match="page_table"):
+        _checkers().check_page_table_kernel(dense_rows_empty)

@@ -136,7 +136,8 @@ def test_engine_runs_the_fused_retrieval_the_bench_times(monkeypatch):
         if algo is not None:
             algo.selection_backend = "triton"  # what "auto" picks on CUDA
     e.step()
-    assert calls == ["select_pages_to_table"] * 2, calls
+    dense_metadata = ["page_table_from_selection"] if device.type == "cuda" else []  # forward_begin, once a step
+    assert calls == dense_metadata + ["select_pages_to_table"] * 2, calls
     calls.clear()
     s = decode_step_setup(2, 4, 2, 16, 200, 16, 128, torch.float32, device, kv_dtype=torch.float32)
     s.algo.selection_backend = "triton"

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_ref import checks
 from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
 from sparse_ref.algorithms.base import retrieve_attention_metadata
@@ -174,6 +173,7 @@ class DecodeEngine:
         self.attention_backend = auto if attention_backend == "auto" else attention_backend
         self.live: list[Request] = []
         self.plans = {}  # rid -> PlantedRequest
+        self.written: dict[int, int] = {}  # rid -> tokens whose K/V this engine wrote (all of them, between steps)
 
     def attend(self, q: torch.Tensor, layer: int, md: Metadata) -> torch.Tensor:
         """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]``."""
@@ -188,11 +188,23 @@ class DecodeEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None) -> Request:
         """Admit a request of ``prompt_len`` tokens and prefill every layer (K/V, indexer keys, representations)."""
-        prompt_len = checks.check_int("prompt_len", prompt_len, low=1, fix="a request needs at least one prompt token.")
+        prompt_len = check_int("prompt_len", prompt_len, low=1, fix="a request needs at least one prompt token.")
+        # planned before anything is taken: a prompt the workload cannot build changes nothing
+        plan = self.workload.request(self.manager.next_rid if key is None else key, prompt_len, needle_depths)
         req = self.manager.admit(prompt_len)
-        plan = self.workload.request(req.rid if key is None else key, prompt_len, needle_depths)
-        self.plans[req.rid] = plan
-        self.coordinator.on_request_begin(req, prompt_len)
+        try:  # all or nothing: if the prefill fails, the request's row and pages go back
+            self.coordinator.on_request_begin(req, prompt_len)
+            self._prefill(req, plan, prompt_len)
+        except BaseException:
+            self.coordinator.prompt_lens.pop(req.req_pool_idx, None)
+            self.manager.release(req)
+            raise
+        self.plans[req.rid], self.written[req.rid] = plan, prompt_len
+        self.live.append(req)
+        return req
+
+    def _prefill(self, req: Request, plan, prompt_len: int) -> None:
+        """Every layer's prompt K/V (and indexer keys) into the pools, then the representations."""
         batch = build_extend_batch(self.manager, [req])
         pool = self.manager.token_to_kv_pool
         for layer in range(pool.num_layers):
@@ -204,15 +216,13 @@ class DecodeEngine:
                                                                     device=self.device), batch.positions)
                 indexer.cache.write(layer, batch.out_cache_loc, qk.k, qk.k_scale)
             self.coordinator.attention_end(layer, batch)
-        self.live.append(req)
-        return req
 
     def finish(self, req: Request) -> None:
         """The request leaves: its pages and row are freed (Quest bounds and indexer keys with them)."""
         check_finish(self, req)  # a live request of this engine (by identity), before anything changes
         self.coordinator.on_request_end(req)
         self.live = [r for r in self.live if r is not req]
-        del self.plans[req.rid]
+        del self.plans[req.rid], self.written[req.rid]
         self.manager.release(req)
 
     # ---------------------------------------------------------------- one decode step
@@ -246,10 +256,17 @@ class DecodeEngine:
                 traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
                 coord.attention_end(layer, batch)
             coord.forward_end(batch)
+        self.mark_written()
         return traces, dense
+
+    def mark_written(self) -> None:
+        """Every live request's K/V is written up to its length (``forward`` and a graph replay call this)."""
+        for r in self.live:
+            self.written[r.rid] = r.seq_len
 
     def step(self) -> StepResult:
         """Decode one token for every live request: host bookkeeping, then ``forward``, then the dense oracle."""
+        check_engine_step(self)  # every live request as the engine left it, before anything grows
         batch = decode_step(self.manager, self.live)  # each request grows by a token (a fresh page when one fills)
         inputs = [self.decode_inputs(layer) for layer in range(self.manager.token_to_kv_pool.num_layers)]
         t0 = self._sync()
@@ -347,6 +364,13 @@ def check_engine_forward(engine, batch, inputs) -> None:
     layers = engine.manager.token_to_kv_pool.num_layers
     if not isinstance(inputs, (list, tuple)) or len(inputs) != layers:
         fail("inputs", f"one (q, k, v, x, q_lora) per layer ({layers})", describe(inputs), error=BatchError)
+    for r in engine.live:  # host-side: each request one token past what the engine wrote (its decode token), or
+        written = engine.written[r.rid]  # the step it wrote last, again (a replay writes the same token again)
+        if r.seq_len not in (written, written + 1):
+            fail("batch", f"one new token per request past the tokens whose K/V the engine wrote (request {r.rid}: "
+                 f"{written + 1})", f"request {r.rid} at seq_len {r.seq_len}",
+                 "grow requests only through engine.step() (or decode_step once per forward): tokens grown "
+                 "outside it have no K/V here, and a reused page still holds its previous owner's.", BatchError)
     if capturing() or batch.is_current(engine.manager, engine.live):  # decode_step's batch of the live requests now
         return
     if batch.built_from is not None and batch.built_from[0] is engine.manager:
@@ -362,3 +386,15 @@ def check_engine_forward(engine, batch, inputs) -> None:
              f"rows {batch.req_pool_indices.tolist()}, seq_lens {batch.seq_lens.tolist()}",
              "build it after the last add_request / finish / grow (decode_step), or call engine.step().", BatchError)
     check_batch_slots(engine.manager.req_to_token_pool.req_to_token, batch, "batch.")
+
+
+def check_engine_step(engine) -> None:
+    """Host-side, before ``decode_step`` grows anything: every live request is where the engine left it (its
+    K/V written up to its length). A request grown outside the engine (``manager.grow``) would attend over
+    tokens with no K/V: on a reused page, the previous owner's."""
+    for r in engine.live:
+        if r.released or r.seq_len != engine.written[r.rid]:
+            fail(f"engine.live (request {r.rid})", f"the request as the engine left it: {engine.written[r.rid]} "
+                 "tokens, K/V written for all", "released" if r.released else f"seq_len {r.seq_len}",
+                 "grow and release requests only through the engine (step, finish); a request changed "
+                 "outside it must be finished.", BatchError)

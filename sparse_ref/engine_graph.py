@@ -16,7 +16,7 @@ import torch
 
 from sparse_ref.batch import ForwardBatch, ForwardMode, decode_step
 from sparse_ref.checks import describe, fail
-from sparse_ref.engine import DecodeEngine
+from sparse_ref.engine import DecodeEngine, check_engine_step
 from sparse_ref.errors import BatchError, ConfigError
 
 
@@ -49,12 +49,13 @@ class GraphedDecodeStep:
         """The host half's results into the static tensors, in place (the first call allocates them)."""
         if self.batch is None:
             self.batch = ForwardBatch(ForwardMode.DECODE, batch.req_pool_indices.clone(), batch.seq_lens.clone(),
-                                      batch.positions.clone(), batch.out_cache_loc.clone())
+                                      batch.positions.clone(), batch.out_cache_loc.clone(), built_from=batch.built_from)
             self.inputs = [tuple(None if t is None else t.clone() for t in layer) for layer in inputs]
             return
         assert torch.equal(batch.req_pool_indices, self.batch.req_pool_indices), "same requests, same rows"
         for name in ("seq_lens", "positions", "out_cache_loc"):
             getattr(self.batch, name).copy_(getattr(batch, name))
+        self.batch.built_from = batch.built_from  # the static tensors now hold exactly the built batch's values
         for static, fresh in zip(self.inputs, inputs, strict=True):
             for s, f in zip(static, fresh, strict=True):
                 if s is not None:
@@ -100,12 +101,14 @@ class GraphedDecodeStep:
         """
         self._check_batch()
         engine = self.engine
+        check_engine_step(engine)  # every request as the engine left it, before anything grows
         batch = decode_step(engine.manager, engine.live)
         self._load(batch, [engine.decode_inputs(layer) for layer in range(engine.manager.token_to_kv_pool.num_layers)])
         self.generation = engine.manager.generation
         if self.graph is None and engine.device.type == "cuda":
             self._capture()
         self._replay()
+        engine.mark_written()
         return self.traces
 
 

@@ -32,22 +32,29 @@ from sparse_ref.fp8 import FP8_DTYPE
 
 
 class _FreeList:
-    """Ids ``[first, size)`` handed out and taken back, lowest first; double and foreign frees raise."""
+    """Ids ``[first, size)`` handed out and taken back, lowest first; double and foreign frees raise.
+
+    An id taken for an ``owner`` (the ``KVCacheManager`` takes rows and pages for a ``Request``) is given
+    back only by a free that names the same owner: a request's pages cannot be freed under it."""
 
     def __init__(self, what: str, first: int, size: int):
         self._what, self._first, self._size = what, first, size
         self._free = list(range(size - 1, first - 1, -1))  # pop() hands out first, first + 1, ...
         self._is_free = [i >= first for i in range(size)]
+        self._owner: dict[int, object] = {}
 
-    def _take(self, n: int) -> list[int]:
+    def _take(self, n: int, owner=None) -> list[int]:
         ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self._is_free[i] = False
+            if owner is not None:
+                self._owner[i] = owner
         return ids
 
     def _give_back(self, ids: list[int]) -> None:
         for i in ids:
             self._is_free[i] = True
+            self._owner.pop(i, None)
             self._free.append(i)
 
 
@@ -63,13 +70,14 @@ class ReqToTokenPool(_FreeList):
     def available_size(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int = 1) -> list[int]:
-        """Take ``n`` request slots; raises PoolError when fewer are free."""
-        return self._take(check_slot_alloc(self, n))
+    def alloc(self, n: int = 1, owner=None) -> list[int]:
+        """Take ``n`` request slots (for ``owner``, if given); raises PoolError when fewer are free."""
+        return self._take(check_slot_alloc(self, n), owner)
 
-    def free(self, slots) -> None:
-        """Give request slots back; their rows are zeroed. Double free raises PoolError."""
-        slots = check_free(self, "ReqToTokenPool.free(slots)", slots)
+    def free(self, slots, owner=None) -> None:
+        """Give request slots back; their rows are zeroed. A double free, or a slot taken for another owner (a
+        live request's row), raises PoolError."""
+        slots = check_free(self, "ReqToTokenPool.free(slots)", slots, owner)
         self._give_back(slots)
         for s in slots:
             self.req_to_token[s].zero_()
@@ -92,18 +100,19 @@ class PageAllocator(_FreeList):
         if callback not in self._free_listeners:
             self._free_listeners.append(callback)
 
-    def alloc(self, n: int) -> list[int]:
-        """Take ``n`` whole pages (never page 0); raises PoolError when fewer are free."""
-        return self._take(check_page_alloc(self, n))
+    def alloc(self, n: int, owner=None) -> list[int]:
+        """Take ``n`` whole pages (never page 0), for ``owner`` if given; raises PoolError when fewer are free."""
+        return self._take(check_page_alloc(self, n), owner)
 
-    def free(self, pages) -> None:
+    def free(self, pages, owner=None) -> None:
         """Give whole pages back, after telling the free listeners. Page 0, double free, out of range raise.
 
         All or nothing: the pages are checked first, then every listener is called, and only then
         are the pages marked free. If a listener raises, no page is freed (a listener must
-        tolerate being called again for the same pages when the free is retried).
+        tolerate being called again for the same pages when the free is retried). A page taken for an owner
+        (a live request's) is freed only by naming that owner (``KVCacheManager.release`` does).
         """
-        pages = check_free(self, "PageAllocator.free(pages)", pages)
+        pages = check_free(self, "PageAllocator.free(pages)", pages, owner)
         freed = torch.tensor(pages, dtype=torch.int64)
         for callback in self._free_listeners:
             call_free_listener(callback, freed, pages)
@@ -185,12 +194,17 @@ class KVCacheManager:
         t = check_slot_of(req, t)
         return req.pages[t // self.page_size] * self.page_size + t % self.page_size
 
+    @property
+    def next_rid(self) -> int:
+        """The rid the next ``admit`` gives its request."""
+        return self._next_rid
+
     def admit(self, num_tokens: int) -> Request:
         """Take a request slot and enough pages for ``num_tokens`` tokens; fill its req_to_token row."""
         num_tokens = check_admit(self, num_tokens)  # (also: enough pages, so nothing is left behind)
-        (slot,) = self.req_to_token_pool.alloc(1)
+        req = Request(rid=self._next_rid, req_pool_idx=-1, seq_len=0)
+        (req.req_pool_idx,) = self.req_to_token_pool.alloc(1, owner=req)  # its row: freed only by release
         self.generation += 1
-        req = Request(rid=self._next_rid, req_pool_idx=slot, seq_len=0)
         self._next_rid += 1
         self.requests[req.rid] = req
         self.grow(req, num_tokens)
@@ -202,7 +216,7 @@ class KVCacheManager:
         new_len = req.seq_len + num_tokens
         need = -(-new_len // self.page_size) - len(req.pages)
         if need > 0:
-            req.pages.extend(self.allocator.alloc(need))
+            req.pages.extend(self.allocator.alloc(need, owner=req))  # its pages: freed only by release
         t = torch.arange(req.seq_len, new_len)
         pages = torch.tensor(req.pages, dtype=torch.int64) if req.pages else torch.zeros(0, dtype=torch.int64)
         slots = pages[t // self.page_size] * self.page_size + t % self.page_size
@@ -220,8 +234,8 @@ class KVCacheManager:
         """
         check_release(self, req)
         assert not self.req_to_token_pool._is_free[req.req_pool_idx], "a live request owns its row"
-        self.allocator.free(req.pages)
-        self.req_to_token_pool.free([req.req_pool_idx])
+        self.allocator.free(req.pages, owner=req)
+        self.req_to_token_pool.free([req.req_pool_idx], owner=req)
         req.released = True
         req.pages = []
         del self.requests[req.rid]
@@ -353,8 +367,9 @@ def check_slot_alloc(pool, n) -> int:
     return n
 
 
-def check_free(free_list, name: str, ids) -> list[int]:
-    """``ids`` as a list, each allocated now and named once; else PoolError (nothing changes)."""
+def check_free(free_list, name: str, ids, owner=None) -> list[int]:
+    """``ids`` as a list, each allocated now (for ``owner``, if it was taken for one) and named once; else
+    PoolError (nothing changes)."""
     ids = check_index_list(name, ids)
     first, size, what = free_list._first, free_list._size, free_list._what
     for i in ids:
@@ -364,6 +379,12 @@ def check_free(free_list, name: str, ids) -> list[int]:
             raise PoolError(f"{name}: {what} {i} is out of range [{first}, {size}).")
         if free_list._is_free[i]:
             raise PoolError(f"{name}: {what} {i} is already free (double free).")
+        held_by = free_list._owner.get(i)
+        if held_by is not None and held_by is not owner:
+            who = f"request {held_by.rid} (req_pool_idx {held_by.req_pool_idx})" if isinstance(held_by, Request) \
+                else describe(held_by)
+            raise PoolError(f"{name}: {what} {i} belongs to {who}, which is live: freeing it would hand its KV "
+                            "to the next request. Fix: release the request (KVCacheManager.release(req)).")
     if len(set(ids)) != len(ids):
         raise PoolError(f"{name}: the same {what} appears twice in {ids} (double free).")
     return ids

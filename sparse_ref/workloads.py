@@ -256,6 +256,9 @@ class PlantedEngineWorkload:
     # ------------------------------------------------------------------ requests
     def request(self, key: int, prompt_len: int, needle_depths: Sequence[float] | None = None) -> PlantedRequest:
         """Plan request ``key`` of ``prompt_len`` tokens. ``needle_depths`` in [0, 1) place the needles by hand."""
+        prompt_len = check_int("prompt_len", prompt_len, low=max(1, self.num_head_needles), error=SparseRefError,
+                               fix=f"this workload plants {self.num_head_needles} head needles, one token each: give "
+                               "the prompt at least that many tokens, or build it with fewer num_head_needles.")
         gen = torch.Generator().manual_seed(_mixed_seed(self.seed, key, 1))
         if needle_depths is not None:
             for d in needle_depths:

@@ -44,6 +44,7 @@ def _engine_with_prompts(layers, bs, ctx, h_q, h_kv, d, page_size, budget, devic
         engine.plans[req.rid] = wl.request(i, ctx - page_size)
         engine.coordinator.on_request_begin(req, ctx - page_size)
         engine.live.append(req)
+        engine.written[req.rid] = ctx - page_size  # the random K/V above
     batch = build_extend_batch(engine.manager, engine.live)
     for layer in range(len(layers)):
         engine.coordinator.attention_end(layer, batch)  # Quest: the bounds of every full page

@@ -300,6 +300,17 @@ def check_quest_bounds_pool(page_min, page_max, page_valid) -> tuple[int, int, i
 
 
 # --------------------------------------------------------------------------------------------- the command lines
+def cli_parser(prog: str, description: str):
+    """An ``argparse.ArgumentParser`` whose errors are one line naming the flag (no usage dump), exit status 2."""
+    import argparse
+
+    class OneLineErrors(argparse.ArgumentParser):
+        def error(self, message):
+            self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+    return OneLineErrors(prog=prog, description=description)
+
+
 def cli_positive_int(text: str) -> int:
     """An argparse type: an int >= 1 (``--context 0`` or ``--steps -3`` exit 2 naming the flag)."""
     import argparse
@@ -314,7 +325,8 @@ def cli_positive_int(text: str) -> int:
 
 
 def cli_output_file(text: str):
-    """An argparse type: a file path that can be written (its folder is created now), not a folder, not empty."""
+    """An argparse type: a file path that can be written, not a folder, not empty. Nothing is created here: the
+    folders are made when the file is written (a command refused later leaves no trace)."""
     import argparse
     import os
     from pathlib import Path
@@ -324,10 +336,36 @@ def cli_output_file(text: str):
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"expected a file path, got the folder {text!r}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot create the folder {str(path.parent)!r}: {e.strerror}") from None
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    existing = next(p for p in (path.absolute().parent, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create a folder under {str(existing)!r}: it is a file")
+    if not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r} is not writable")
     return path
+
+
+def cli_image_file(text: str):
+    """An argparse type: ``cli_output_file`` whose suffix names an image format matplotlib writes (png, pdf, ...)."""
+    import argparse
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = cli_output_file(text)
+    formats = sorted(FigureCanvasAgg(Figure()).get_supported_filetypes())
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise argparse.ArgumentTypeError(f"expected an image file ending in one of .{', .'.join(formats)}, "
+                                         f"got {text!r}")
+    return path
+
+
+def json_safe(value):
+    """``value`` with every NaN and infinity replaced by None, so ``json.dumps(..., allow_nan=False)`` writes valid
+    JSON (bare ``NaN`` is not JSON: strict parsers refuse the whole file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_ref.checks import cli_output_file, cli_positive_int
+from sparse_ref.checks import cli_image_file, cli_output_file, cli_parser, cli_positive_int
 from sparse_ref.config import SparseConfig
 from sparse_ref.device import default_device, describe_run
 from sparse_ref.engine import DecodeEngine
@@ -146,32 +146,26 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparse_ref.demo", description=__doc__.split("\n\n")[0])
+    parser = cli_parser("python -m sparse_ref.demo", __doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny run (CI smoke test)")
     parser.add_argument("--context", type=cli_positive_int, help="tokens per request (default 4096, or 32768 on a GPU)")
     parser.add_argument("--batch", type=cli_positive_int, default=3, help="requests per step (default 3)")
     parser.add_argument("--steps", type=cli_positive_int, help="decode steps per run (default 3)")
     parser.add_argument("--budgets", type=cli_positive_int, nargs="+", help="token budgets (default 128 256 512 1024)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=cli_output_file, default=Path("build") / "demo.png",
-                        help="where to save the plot (its folder is created)")
+    parser.add_argument("--out", type=cli_image_file, default=Path("build") / "demo.png",
+                        help="where to save the plot: .png, .pdf, .svg, ... (its folder is created)")
     parser.add_argument("--tp", type=cli_positive_int, default=1,
                         help="tensor-parallel ranks: run under torchrun --standalone --nproc-per-node N (see demo_tp)")
     parser.add_argument("--json", type=cli_output_file, help="with --tp: write rank 0's results there as JSON")
     args = parser.parse_args(argv)
+    device = default_device()
+    gpu = device.type == "cuda"
+    context, batch, steps, budgets = check_demo_args(parser, args, gpu)  # every combination, before any work
     if args.tp > 1:
         from sparse_ref.demo_tp import main_tp
 
         return main_tp(args, default_workload(args.seed))
-    if args.context is not None and args.context < 8 * args.batch:
-        parser.error(f"argument --context: expected at least {8 * args.batch} tokens for {args.batch} requests "
-                     f"(each request is 7 tokens shorter than the one before), got {args.context}")
-    device = default_device()
-    gpu = device.type == "cuda"
-    context = args.context or (512 if args.quick else 32768 if gpu else 4096)
-    steps = args.steps or (2 if args.quick else 3)
-    budgets = args.budgets or ([64, 128] if args.quick else [128, 256, 512, 1024])
-    batch = 2 if args.quick and args.batch == 3 else args.batch
     print(describe_run())
     print(f"planted workload: {batch} requests of ~{context} tokens, 2 layers, 8 query / 2 KV heads, D=64, "
           f"page 16; {steps} decode steps per run; seed {args.seed}")
@@ -185,6 +179,39 @@ def main(argv=None) -> int:
     path = plot(rows, args.out, f"sparse decode vs dense, ~{context}-token requests (seed {args.seed})")
     print(f"\nplot saved to {path.resolve()}  ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+
+MAX_CONTEXT, MAX_BATCH = 1 << 20, 256
+
+
+def check_demo_args(parser: argparse.ArgumentParser, args, gpu: bool) -> tuple[int, int, int, list[int]]:
+    """``(context, batch, steps, budgets)`` with the defaults filled in, every flag checked against the others
+    before anything runs; a bad combination exits 2 with one line naming the flag (``parser.error``)."""
+    if args.json is not None and args.tp == 1:
+        parser.error("argument --json: expected --tp N (N > 1) with it: only the tensor-parallel run writes JSON")
+    heads_kv = default_workload(args.seed).num_kv_heads
+    if heads_kv % args.tp:
+        parser.error(f"argument --tp: expected a number of ranks that divides the workload's {heads_kv} KV heads "
+                     f"(1 or {heads_kv}), got {args.tp}")
+    context = args.context or (512 if args.quick else 32768 if gpu else 4096)
+    batch = 2 if args.quick and args.batch == 3 else args.batch
+    steps = args.steps or (2 if args.quick else 3)
+    budgets = args.budgets or ([64, 128] if args.quick else [128, 256, 512, 1024])
+    if batch > MAX_BATCH:
+        parser.error(f"argument --batch: expected at most {MAX_BATCH} requests, got {batch}")
+    if context > MAX_CONTEXT:
+        parser.error(f"argument --context: expected at most {MAX_CONTEXT} tokens, got {context}")
+    if context < 8 * batch:
+        parser.error(f"argument --context: expected at least {8 * batch} tokens for {batch} requests (each request "
+                     f"is 7 tokens shorter than the one before), got {context}")
+    if steps > 10_000:
+        parser.error(f"argument --steps: expected at most 10000 decode steps, got {steps}")
+    too_big = [b for b in budgets if b > context]
+    if too_big:
+        parser.error(f"argument --budgets: expected budgets of at most the context ({context} tokens: a request "
+                     f"cannot keep more than it holds), got {too_big}")
+    return context, batch, steps, budgets
 
 
 if __name__ == "__main__":

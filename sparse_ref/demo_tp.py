@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from sparse_ref.checks import json_safe
 from sparse_ref.config import SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.tensor_parallel import TensorParallelEngine
@@ -105,8 +106,10 @@ def main_tp(args, workload) -> int:
         if rank == 0:
             print(format_rows(rows))
             if args.json:
-                args.json.write_text(json.dumps({"world_size": world, "backend": dist.get_backend(),
-                                                 "device": device.type, "rows": rows}, indent=1))
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(json_safe({"world_size": world, "backend": dist.get_backend(),
+                                                           "device": device.type, "rows": rows}), indent=1,
+                                                allow_nan=False))
                 print(f"results written to {args.json}")
     finally:
         dist.destroy_process_group()

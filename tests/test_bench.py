@@ -12,10 +12,13 @@ from sparse_ref.workloads import make_distribution
 
 
 @pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="checks the CPU refusal")
-def test_refuses_cpu_without_allow_cpu(tmp_path):
-    with pytest.raises(SystemExit, match="--allow-cpu"):
-        bench.main(["topk", "--quick", "--out", str(tmp_path / "x.json")])
-    assert not (tmp_path / "x.json").exists()
+def test_refuses_cpu_without_allow_cpu(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["topk", "--quick", "--out", str(tmp_path / "new" / "x.json")])
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()  # one line, naming the flag
+    assert "--allow-cpu" in line
+    assert not (tmp_path / "new").exists(), "a refused run creates no folder"
 
 
 @pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="the CPU smoke run")
@@ -87,11 +90,13 @@ def test_cpu_run_without_out_writes_the_build_path(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="checks the CPU refusal")
 @pytest.mark.parametrize("where", ["repo", "elsewhere"])
-def test_cpu_run_refuses_to_write_into_benchmarks_results(tmp_path, where):
+def test_cpu_run_refuses_to_write_into_benchmarks_results(tmp_path, where, capsys):
     target = REPO_RESULTS / "h200.json" if where == "repo" else tmp_path / "benchmarks" / "results" / "cpu.json"
     before = target.read_bytes() if target.exists() else None
-    with pytest.raises(SystemExit, match="committed GPU results"):
+    with pytest.raises(SystemExit) as info:
         bench.main(["topk", "--quick", "--allow-cpu", "--out", str(target)])
+    assert info.value.code == 2
+    assert "committed GPU results" in capsys.readouterr().err
     assert (target.read_bytes() if target.exists() else None) == before
 
 
@@ -106,3 +111,14 @@ def test_sdpa_baseline_falls_through_to_a_backend_that_runs(monkeypatch):
     got = decode.sdpa_baseline(Timer(torch.device("cpu"), reps=2), 2, 4, 2, 16, 40, torch.device("cpu"))
     assert got["sdpa_backend"] == "MATH" and got["sdpa_us"] > 0
     assert list(got["sdpa_not_run"]) == ["CUDNN_ATTENTION"] and got["sdpa_not_run"]["CUDNN_ATTENTION"]
+
+
+def test_bench_json_is_strict_json():
+    """A NaN or infinity in a row is written as null: a bare NaN is not JSON, and strict parsers refuse the file."""
+    from sparse_ref.checks import json_safe
+
+    row = {"speedup": float("nan"), "tbps": float("inf"), "parts": [1.0, float("-inf")], "ok": 2.5}
+    text = json.dumps(json_safe(row), allow_nan=False)
+    assert json.loads(text) == {"speedup": None, "tbps": None, "parts": [1.0, None], "ok": 2.5}
+    with pytest.raises(ValueError):
+        json.dumps(row, allow_nan=False)

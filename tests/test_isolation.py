@@ -354,15 +354,26 @@ def test_set_kv_refuses_complex_and_integer_values_and_keeps_the_pool():
 # ---------------------------------------------------------------- 7. the CLIs exit 2 naming the flag
 @pytest.mark.parametrize("argv, flag", [(["--context", "0"], "--context"), (["--steps", "0"], "--steps"),
                                         (["--batch", "-1"], "--batch"), (["--budgets", "64", "0"], "--budgets"),
-                                        (["--out", ""], "--out")])
-def test_demo_exits_2_naming_the_flag(argv, flag, capsys):
+                                        (["--out", ""], "--out"), (["--quick", "--batch", "100"], "--context"),
+                                        (["--quick", "--batch", "1000", "--context", "9000"], "--batch"),
+                                        (["--quick", "--out", "plot.txt"], "--out"),
+                                        (["--quick", "--budgets", "100000000"], "--budgets"),
+                                        (["--quick", "--context", "1000000000000"], "--context"),
+                                        (["--quick", "--context", "1e12"], "--context"),
+                                        (["--quick", "--json", "x.json"], "--json"),
+                                        (["--quick", "--tp", "3"], "--tp")])
+def test_demo_exits_2_naming_the_flag(argv, flag, capsys, tmp_path, monkeypatch):
+    """Every flag, and every combination of them, is checked before any work: one line, exit 2, no folder made."""
     from sparse_ref import demo
 
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
         demo.main(argv)
     assert info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert flag in err and "Traceback" not in err, err
+    out = capsys.readouterr()
+    (err,) = out.err.strip().splitlines()  # one line
+    assert flag in err and "Traceback" not in err and out.out == "", err
+    assert list(tmp_path.iterdir()) == [], "nothing was run or written"
 
 
 def test_demo_and_bench_refuse_an_output_they_cannot_write(tmp_path, capsys):

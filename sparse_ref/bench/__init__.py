@@ -16,7 +16,6 @@ are labelled as CPU results and are not GPU numbers.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
@@ -31,7 +30,7 @@ from sparse_ref.bench.engine import bench_engine
 from sparse_ref.bench.quest import bench_quest, bench_retrieve
 from sparse_ref.bench.timing import COPY_DETAIL, Timer, copy_bandwidth
 from sparse_ref.bench.topk import bench_select, bench_topk, bench_topk_sweep
-from sparse_ref.checks import cli_output_file
+from sparse_ref.checks import cli_output_file, cli_parser, json_safe
 
 SUITES = {"topk": bench_topk, "sweep": bench_topk_sweep, "select": bench_select, "quest": bench_quest,
           "retrieve": bench_retrieve, "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine}
@@ -39,7 +38,7 @@ SUITES = {"topk": bench_topk, "sweep": bench_topk_sweep, "select": bench_select,
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m sparse_ref.bench", description=__doc__.split("\n")[0])
+    parser = cli_parser("python -m sparse_ref.bench", __doc__.split("\n")[0])
     parser.add_argument("suite", nargs="+", choices=[*SUITES, "all"], help="one or more suites, or all")
     parser.add_argument("--quick", action="store_true", help="fewer distributions and repetitions")
     parser.add_argument("--out", default=None, type=cli_output_file,
@@ -52,15 +51,14 @@ def main(argv=None) -> dict:
     device = sparse_ref.default_device()
     on_cpu = device.type != "cuda"
     if on_cpu and not args.allow_cpu:
-        raise SystemExit("sparse_ref.bench: no CUDA GPU (or TRITON_INTERPRET is on), so there is nothing to time: "
-                         "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu "
-                         "for a smoke run whose results are labelled as CPU results (never commit them as GPU "
-                         "numbers).")
+        parser.error("argument --allow-cpu: expected on a machine with no CUDA GPU (or TRITON_INTERPRET on): "
+                     "interpreter timings say nothing about the kernels. Run it on a GPU, or pass --allow-cpu for "
+                     "a smoke run whose results are labelled as CPU results (never commit them as GPU numbers)")
     out = args.out or default_out(args.suite, on_cpu)
     if on_cpu and _in_results_dir(out):
-        raise SystemExit(f"sparse_ref.bench: --out {out} is inside {RESULTS_DIR}/, which holds the committed GPU "
-                         "results; a CPU run must not overwrite them. Drop --out (it defaults to "
-                         f"{default_out(args.suite, on_cpu)}) or write somewhere else.")
+        parser.error(f"argument --out: expected a file outside {RESULTS_DIR}/ (the committed GPU results) on a CPU "
+                     f"run, got {out}. Drop --out (it defaults to {default_out(args.suite, on_cpu)}) or write "
+                     "somewhere else")
     import triton
 
     timer = Timer(device, reps=2 if on_cpu else (30 if args.quick else 100))
@@ -88,7 +86,7 @@ def main(argv=None) -> dict:
             rows=rows,
         )
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False))  # NaN -> null: valid JSON
     print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
           f"{'TB/s':>7}{'%copy':>7}")
     def cell(value, digits=2):

@@ -45,19 +45,83 @@ def pdl_options(device: torch.device, on: bool = True) -> dict:
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
+class Knob:
+    """The declared range of one launch knob: an int in ``[low, high]`` (a power of two with ``pow2``; 0 also
+    allowed with ``zero``: "off"), or a flag (True / False); ``none``: None also allowed ("the default")."""
+
+    def __init__(self, low: int = 0, high: int = 0, *, pow2: bool = False, zero: bool = False, none: bool = False,
+                 flag: bool = False):
+        self.low, self.high, self.pow2, self.zero, self.none, self.flag = low, high, pow2, zero, none, flag
+
+    def describe(self) -> str:
+        if self.flag:
+            want = "True or False"
+        else:
+            want = f"{'a power of two' if self.pow2 else 'an int'} in [{self.low}, {self.high}]"
+            want += " or 0 (off)" if self.zero else ""
+        return want + (" or None (the default)" if self.none else "")
+
+    def check(self, name: str, value):
+        if value is None and self.none:
+            return value
+        if self.flag:
+            if value is not True and value is not False:
+                fail(name, self.describe(), repr(value), "leave the default.", ConfigError)
+            return value
+        ok = isinstance(value, int) and not isinstance(value, bool) and (
+            (value == 0 and self.zero) or (self.low <= value <= self.high and not (self.pow2 and value & (value - 1))))
+        if not ok:
+            fail(name, self.describe(), repr(value), "leave the default (or None where allowed).", ConfigError)
+        return value
+
+
+class Knobs(dict):
+    """A family's ``TUNING`` table: launch knobs by name, each value checked against its declared range
+    (``Knob``) whenever it is set (``tuning``, ``table[name] = v``, ``table.update``), so a bad knob raises a
+    ``ConfigError`` naming it, never an out-of-bounds access inside a kernel."""
+
+    def __init__(self, family: str, ranges: dict[str, Knob], **defaults):
+        super().__init__()
+        self.family, self.ranges = family, ranges
+        assert set(defaults) == set(ranges), "every knob has a declared range"
+        self.update(defaults)
+
+    def __setitem__(self, name, value) -> None:
+        if name not in self.ranges:
+            fail(f"{self.family}.TUNING", f"a knob of this table: {sorted(self.ranges)}", repr(name),
+                 "name a knob the table has.", ConfigError)
+        super().__setitem__(name, self.ranges[name].check(f"{self.family}.TUNING[{name!r}]", value))
+
+    def update(self, *args, **kwargs) -> None:
+        values = dict(*args, **kwargs)
+        for name, value in values.items():  # all checked before any is set
+            if name in self.ranges:
+                self.ranges[name].check(f"{self.family}.TUNING[{name!r}]", value)
+        for name, value in values.items():
+            self[name] = value
+
+    def setdefault(self, name, value=None):
+        if name not in self:
+            self[name] = value
+        return self[name]
+
+
 @contextlib.contextmanager
-def tuning(table: dict, **knobs):
+def tuning(table: Knobs, **knobs):
     """Set launch knobs of one family's ``TUNING`` table inside a ``with`` block; restore them after.
 
-    ``with tuning(decode_attention.TUNING, num_splits=4): ...``. An unknown knob raises ``ConfigError``
-    at once; a bad value raises when a launcher reads it.
+    ``with tuning(decode_attention.TUNING, num_splits=4): ...``. An unknown knob, or a value outside the
+    knob's declared range, raises ``ConfigError`` at once, before anything is set.
     """
+    if not isinstance(table, Knobs):
+        fail("tuning(table)", "a kernel family's TUNING table (e.g. sparse_ref.kernels.topk.TUNING)",
+             type(table).__name__, "pass the family's TUNING.", ConfigError)
     unknown = sorted(set(knobs) - set(table))
     if unknown:
         fail("tuning", f"knobs of this table: {sorted(table)}", f"{unknown}", "name a knob the table has.",
              ConfigError)
     saved = dict(table)
-    table.update(knobs)
+    table.update(knobs)  # every value checked first: nothing is set if one is out of range
     try:
         yield table
     finally:

@@ -59,7 +59,7 @@ from sparse_ref.checks import (
 )
 from sparse_ref.device import triton_interpreted
 from sparse_ref.errors import ConfigError, ShapeError
-from sparse_ref.kernels import after_previous_launch, pdl_options
+from sparse_ref.kernels import Knob, Knobs, after_previous_launch, pdl_options
 
 LOG2E = 1.4426950408889634
 
@@ -178,8 +178,11 @@ MAX_SPLITS = 64
 # ``sparse_ref.kernels.tuning(TUNING, ...)``: splits of the KV length per (request, KV head); tokens per step;
 # warps; pipeline stages; tl.dot (tensor cores) or broadcast products; two-term 16-bit dots; programmatic
 # dependent launch of both launches (their programs are placed while the launch before them finishes).
-TUNING = {"num_splits": None, "block_n": None, "num_warps": None, "num_stages": None, "use_dot": None,
-          "precise": True, "pdl": True}
+TUNING = Knobs("decode_attention", {
+    "num_splits": Knob(1, 4096, none=True), "block_n": Knob(16, 1024, pow2=True, none=True),
+    "num_warps": Knob(1, 32, pow2=True, none=True), "num_stages": Knob(1, 8, none=True),
+    "use_dot": Knob(flag=True, none=True), "precise": Knob(flag=True), "pdl": Knob(flag=True),
+}, num_splits=None, block_n=None, num_warps=None, num_stages=None, use_dot=None, precise=True, pdl=True)
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
 PROGRAMS_PER_SM = 8  # split-kernel programs per SM the default split count aims for
 

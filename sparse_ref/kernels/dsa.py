@@ -60,6 +60,7 @@ from sparse_ref import checks
 from sparse_ref.checks import check_int, check_kernel_device, check_tensor, fail, skip_value_checks
 from sparse_ref.device import triton_interpreted
 from sparse_ref.errors import ShapeError, SparseRefError
+from sparse_ref.kernels import Knob, Knobs
 
 FP8 = torch.float8_e4m3fn
 BLOCK_T = 64  # key tokens per tile (the page size DeepGEMM and SGLang use on Hopper)
@@ -68,7 +69,10 @@ MIN_TILES = 4  # tiles per program, at least, while that still leaves PROGRAMS_P
 PROGRAMS_PER_SM = 32
 QUERIES_PER_PROGRAM = 4  # extend / prefill default (measured on H200: 8192 x 64K, 11.95 ms -> 10.16 ms)
 # Launch knobs (None: chosen from the shapes; see the module docstring). Vary them with sparse_ref.kernels.tuning.
-TUNING = {"tiles": None, "block_t": BLOCK_T, "num_warps": 4, "num_stages": 3, "queries_per_program": None}
+TUNING = Knobs("dsa", {
+    "tiles": Knob(1, 1024, none=True), "block_t": Knob(16, 256, pow2=True), "num_warps": Knob(1, 32, pow2=True),
+    "num_stages": Knob(1, 8, none=True), "queries_per_program": Knob(1, 16, pow2=True, none=True),
+}, tiles=None, block_t=BLOCK_T, num_warps=4, num_stages=3, queries_per_program=None)
 
 
 @triton.jit

@@ -50,7 +50,7 @@ from sparse_ref.checks import (
     fail,
 )
 from sparse_ref.errors import SparseRefError
-from sparse_ref.kernels import after_previous_launch, pdl_options
+from sparse_ref.kernels import Knob, Knobs, after_previous_launch, pdl_options
 
 
 @triton.jit
@@ -141,7 +141,10 @@ def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_p
 
 PROGRAMS_PER_SM = 2  # the default blocks aim for at least this many programs per SM (memory latency hiding)
 # Launch knobs (powers of two; None: the defaults of default_blocks). Vary them with sparse_ref.kernels.tuning.
-TUNING = {"block_p": None, "block_hd": None, "num_warps": None, "pdl": True}  # pdl: programmatic dependent launch
+TUNING = Knobs("quest", {  # pdl: programmatic dependent launch
+    "block_p": Knob(2, 1024, pow2=True, none=True), "block_hd": Knob(8, 8192, pow2=True, none=True),
+    "num_warps": Knob(1, 32, pow2=True, none=True), "pdl": Knob(flag=True),
+}, block_p=None, block_hd=None, num_warps=None, pdl=True)
 
 
 def default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from sparse_ref.checks import (
     check_tensor,
 )
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import Knob, Knobs
 
 _BOUNDS_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -107,7 +108,8 @@ def _page_bounds_kernel(k_ptr, min_ptr, max_ptr, valid_ptr, req_to_token_ptr, ro
 
 
 MAX_PARTS = 64  # programs per (request, KV head) for a prefill's many pages
-TUNING = {"num_warps": 4}  # warps per program (a [P, D] tile: 16 x 128 keys at serving sizes)
+TUNING = Knobs("quest_bounds", {"num_warps": Knob(1, 32, pow2=True)},  # warps per program (a [P, D] tile: 16 x
+               num_warps=4)  # 128 keys at serving sizes)
 
 
 def update_page_bounds(k_buffer: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,

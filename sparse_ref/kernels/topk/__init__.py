@@ -87,6 +87,7 @@ from sparse_ref.checks import (
     fail,
 )
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import Knob, Knobs
 from sparse_ref.kernels import pdl_options as kernel_pdl_options
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, _pad, _row_k_len
@@ -94,7 +95,21 @@ from sparse_ref.kernels.topk.rows import select_direct, select_in_registers, use
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 # Launch knobs (module level so tests can force paths and benchmarks can try variants).
-TUNING = {
+W_, P2, OFF = 1 << 20, 1 << 16, True  # (the declared ranges below: powers of two where a kernel tiles by them)
+RANGES = {
+    "register_row": Knob(1, 16384, zero=OFF), "direct_ratio": Knob(1, W_, zero=OFF),
+    "short_pair": Knob(16, 256, pow2=True, zero=OFF), "scores_per_warp": Knob(16, 8192, pow2=True),
+    "min_delegates": Knob(16, 8192, pow2=True), "max_delegates": Knob(16, 16384, pow2=True),
+    "slots_per_delegate": Knob(1, 8), "slots": Knob(1, W_, pow2=True, zero=OFF), "chunk": Knob(16, P2, pow2=True),
+    "bitmask_programs": Knob(1, 2**31 - 1, zero=OFF), "delegate_cols": Knob(16, P2, pow2=True),
+    "num_warps": Knob(1, 32, pow2=True), "delegate_warps": Knob(1, 32, pow2=True), "min_programs": Knob(1, W_),
+    "candidate_warps": Knob(1, 32, pow2=True), "reverse_rows": Knob(flag=True), "select_warps": Knob(1, 32, pow2=True),
+    "select_programs": Knob(1, W_), "tie_tile": Knob(16, P2, pow2=True), "local_threshold": Knob(1, 1024, zero=OFF),
+    "delegate_tile": Knob(256, P2, pow2=True), "block": Knob(16, P2, pow2=True), "sort_warps": Knob(1, 32, pow2=True),
+    "sort_run": Knob(16, 4096, pow2=True, zero=OFF), "sort_run_warps": Knob(1, 32, pow2=True), "pdl": Knob(flag=True),
+    "pair_rank": Knob(16, 256, pow2=True, zero=OFF),
+}
+TUNING = Knobs("topk", RANGES, **{
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers (rows.py)
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
     "short_pair": 32,  # directly: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
@@ -124,7 +139,7 @@ TUNING = {
     "sort_run_warps": 4,
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
-}
+})
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
 

@@ -28,6 +28,21 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _close(got, want, case: str, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """``got`` equals ``want`` within the tolerances, else an AssertionError that names the case and shows both."""
+    got = torch.as_tensor(got)
+    if got.shape != want.shape:
+        raise AssertionError(f"{case}: got shape {tuple(got.shape)}, want {tuple(want.shape)}")
+    if got.is_floating_point() and want.is_floating_point():
+        ok = torch.allclose(got.to(want.dtype), want, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        ok = torch.equal(got.to(want.dtype), want)
+    if not ok:
+        g, w = got.flatten()[:6].tolist(), want.flatten()[:6].tolist()
+        raise AssertionError(f"{case}: got {g}{' ...' if got.numel() > 6 else ''}, want {w}"
+                             f"{' ...' if want.numel() > 6 else ''}")
+
+
 # ------------------------------------------------------------------ 00_overview
 def check_tokens_read(fn):
     """``fn(kept_pages, seq_len, page_size)``: how many tokens a selection of logical pages reads."""
@@ -61,11 +76,14 @@ def check_row_slots(fn):
     """``fn(pages, num_tokens, page_size)``: the req_to_token entries of a request owning ``pages``."""
     for P, tokens in ((4, 6), (4, 9), (8, 1), (3, 17), (1, 5), (16, 16)):
         m = KVCacheManager.create(max_requests=3, max_context_len=64, num_pages=40, page_size=P)
-        m.admit(2 * P + 1)  # someone else first, so the pages are not 1, 2, 3, ...
+        a = m.admit(3 * P)  # someone else first, then gone: its pages come back last-freed first,
+        m.admit(P + 1)  # so the request below owns pages that are neither contiguous nor ascending
+        m.release(a)
         req = m.admit(tokens)
         want = m.req_to_token_pool.req_to_token[req.req_pool_idx, :tokens]
         got = torch.as_tensor(fn(list(req.pages), tokens, P)).to(torch.int32)
-        assert torch.equal(got, want), f"P={P}, {tokens} tokens on pages {req.pages}: got {got.tolist()}"
+        assert torch.equal(got, want), f"P={P}, {tokens} tokens on pages {req.pages}: got {got.tolist()}, " \
+            f"want {want.tolist()}"
     _passed("row_slots")
 
 
@@ -97,12 +115,15 @@ def check_topk_in_prefix(fn):
     """``fn(scores, seq_lens, k)``: per row, the ids of the ``k`` best of the first ``seq_len`` scores,
     ascending, -1 padded to width ``k``; ties to the lower id (``topk_reference(..., order="index")``)."""
     g = _gen(2)
-    for bs, n, k in ((3, 10, 4), (1, 1, 1), (4, 9, 12), (2, 33, 5)):
+    for case, (bs, n, k) in enumerate(((3, 10, 4), (1, 1, 1), (4, 9, 12), (2, 33, 5), (3, 12, 6), (2, 8, 8))):
         scores = torch.randint(0, 4, (bs, n), generator=g).float()  # ties on purpose
+        if case >= 4:  # NaN and -inf are never chosen (a row may then have fewer than k ids)
+            scores[:, ::3] = float("nan") if case == 4 else float("-inf")
         seq_lens = torch.randint(0, n + 1, (bs,), generator=g)
+        seq_lens[0] = n
         want = topk_reference(scores, k, seq_lens, order="index")
         got = fn(scores, seq_lens, k)
-        assert torch.equal(got.to(want.dtype), want), f"scores {scores.tolist()}, seq_lens {seq_lens.tolist()}"
+        _close(got, want, f"scores {scores.tolist()}, seq_lens {seq_lens.tolist()}, k {k}")
     _passed("topk_in_prefix")
 
 
@@ -119,7 +140,7 @@ def check_quest_bound_batch(fn):
         ids = torch.arange(npages)[None].expand(nq, npages)
         want = quest_page_scores_reference(q.clamp(min=0)[:, None], q.clamp(max=0)[:, None], lo[:, None], hi[:, None],
                                            torch.ones(npages, dtype=torch.bool), ids)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        _close(got, want, f"{nq} queries, {npages} pages, D={d}")
         keys = lo[None] + (hi - lo)[None] * torch.rand(200, npages, d, generator=g)  # [200, N, D] inside the boxes
         assert bool((torch.einsum("qd,knd->qkn", q, keys).amax(1) <= got + 1e-5).all()), "a bound must hold"
     _passed("quest_bound_batch")
@@ -132,8 +153,7 @@ def check_group_mean_query(fn):
         q = torch.randn(bs, hq, d, generator=g)
         pos, neg = split_query_sign(q, hkv, d, "mean")
         got = fn(q, hkv)
-        assert got.shape == (bs, hkv, d), f"shape {tuple(got.shape)}, want {(bs, hkv, d)}"
-        torch.testing.assert_close(got, pos + neg)
+        _close(got, pos + neg, f"bs {bs}, {hq} query heads over {hkv} KV heads, D={d}")
     _passed("group_mean_query")
 
 
@@ -161,7 +181,7 @@ def check_rope_interleaved(fn):
         x = torch.randn(t, d, generator=g)
         positions = torch.randint(0, 100_000, (t,), generator=g)
         want = apply_rope(x, positions, rope_dim, 10000.0, interleaved=True)
-        torch.testing.assert_close(fn(x, positions, rope_dim, 10000.0), want, rtol=1e-5, atol=1e-5)
+        _close(fn(x, positions, rope_dim, 10000.0), want, f"T={t}, D={d}, rope_dim {rope_dim}")
     _passed("rope_interleaved")
 
 
@@ -173,6 +193,10 @@ def check_ordered_bits(fn):
     keys = fn(x)
     assert keys.dtype == torch.int64 and int(keys.min()) >= 0 and int(keys.max()) < 2**32, "int64 in [0, 2**32)"
     assert keys[4] == keys[5], "-0.0 and +0.0 must get the same key"
+    bits = (x + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # + 0.0 folds -0.0 into +0.0
+    want = torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
+    _close(keys, want, "the keys of -inf, -3.5, -1, -1e-30, -0.0, +0.0, 1e-30, 1, 2.5, inf, then randn (both zeros: "
+           "the key of +0.0, 0x80000000)")
     order = torch.argsort(x, stable=True)
     k, v = keys[order], x[order]
     assert bool((k[1:] >= k[:-1]).all()), "keys must increase with the floats"
@@ -233,7 +257,7 @@ def check_sign_split_scores(fn):
         ids = torch.arange(pages)[None].expand(bs, pages)
         want = quest_page_scores_reference(q.clamp(min=0), q.clamp(max=0), lo, hi, torch.ones(pages, dtype=torch.bool),
                                            ids)
-        torch.testing.assert_close(fn(q, lo, hi), want, rtol=1e-5, atol=1e-5)
+        _close(fn(q, lo, hi), want, f"bs {bs}, {pages} pages, {h} KV heads, D={d}")
     _passed("sign_split_scores")
 
 
@@ -263,7 +287,7 @@ def check_mass_kept(fn):
         selected = torch.tensor([k + [-1] * (width - len(k)) for k in kept])
         lengths = torch.tensor([len(k) for k in kept])
         want = attention_mass_kept(selected, lengths, page_attention_mass(probs[:, None, :], P))  # one head
-        torch.testing.assert_close(torch.as_tensor(fn(probs, kept, P)).float(), want)
+        _close(torch.as_tensor(fn(probs, kept, P)).float(), want, f"bs {bs}, {t} tokens, P={P}, kept {kept}")
     _passed("mass_kept")
 
 
@@ -274,7 +298,10 @@ def check_graph_bucket(fn):
     for bs, want in ((1, 1), (3, 4), (8, 8), (9, 16), (33, 40), (57, 64), (64, 64), (65, None), (0, 1)):
         got = fn(bs, buckets)
         assert got == want, f"batch {bs}, buckets {buckets}: got {got}, want {want}"
-    assert fn(5, [8, 2, 4]) == 8, "the buckets may come in any order"
+    for bs, unsorted, want in ((5, [8, 2, 4], 8), (3, [64, 8, 4, 2], 4), (2, [16, 4, 2, 1], 2), (1, [], None)):
+        got = fn(bs, unsorted)
+        assert got == want, f"batch {bs}, buckets in any order {unsorted}: got {got}, want {want} (the smallest " \
+            "that holds the batch)"
     _passed("graph_bucket")
 
 
@@ -292,7 +319,7 @@ def check_merge_splits(fn):
             lses.append(torch.tensor(float("-inf")) if empty else torch.logsumexp(s[a:b], 0))
         got = torch.as_tensor(fn(torch.stack(outs), torch.stack(lses))).float()
         assert torch.isfinite(got).all(), f"length {length}, scale {scale}: not finite (overflow?)"
-        torch.testing.assert_close(got, torch.softmax(s, 0) @ v, msg=lambda m, n=length: f"length {n}: {m}")
+        _close(got, torch.softmax(s, 0) @ v, f"{length} tokens cut at {cuts}, scores x{scale}", rtol=1.3e-6, atol=1e-5)
     none = torch.as_tensor(fn(torch.zeros(3, 6), torch.full((3,), float("-inf")))).float()
     assert torch.equal(none, torch.zeros(6)), f"every slice empty: want zeros, got {none}"
     _passed("merge_splits")
@@ -302,13 +329,14 @@ def check_page_table_row(fn):
     """``fn(kept, seq_len, req_to_token_row, page_size) -> (pages, kv_len)``: one request's page-table row (the
     physical pages attention reads, in order) and its KV length; ``kept`` empty: the row is dense."""
     g = _gen(14)
-    for _ in range(200):
+    for i in range(200):
         P = int(torch.randint(1, 9, (1,), generator=g))
-        seq_len = int(torch.randint(1, 90, (1,), generator=g))
+        seq_len = int(torch.randint(1, 90, (1,), generator=g)) if i % 5 else P * int(torch.randint(1, 9, (1,),
+                                                                                                   generator=g))
         n = -(-seq_len // P)
-        physical = torch.randperm(n + 5, generator=g)[:n]
-        row = (physical[:, None] * P + torch.arange(P)).reshape(-1).tolist()
-        dense = bool(torch.rand(1, generator=g) < 0.25)
+        physical = torch.randperm(n + 8, generator=g)[: n + 3]  # the row holds 3 more pages past the request's end
+        row = (physical[:, None] * P + torch.arange(P)).reshape(-1).tolist()  # (as a req_to_token row: longer)
+        dense = i % 4 == 0
         kept = [] if dense else sorted(set(torch.randint(0, n, (3,), generator=g).tolist()) | {n - 1})
         logical = kept or list(range(n))
         want = ([int(physical[j]) for j in logical],
@@ -371,11 +399,13 @@ def check_global_selection(fn):
     config = SparseConfig(page_budget=3, num_recent_pages=1, num_sink_pages=1)
     for world, bs, pages in ((2, 3, 12), (4, 2, 9), (1, 1, 6)):
         shares = [torch.randn(bs, pages, generator=g) for _ in range(world)]
-        seq_lens = torch.randint(1, pages * 4 + 1, (bs,), generator=g)
+        seq_lens = torch.randint(pages * 3 + 1, pages * 4 + 1, (bs,), generator=g)  # long enough to go sparse
         mask = torch.ones(bs, dtype=torch.bool)
         want = select_pages(sum(shares), seq_lens, mask, 4, config)
+        assert bool((want[1] > 0).all()), "every row sparse"
         got = fn(shares, seq_lens, 4, config)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{world} ranks: not the global set"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{world} ranks, seq_lens " \
+            f"{seq_lens.tolist()}: got {got[0].tolist()}, want the selection on the summed scores {want[0].tolist()}"
     _passed("global_selection")
 
 
@@ -389,6 +419,20 @@ def check_order_hash(fn):
         swapped[0, 0], swapped[0, 1] = ids[0, 1], ids[0, 0]
         changed = ids.clone()
         changed[2, 5] += 1
-        assert ids[0, 0] == ids[0, 1] or fn(swapped) != fn(ids), "a swap must change the hash"
-        assert fn(changed) != fn(ids), "a changed id must change the hash"
+        assert ids[0, 0] == ids[0, 1] or fn(swapped) != fn(ids), "a swap of ids [0, 0] and [0, 1] must change the hash"
+        assert fn(changed) != fn(ids), "a changed id ([2, 5] + 1) must change the hash"
+        i, j = torch.randint(0, ids.numel(), (2,), generator=g).tolist()
+        far = ids.clone().view(-1)
+        far[i], far[j] = ids.view(-1)[j], ids.view(-1)[i]
+        assert ids.view(-1)[i] == ids.view(-1)[j] or fn(far.view(3, 16)) != fn(ids), f"a swap of flat ids {i}, {j} " \
+            "must change the hash"
+    ids = torch.randint(0, 5000, (3, 16), generator=g, dtype=torch.int32)
+    for pos in range(8):  # two ids moved so that any small-weight linear hash (a sum, a weighted sum) cancels out
+        for a in (1, 2, 3):
+            for b in (-1, -2, -3):
+                moved = ids.clone().view(-1)
+                moved[pos] += a
+                moved[pos + 1] += b
+                assert fn(moved.view(3, 16)) != fn(ids), f"ids [{pos}] + {a} and [{pos + 1}] {b} must change the " \
+                    "hash (a linear hash, such as a weighted sum, cannot tell these apart)"
     _passed("order_hash")

@@ -33,6 +33,11 @@ def stub_source(source: str) -> str:
         if not isinstance(node, ast.FunctionDef):
             continue
         first = node.body[0]
+        if first.lineno == node.lineno:  # a one-line def (``def f(x): return x``): keep its header, stub below it
+            header = lines[node.lineno - 1][: first.col_offset].rstrip()
+            out += lines[cursor:node.lineno - 1] + [header, " " * (node.col_offset + 4) + STUB.format(name=node.name)]
+            cursor = node.end_lineno
+            continue
         keep_to = first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
             and isinstance(first.value.value, str) else first.lineno - 1  # the docstring stays
         indent = " " * first.col_offset
@@ -56,6 +61,10 @@ def main(argv=None) -> int:
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("build") / "exercises")
     args = parser.parse_args(argv)
+    sources = {path.resolve().parent for path in args.notebooks}
+    if args.out.resolve() in sources:
+        parser.error(f"argument --out: expected a folder other than the notebooks' own ({args.out}): the student "
+                     "copies would overwrite the solutions. Fix: --out build/exercises")
     args.out.mkdir(parents=True, exist_ok=True)
     for path in args.notebooks:
         nb = student_notebook(path)

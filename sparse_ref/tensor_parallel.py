@@ -73,11 +73,19 @@ class RankWorkload:
         return q[self.q], k[:, self.kv], v[:, self.kv], x, q_lora
 
 
+_MIX = (0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
+
+
 def tensor_hash(t: torch.Tensor) -> torch.Tensor:
-    """An int64 0-d hash of an integer tensor's values and their order (two's-complement wrap-around)."""
+    """An int64 0-d hash of an integer tensor's values and their order: each (position, value) pair goes through
+    a non-linear mix (splitmix64's multiply and shift-xor steps, wrapping), then the mixes are summed. A weighted
+    sum would not do: two values that move by amounts its weights cancel (``[0, 5, 9]`` against ``[3, 4, 9]``
+    under weights 1, 3, 5) would hash equal."""
     v = t.reshape(-1).long()
-    weights = (torch.arange(v.numel(), device=v.device) * 2 + 1) * 0x9E3779B1  # odd, position-dependent
-    return ((v + 3) * weights).sum()
+    x = v * _MIX[0] + torch.arange(v.numel(), device=v.device)
+    x = (x ^ (x >> 30)) * _MIX[1]
+    x = (x ^ (x >> 27)) * _MIX[2]
+    return (x ^ (x >> 31)).sum()
 
 
 class RankGroup:

@@ -145,3 +145,24 @@ def test_page_table_checker_rejects_empty_dense_rows():
 
     with pytest.raises(AssertionError, match="page_table"):
         _checkers().check_page_table_kernel(dense_rows_empty)
+
+
+def test_stub_of_a_one_line_def_parses_and_raises():
+    stub = student["stub_source"]("# solution\ndef f(x): return x + 1\n\n\n@deco\ndef g(): return 2\n\ncheck(f)")
+    ast.parse(stub)
+    assert "def f(x):\n    raise NotImplementedError" in stub and "@deco\ndef g():\n    raise" in stub
+    namespace = {"deco": lambda fn: fn, "check": lambda fn: fn(1)}
+    with pytest.raises(NotImplementedError, match="exercise: write f"):
+        exec(compile(stub, "stub", "exec"), namespace)
+
+
+def test_student_copy_refuses_to_overwrite_the_notebooks(tmp_path, capsys):
+    source = tmp_path / "notebooks"
+    source.mkdir()
+    nb = NOTEBOOKS[0]
+    (source / nb.name).write_bytes(nb.read_bytes())
+    before = (source / nb.name).read_bytes()
+    with pytest.raises(SystemExit) as info:
+        student["main"]([str(source / nb.name), "--out", str(source)])
+    assert info.value.code == 2 and "--out" in capsys.readouterr().err
+    assert (source / nb.name).read_bytes() == before

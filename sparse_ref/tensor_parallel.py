@@ -38,13 +38,14 @@ import torch.distributed as dist
 
 from sparse_ref.checks import capturing, check_choice, check_device, describe, fail
 from sparse_ref.engine import DecodeEngine, StepResult
-from sparse_ref.errors import BatchError, ConfigError, PoolError, RetrievalError
+from sparse_ref.errors import BatchError, ConfigError, PoolError, RetrievalError, SparseRefError
 from sparse_ref.workloads import PlantedEngineWorkload
 
 QUEST_MODES = ("per_rank", "global")
 DSA_MODES = ("check", "broadcast")
 _KINDS = {"config": 1, "pools": 2, "scores": 3, "selection": 4, "outputs": 5}
 _ERRORS = {"config": ConfigError, "pools": PoolError, "selection": RetrievalError}
+_CALLS = {"init": 1, "add_request": 2, "finish": 3, "step": 4}
 
 
 class RankWorkload:
@@ -102,6 +103,29 @@ class RankGroup:
         entry[0] += 1
         entry[1] += t.numel() * t.element_size()
         entry[2] += time.perf_counter() - start  # CPU (gloo): the exchange; CUDA (NCCL): its launch only
+
+    def begin(self, call: str, args, device, error: SparseRefError | None = None) -> None:
+        """Before a public call changes anything, one exchange: every rank makes the same call (its name and
+        sequence number), with the same arguments (a hash), and passed its own checks (``error`` is this rank's
+        refusal, or None). Otherwise every rank raises before any state changes: this rank its own error, the
+        others a ``ConfigError`` (a rank refused) or a ``BatchError`` (the ranks are out of step or disagree)."""
+        self.calls += 1
+        tag, h = self.calls * 16 + _CALLS[call], int(settings_hash(call, args)) >> 2  # (>> 2: -h fits int64)
+        v = torch.tensor([tag, -tag, h, -h, int(error is not None)], dtype=torch.int64, device=device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
+        if error is not None:
+            raise error
+        if int(v[4]):
+            raise ConfigError(f"tensor parallel: another rank refused its {call} (its own error says why); rank "
+                              f"{self.rank} stops too, with nothing changed. Fix: make the call valid on every rank.")
+        if int(v[0]) != -int(v[1]):
+            raise BatchError(f"tensor parallel: rank {self.rank} calls {call} (call {self.calls}) but another rank "
+                             "calls something else: the ranks are out of step; nothing was changed. Fix: call "
+                             "add_request, finish and step in the same order on every rank.")
+        if int(v[2]) != -int(v[3]):
+            raise BatchError(f"tensor parallel: the ranks call {call} with different arguments (rank {self.rank}: "
+                             f"{args!r}); nothing was changed. Fix: pass the same prompt, key, needles and "
+                             "requests on every rank (as torchrun runs one script).")
 
     def _agree(self, what: str, layer: int, device) -> None:
         """Every rank is at the same exchange (what, layer, how many before it); else all raise BatchError."""
@@ -171,14 +195,27 @@ class TensorParallelEngine:
 
     def __init__(self, workload, algorithms: Sequence[str | None] = ("quest",), config=None, *,
                  quest_mode: str = "global", dsa_mode: str = "check", group=None, **engine_kwargs):
-        device = check_tensor_parallel(workload, quest_mode, dsa_mode, group, engine_kwargs.get("device", "cpu"),
-                                              QUEST_MODES, DSA_MODES)
+        check_distributed()  # (without a process group no rank can tell the others anything)
+        error, device = None, None
+        try:  # this rank's own checks; the ranks then agree, so a setting one rank refuses stops every rank
+            device = check_tensor_parallel(workload, quest_mode, dsa_mode, group, engine_kwargs.get("device", "cpu"),
+                                           QUEST_MODES, DSA_MODES)
+        except SparseRefError as e:
+            error = e
         self.comm, self.quest_mode, self.dsa_mode = RankGroup(group), quest_mode, dsa_mode
+        exchange = device or torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
         shared = {k: v for k, v in engine_kwargs.items() if k != "device"}  # (each rank has its own GPU)
+        self.comm.begin("init", None, exchange, error)
         self.comm.same_everywhere("config", settings_hash(workload, list(algorithms), config, quest_mode, dsa_mode,
                                                           sorted(shared.items(), key=str)).to(device))
-        self.engine = DecodeEngine(RankWorkload(workload, self.comm.rank, self.comm.world), algorithms, config,
-                                   **engine_kwargs)
+        error, engine = None, None
+        try:  # the engine's own checks (pool sizes, algorithms): agreed on too
+            engine = DecodeEngine(RankWorkload(workload, self.comm.rank, self.comm.world), algorithms, config,
+                                  **engine_kwargs)
+        except SparseRefError as e:
+            error = e
+        self.comm.begin("init", "engine", device, error)
+        self.engine, self.device = engine, device
         for algo in self.engine.coordinator.algorithms:  # the two exchanges, wrapped around the algorithms
             if algo is not None and algo.name == "quest" and quest_mode == "global":
                 algo.score_pages = self._summed_over_ranks(algo.score_pages)
@@ -213,30 +250,45 @@ class TensorParallelEngine:
         value = tensor_hash(m.req_to_token_pool.req_to_token) + m.allocator.available_pages()
         self.comm.same_everywhere("pools", value, detail=" (req_to_token or the free pages)")
 
+    def _on_every_rank(self, call: str, args, fn):
+        """``fn()`` after every rank agreed on the call and its arguments; if it raises a project error on one
+        rank, every rank raises (each ``DecodeEngine`` call is all or nothing, so every rank is as before)."""
+        self.comm.begin(call, args, self.device)
+        error, value = None, None
+        try:
+            value = fn()
+        except SparseRefError as e:
+            error = e
+        self.comm.begin(call, "done", self.device, error)
+        return value
+
     def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None):
-        req = self.engine.add_request(prompt_len, key, needle_depths)
+        args = (prompt_len, key, None if needle_depths is None else list(needle_depths), self.engine.manager.next_rid)
+        req = self._on_every_rank("add_request", args, lambda: self.engine.add_request(prompt_len, key, needle_depths))
         self._check_pools()
         return req
 
     def finish(self, req) -> None:
-        self.engine.finish(req)
+        self._on_every_rank("finish", (getattr(req, "rid", None), getattr(req, "req_pool_idx", None)),
+                            lambda: self.engine.finish(req))
         self._check_pools()
 
     def step(self) -> tuple[StepResult, list[torch.Tensor]]:
         """One decode step on every rank: this rank's result, and each layer's output over all heads."""
+        self.comm.begin("step", [(r.rid, r.seq_len) for r in self.engine.live], self.device)
         result = self.engine.step()
         return result, [self.comm.gather_heads(t.out, t.layer) for t in result.layers]
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
-def check_tensor_parallel(workload, quest_mode, dsa_mode, group, device, quest_modes, dsa_modes) -> torch.device:
-    """What a ``TensorParallelEngine`` needs before its first exchange (rank-local, so every rank refuses)."""
-    import torch.distributed as dist
-
-
+def check_distributed() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("tensor parallel: torch.distributed is not initialised. Fix: launch with torchrun "
                           "(torchrun --nproc-per-node 2 ...) and call torch.distributed.init_process_group first.")
+
+
+def check_tensor_parallel(workload, quest_mode, dsa_mode, group, device, quest_modes, dsa_modes) -> torch.device:
+    """This rank's checks of a ``TensorParallelEngine``'s settings (the ranks then agree on the outcome)."""
     if not isinstance(workload, PlantedEngineWorkload):
         fail("workload", "a PlantedEngineWorkload", describe(workload), error=ConfigError)
     check_choice("quest_mode", quest_mode, quest_modes)

@@ -72,3 +72,31 @@ def test_the_demo_refuses_tp_without_torchrun(capsys):
     assert demo.main(["--tp", "2"]) == 2
     err = capsys.readouterr().err
     assert "--tp" in err and "torchrun --standalone --nproc-per-node 2" in err
+
+
+def test_a_call_one_rank_makes_differently_is_refused_on_every_rank_before_anything_changes():
+    """A setting only one rank refuses, different keys, needles or prompts, a prompt too long on one rank, and
+    step on one rank against finish on the other: every rank raises a project error (none waits for a timeout),
+    no state changes, and the ranks go on together."""
+    results = tp_scenarios.run_ranks(tp_scenarios.agreement)
+    values(results)
+    ranks = [results[rank][1] for rank in sorted(results)]  # in rank order
+    assert ranks[0]["mode on one rank"].startswith("ConfigError: tensor parallel: another rank refused")
+    assert ranks[1]["mode on one rank"].startswith("ConfigError: quest_mode")
+    for name in ("key", "needles", "prompt", "too long on one rank", "step against finish"):
+        assert all(r[name].startswith("BatchError: tensor parallel") for r in ranks), (name, ranks)
+    for r in ranks:
+        assert r["key state"] == r["needles state"] == r["prompt state"] == r["too long on one rank state"] == []
+        assert r["step against finish state"] == [(3, 21)]  # neither stepped nor finished
+        assert r["after"] == "ok" and r["after state"] == [(3, 22)]
+    assert ranks[0]["after state"] == ranks[1]["after state"]
+
+
+def test_the_exchange_tag_includes_the_layer():
+    ranks = values(tp_scenarios.run_ranks(tp_scenarios.layer_tag))
+    assert all(r.startswith("BatchError: tensor parallel") for r in ranks), ranks
+
+
+def test_global_scores_are_the_sum_over_the_ranks():
+    for diff, scale in values(tp_scenarios.run_ranks(tp_scenarios.summed_scores)):
+        assert scale > 0.1 and diff <= 1e-5 * scale, (diff, scale)

@@ -109,6 +109,72 @@ def refusals(rank, world):
     return out
 
 
+def agreement(rank, world):
+    """Calls one rank makes differently: each must raise on every rank before any state changes, and the ranks
+    must go on together afterwards. Returns what each attempt raised and the state after it."""
+    out = {}
+    wl, cfg = workload(), config()
+
+    def attempt(name, fn, tp=None):
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
+            out[name] = f"{type(e).__name__}: {e}"
+        if tp is not None:
+            out[name + " state"] = [(r.rid, r.seq_len) for r in tp.live]
+
+    attempt("mode on one rank", lambda: TensorParallelEngine(wl, LAYERS, cfg, quest_mode="global" if rank == 0
+                                                             else "sometimes", **ENGINE))
+    tp = TensorParallelEngine(wl, LAYERS, cfg, **ENGINE)
+    attempt("key", lambda: tp.add_request(20, key=rank), tp)
+    attempt("needles", lambda: tp.add_request(20, needle_depths=[0.1 * (rank + 1)]), tp)
+    attempt("prompt", lambda: tp.add_request(20 + rank), tp)
+    attempt("too long on one rank", lambda: tp.add_request(20 if rank == 0 else 10_000), tp)
+    tp.add_request(20)
+    tp.step()
+    attempt("step against finish", (lambda: tp.step()) if rank == 0 else (lambda: tp.finish(tp.live[0])), tp)
+    attempt("after", lambda: tp.step(), tp)  # the ranks go on together
+    return out
+
+
+def layer_tag(rank, world):
+    """Both ranks at a Quest scores all-reduce, but of different layers: the tag (with the layer) tells them apart."""
+    layers = ["quest", "quest", None]
+    tp = TensorParallelEngine(workload(), layers, config(), **ENGINE)
+    tp.add_request(20)
+    from sparse_ref.batch import decode_step
+
+    batch = decode_step(tp.engine.manager, tp.live)
+    tp.engine.coordinator.forward_begin(batch)
+    q = tp.engine.decode_inputs(rank)[0]
+    try:
+        tp.engine.coordinator.attention_begin(rank, q, batch)
+        return "ok"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def summed_scores(rank, world):
+    """Global Quest's page scores on every rank equal one process's scores over all heads: the all-reduce is a sum
+    (a mean or a maximum would select the same pages in some cases, and score differently)."""
+    tp = TensorParallelEngine(workload(), LAYERS, config("per_kv_head"), **ENGINE)
+    one = DecodeEngine(workload(), LAYERS, config("per_kv_head"), **ENGINE)
+    for e in (tp, one):
+        e.add_request(23)
+    from sparse_ref.batch import decode_step
+
+    got = []
+    for e, inputs_of in ((tp.engine, tp.engine), (one, one)):
+        batch = decode_step(e.manager, e.live)
+        q = inputs_of.decode_inputs(0)[0]
+        algo = e.coordinator.algorithms[0]
+        got.append(algo.score_pages(q, 0, batch.req_pool_indices, batch))
+    scored = torch.isfinite(got[1])  # pages with bounds (complete pages); the rest are -inf on both
+    assert torch.equal(scored, torch.isfinite(got[0])) and int(scored.sum()) >= 4
+    return float((got[0][scored] - got[1][scored]).abs().max()), float(got[1][scored].abs().max())
+
+
 def disagreement(rank, world, dsa_mode):
     """DSA with ties broken differently per rank (rank 0: lower id, rank 1: higher id) on coarse scores."""
     from sparse_ref.selection import topk_reference

@@ -87,8 +87,8 @@ def test_a_call_one_rank_makes_differently_is_refused_on_every_rank_before_anyth
         assert all(r[name].startswith("BatchError: tensor parallel") for r in ranks), (name, ranks)
     for r in ranks:
         assert r["key state"] == r["needles state"] == r["prompt state"] == r["too long on one rank state"] == []
-        assert r["step against finish state"] == [(3, 21)]  # neither stepped nor finished
-        assert r["after"] == "ok" and r["after state"] == [(3, 22)]
+        assert r["step against finish state"] == [(0, 21)]  # neither stepped nor finished (refused adds took no rid)
+        assert r["after"] == "ok" and r["after state"] == [(0, 22)]
     assert ranks[0]["after state"] == ranks[1]["after state"]
 
 

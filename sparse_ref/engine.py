@@ -242,8 +242,9 @@ class DecodeEngine:
         """The device half of a decode step, every layer through the coordinator's hooks: ``(traces, dense)``.
 
         Per layer: the new token's K/V into the pool (before attention reads it) -> ``attention_begin``
-        -> attention -> ``attention_end``. No host sync and no host bookkeeping here (for dense and
-        Quest layers), so ``sparse_ref.engine_graph`` can capture exactly this in one CUDA graph.
+        -> attention -> ``attention_end``. No host sync here, and no host bookkeeping but the count of tokens
+        written (``mark_written``, Python ints), so ``sparse_ref.engine_graph`` can capture exactly this in one
+        CUDA graph (its replays mark the tokens themselves).
         """
         check_engine_forward(self, batch, inputs)  # the live requests' batch now: once per batch, before any write
         coord, pool, traces = self.coordinator, self.manager.token_to_kv_pool, []

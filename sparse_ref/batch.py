@@ -49,19 +49,30 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     extend_prefix_lens: torch.Tensor | None = None
     extend_seq_lens: torch.Tensor | None = None
-    # Set by the builders: the manager, its generation and the requests the batch was built from. While the
-    # generation has not moved, the batch is exactly those requests now, so a caller can trust its values
-    # without reading them back from the device (the engine's decode step does).
+    # Set by the builders: the manager, its generation, the requests the batch was built from and its tensors'
+    # identities and versions. While none of them moved, the batch holds exactly those requests' values, so a
+    # caller can trust them without reading them back from the device (the engine's decode step does).
     built_from: tuple | None = field(default=None, repr=False, compare=False)
 
+    def stamp(self, manager: KVCacheManager, requests: Sequence[Request]) -> ForwardBatch:
+        """Record that this batch holds ``requests`` of ``manager`` as they are now (the builders call it)."""
+        self.built_from = (manager, manager.generation, tuple(requests), self._fingerprint())
+        return self
+
+    def _fingerprint(self) -> tuple:
+        """Each field's tensor and its in-place version counter: a swapped field or an in-place edit changes it."""
+        return tuple((id(t), t._version) for t in (self.req_pool_indices, self.seq_lens, self.positions,
+                                                    self.out_cache_loc))
+
     def is_current(self, manager: KVCacheManager, requests: Sequence[Request]) -> bool:
-        """Built by ``build_*_batch`` / ``decode_step`` from ``manager`` for exactly ``requests``, and no request
-        admitted, grown or released since (host-side: reads no device value)."""
+        """Built by ``build_*_batch`` / ``decode_step`` from ``manager`` for exactly ``requests``, no request
+        admitted, grown or released since, and no field replaced or edited in place (host-side: reads no device
+        value)."""
         if self.built_from is None:
             return False
-        by, generation, built = self.built_from
+        by, generation, built, fingerprint = self.built_from
         return by is manager and generation == manager.generation and len(built) == len(requests) and all(
-            a is b for a, b in zip(built, requests, strict=True))
+            a is b for a, b in zip(built, requests, strict=True)) and fingerprint == self._fingerprint()
 
     @property
     def batch_size(self) -> int:
@@ -97,8 +108,7 @@ def build_extend_batch(manager: KVCacheManager, requests: Sequence[Request],
             out_cache_loc=torch.cat(locs).to(device),
             extend_prefix_lens=prefix,
             extend_seq_lens=seq_lens - prefix,
-            built_from=(manager, manager.generation, tuple(requests)),
-        )
+        ).stamp(manager, requests)
 
 
 def build_decode_batch(manager: KVCacheManager, requests: Sequence[Request]) -> ForwardBatch:
@@ -114,8 +124,7 @@ def build_decode_batch(manager: KVCacheManager, requests: Sequence[Request]) -> 
     positions = seq_lens - 1
     out_cache_loc = manager.req_to_token_pool.req_to_token[idx, positions].to(torch.int64)
     with values_checked():  # built from checked host values: the batch check reads nothing back
-        return ForwardBatch(ForwardMode.DECODE, idx, seq_lens, positions, out_cache_loc,
-                            built_from=(manager, manager.generation, tuple(requests)))
+        return ForwardBatch(ForwardMode.DECODE, idx, seq_lens, positions, out_cache_loc).stamp(manager, requests)
 
 
 def decode_step(manager: KVCacheManager, requests: Sequence[Request]) -> ForwardBatch:

@@ -374,11 +374,12 @@ def check_engine_forward(engine, batch, inputs) -> None:
                  "outside it have no K/V here, and a reused page still holds its previous owner's.", BatchError)
     if capturing() or batch.is_current(engine.manager, engine.live):  # decode_step's batch of the live requests now
         return
-    if batch.built_from is not None and batch.built_from[0] is engine.manager:
+    if batch.built_from is not None and batch.built_from[0] is engine.manager and \
+            batch.built_from[1] != engine.manager.generation:
         fail("batch", f"the batch of the live requests now (generation {engine.manager.generation})",
              f"one built at generation {batch.built_from[1]} (a request joined, grew or left since)",
              "build it after the last add_request / finish / grow (decode_step), or call engine.step().", BatchError)
-    live = engine.live  # a batch built by hand: its values, read back once
+    live = engine.live  # a batch built by hand (or edited since): its values, read back once
     rows = torch.tensor([r.req_pool_idx for r in live], dtype=torch.int64)
     seq_lens = torch.tensor([r.seq_len for r in live], dtype=torch.int64)
     if batch.batch_size != len(live) or not torch.equal(batch.req_pool_indices.cpu(), rows) or \

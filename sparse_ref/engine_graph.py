@@ -49,13 +49,14 @@ class GraphedDecodeStep:
         """The host half's results into the static tensors, in place (the first call allocates them)."""
         if self.batch is None:
             self.batch = ForwardBatch(ForwardMode.DECODE, batch.req_pool_indices.clone(), batch.seq_lens.clone(),
-                                      batch.positions.clone(), batch.out_cache_loc.clone(), built_from=batch.built_from)
+                                      batch.positions.clone(), batch.out_cache_loc.clone())
+            self.batch.stamp(self.engine.manager, self.engine.live)  # the copy of decode_step's batch, now
             self.inputs = [tuple(None if t is None else t.clone() for t in layer) for layer in inputs]
             return
         assert torch.equal(batch.req_pool_indices, self.batch.req_pool_indices), "same requests, same rows"
         for name in ("seq_lens", "positions", "out_cache_loc"):
             getattr(self.batch, name).copy_(getattr(batch, name))
-        self.batch.built_from = batch.built_from  # the static tensors now hold exactly the built batch's values
+        self.batch.stamp(self.engine.manager, self.engine.live)  # they hold exactly decode_step's batch's values
         for static, fresh in zip(self.inputs, inputs, strict=True):
             for s, f in zip(static, fresh, strict=True):
                 if s is not None:

@@ -168,3 +168,25 @@ def test_gpu_eager_step_has_no_host_sync():
             int(batch.seq_lens[0])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_stamped_batch_edited_or_rebuilt_is_checked_again():
+    """The builders' stamp covers the batch's tensors: a field replaced (dataclasses.replace) or edited in place
+    loses the trust, so the values are read back and another request's slot is refused."""
+    import dataclasses
+
+    e = engine(("quest",))
+    inputs = [None]
+    batch = decode_step(e.manager, e.live)
+    inputs = [e.decode_inputs(0)]
+    other = batch.out_cache_loc.flip(0)  # each token pointed at another request's slot
+    replaced = dataclasses.replace(batch, out_cache_loc=other)
+    assert batch.is_current(e.manager, e.live) and not replaced.is_current(e.manager, e.live)
+    k_before = e.manager.token_to_kv_pool.get_key_buffer(0).clone()
+    with pytest.raises(BatchError, match="out_cache_loc"):
+        e.forward(replaced, inputs)
+    batch.out_cache_loc.copy_(other)  # in place: the version counter moves
+    assert not batch.is_current(e.manager, e.live)
+    with pytest.raises(BatchError, match="out_cache_loc"):
+        e.forward(batch, inputs)
+    assert torch.equal(e.manager.token_to_kv_pool.get_key_buffer(0), k_before)

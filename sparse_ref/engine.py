@@ -29,6 +29,7 @@ from sparse_ref.config import SparseConfig
 from sparse_ref.errors import BatchError, ConfigError, PoolError
 from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request, check_request
 from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
+from sparse_ref.offload import HostKVPool, HotBuffer, check_offload, positions_read
 from sparse_ref.workloads import PlantedEngineWorkload
 
 ALGORITHMS = (None, "quest", "deepseek_dsa")
@@ -59,6 +60,7 @@ class LayerTrace:
     recall: torch.Tensor | None = None  # [bs]
     mass_kept: torch.Tensor | None = None
     output_error: torch.Tensor | None = None
+    offload: Metadata | None = None  # offload mode: what attention read, hot-buffer slots at page size 1
 
 
 @dataclass
@@ -156,7 +158,7 @@ class DecodeEngine:
                  config: SparseConfig | Sequence[SparseConfig] | None = None, *, dsa_topk: int = 256,
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
                  attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
-                 bounds_dtype=torch.float32, device="cpu"):
+                 bounds_dtype=torch.float32, offload_buffer: int | None = None, device="cpu"):
         algorithms, configs, num_pages, self.device = check_engine(
             workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len, num_pages,
             compare_dense, dsa_topk, device, ALGORITHMS, ATTENTION_BACKENDS)
@@ -174,11 +176,32 @@ class DecodeEngine:
         self.live: list[Request] = []
         self.plans = {}  # rid -> PlantedRequest
         self.written: dict[int, int] = {}  # rid -> tokens whose K/V this engine wrote (all of them, between steps)
+        self.host_kv = self.hot = None  # offload mode (sparse_ref.offload): every sparse layer reads a hot buffer
+        self.offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
+        if self.offloaded:
+            size = check_offload(offload_buffer, self._most_tokens_read(dsa_topk, page_size),
+                                 [algorithms[i] for i in self.offloaded])
+            pool = self.manager.token_to_kv_pool
+            self.host_kv = HostKVPool(pool.num_slots, pool.num_layers, pool.num_kv_heads, pool.head_dim, dtype)
+            self.hot = HotBuffer(pool.num_layers, max_requests, size, pool.num_kv_heads, pool.head_dim, dtype,
+                                 self.device)
 
-    def attend(self, q: torch.Tensor, layer: int, md: Metadata) -> torch.Tensor:
-        """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]``."""
+    def _most_tokens_read(self, dsa_topk: int, page_size: int) -> int:
+        """The most tokens one request reads in a step, in any sparse layer (the hot buffer must hold them)."""
+        coord, most = self.coordinator, 0
+        for layer in self.offloaded:
+            algo, cfg = coord.algorithms[layer], coord.configs[layer]
+            reads = dsa_topk if algo.name == "deepseek_dsa" else cfg.selection_width(algo.max_pages) * page_size
+            most = max(most, reads, cfg.min_sparse_seq_len - 1)  # a row below min_sparse_seq_len reads it all
+        return most
+
+    def attend(self, q: torch.Tensor, layer: int, md: Metadata, offloaded: bool = False) -> torch.Tensor:
+        """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]`` (``offloaded``:
+        over the layer's hot buffer)."""
         pool = self.manager.token_to_kv_pool
-        args = (q, pool.get_key_buffer(layer), pool.get_value_buffer(layer), md.page_table, md.kv_lens, md.page_size)
+        kv = (self.hot.k[layer], self.hot.v[layer]) if offloaded else (pool.get_key_buffer(layer),
+                                                                       pool.get_value_buffer(layer))
+        args = (q, *kv, md.page_table, md.kv_lens, md.page_size)
         if self.attention_backend == "triton":
             from sparse_ref.kernels.decode_attention import paged_decode_attention  # lazy: optional kernel module
 
@@ -210,6 +233,8 @@ class DecodeEngine:
         for layer in range(pool.num_layers):
             k, v, x = self.workload.prefill(plan, layer, with_hidden=layer in self.coordinator.indexers)
             pool.set_kv(layer, batch.out_cache_loc, k.to(self.device), v.to(self.device))
+            if layer in self.offloaded:  # every token's K/V also in host memory (what the hot buffer reads from)
+                self.host_kv.write(layer, batch.out_cache_loc, k, v)
             if layer in self.coordinator.indexers:  # the indexer's prefill pass writes its keys (no scores needed)
                 indexer = self.coordinator.indexers[layer]
                 qk = indexer.prepare(x.to(self.device), torch.zeros(prompt_len, indexer.config.q_lora_rank,
@@ -224,6 +249,8 @@ class DecodeEngine:
         self.live = [r for r in self.live if r is not req]
         del self.plans[req.rid], self.written[req.rid]
         self.manager.release(req)
+        if self.hot is not None:
+            self.hot.forget(req.req_pool_idx)  # the row's next request starts with an empty hot buffer
 
     # ---------------------------------------------------------------- one decode step
     def decode_inputs(self, layer: int):
@@ -254,11 +281,31 @@ class DecodeEngine:
             for layer, (q, k, v, x, q_lora) in enumerate(inputs):
                 pool.set_kv(layer, batch.out_cache_loc, k, v)
                 md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
-                traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
+                if layer in self.offloaded:
+                    hot = self._swap_in(layer, batch, md, k, v)
+                    traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, hot, True),
+                                             offload=hot))
+                else:
+                    traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
                 coord.attention_end(layer, batch)
             coord.forward_end(batch)
         self.mark_written()
         return traces, dense
+
+    def _swap_in(self, layer: int, batch: ForwardBatch, md: Metadata, k: torch.Tensor, v: torch.Tensor) -> Metadata:
+        """Offload mode: the new token into the host pool and its row's reserved slot, then the tokens attention
+        reads into the hot buffer; the metadata over the hot buffer (page size 1, the same tokens in order)."""
+        rows = [r.req_pool_idx for r in self.live]
+        self.host_kv.write(layer, batch.out_cache_loc, k, v)
+        self.hot.write_newest(layer, rows, k, v)
+        if md.selected is None:  # (a dense layer is never offloaded)
+            raise AssertionError("offloaded layers are sparse")
+        seq_lens = [r.seq_len for r in self.live]
+        positions = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens, md.page_size)
+        width = md.page_table.shape[1] * md.page_size  # the all-on-device table's width in tokens
+        table, kv_lens = self.hot.swap_in(layer, rows, positions, seq_lens, self.host_kv,
+                                          self.manager.req_to_token_pool.req_to_token, width)
+        return Metadata(table, kv_lens, 1, md.selected, md.lengths, md.sparse_mask)
 
     def mark_written(self) -> None:
         """Every live request's K/V is written up to its length (``forward`` and a graph replay call this)."""

@@ -1,0 +1,188 @@
+"""KV offload with a per-request device hot buffer (``sparse_ref.offload``, ``DecodeEngine(offload_buffer=...)``).
+
+The offload engine must equal the all-on-device engine exactly: the same selections, the same attention
+inputs (the K/V attention reads, token by token) and the same outputs, at every step of a script where
+requests join and leave (rows and pages reused). The hot buffer itself: least-recently-used replacement,
+the newest token always resident, a wholesale change of selection, a row forgotten when its request leaves,
+every held slot equal to the host pool's copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_ref.config import IndexerConfig, SparseConfig
+from sparse_ref.engine import DecodeEngine
+from sparse_ref.engine_graph import GraphedDecodeStep
+from sparse_ref.errors import ConfigError
+from sparse_ref.offload import HostKVPool, HotBuffer, positions_read
+from sparse_ref.workloads import PlantedEngineWorkload
+
+INDEXER = IndexerConfig(hidden_size=24, q_lora_rank=32, n_heads=2, head_dim=16, rope_dim=4, index_topk=8)
+LAYERS = ["quest", "deepseek_dsa", None]
+P = 4
+SCRIPT = [("add", 37), ("add", 22), ("step",), ("step",), ("add", 9), ("step",), ("finish", 0), ("step",),
+          ("add", 41), ("step",), ("step",), ("finish", 1), ("add", 30), ("step",), ("step",), ("step",)]
+
+
+def engines(offload_buffer=64):
+    wl = PlantedEngineWorkload(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
+                               num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=13)
+    cfg = SparseConfig(page_budget=2, num_recent_pages=1, num_sink_pages=1, min_sparse_seq_len=12)
+    kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, attention_backend="torch")
+    return DecodeEngine(wl, LAYERS, cfg, **kw), DecodeEngine(wl, LAYERS, cfg, offload_buffer=offload_buffer, **kw)
+
+
+def gathered(engine, trace, md, buffers):
+    """The K/V attention reads per row (tokens in table order, up to kv_len): [bs] lists of [n, H, D] pairs."""
+    k_buf, v_buf = buffers
+    out = []
+    for r in range(md.page_table.shape[0]):
+        n = int(md.kv_lens[r])
+        slots = (md.page_table[r].long()[:, None] * md.page_size + torch.arange(md.page_size)).reshape(-1)[:n]
+        out.append((k_buf[slots], v_buf[slots]))
+    return out
+
+
+def assert_hot_matches_host(e):
+    """Every slot the hot buffer holds a token in has exactly that token's K/V of the host pool."""
+    hot, r2t = e.hot, e.manager.req_to_token_pool.req_to_token
+    for layer in e.offloaded:
+        for req in e.live:
+            tokens = hot.token[layer, req.req_pool_idx]
+            held = (tokens >= 0).nonzero().squeeze(1)
+            if held.numel() == 0:
+                continue
+            slots = hot.base(req.req_pool_idx) + held
+            src = r2t[req.req_pool_idx, tokens[held]].long()
+            assert torch.equal(hot.k[layer][slots], e.host_kv.k[layer][src])
+            assert torch.equal(hot.v[layer][slots], e.host_kv.v[layer][src])
+
+
+def run(script, pair):
+    base, off = pair
+    steps = 0
+    for op in script:
+        if op[0] == "add":
+            for e in pair:
+                e.add_request(op[1])
+        elif op[0] == "finish":
+            for e in pair:
+                e.finish(e.live[op[1]])
+        else:
+            a, b = base.step(), off.step()
+            steps += 1
+            pool = base.manager.token_to_kv_pool
+            for ta, tb in zip(a.layers, b.layers, strict=True):
+                assert torch.equal(ta.out, tb.out), (steps, ta.layer)  # the same outputs, bit for bit
+                if tb.offload is None:
+                    continue
+                assert torch.equal(ta.metadata.selected, tb.metadata.selected)
+                want = gathered(base, ta, ta.metadata, (pool.get_key_buffer(ta.layer), pool.get_value_buffer(ta.layer)))
+                got = gathered(off, tb, tb.offload, (off.hot.k[tb.layer], off.hot.v[tb.layer]))
+                for (ka, va), (kb, vb) in zip(want, got, strict=True):
+                    assert torch.equal(ka, kb) and torch.equal(va, vb), (steps, ta.layer)
+            assert_hot_matches_host(off)
+    return steps
+
+
+def test_offload_engine_equals_the_all_on_device_engine_through_joins_and_leaves():
+    pair = engines()
+    assert run(SCRIPT, pair) == 9
+    hot = pair[1].hot
+    assert hot.hits > 0 and hot.misses > 0 and hot.bytes_in > 0
+
+
+def test_a_buffer_smaller_than_what_a_step_reads_is_refused_before_anything_is_built():
+    # Quest reads at most (1 sink + 2 + 1 recent) pages x 4 tokens = 16; DSA its top 8; a row below
+    # min_sparse_seq_len (12) reads all its 11 tokens: 16 token slots
+    with pytest.raises(ConfigError, match=r"offload_buffer: expected at least 16 token slots"):
+        engines(offload_buffer=15)
+    assert engines(offload_buffer=16)[1].hot.size == 16
+    with pytest.raises(ConfigError, match="offload_buffer"):
+        engines(offload_buffer=0)
+    pair = engines(offload_buffer=16)  # the smallest buffer still equals the all-on-device engine
+    assert run(SCRIPT, pair) == 9 and pair[1].hot.misses > 0
+
+
+def test_a_graphed_step_refuses_an_offload_engine():
+    _, off = engines()
+    off.add_request(20)
+    with pytest.raises(ConfigError, match="offload_buffer"):
+        GraphedDecodeStep(off)
+
+
+def test_a_finished_requests_row_starts_empty_for_the_next_request():
+    base, off = engines()
+    for e in (base, off):
+        e.add_request(40)
+        e.step()
+        e.step()
+    row = off.live[0].req_pool_idx
+    assert bool((off.hot.token[:, row] >= 0).any())
+    for e in (base, off):
+        e.finish(e.live[0])
+    assert bool((off.hot.token[:, row] == -1).all())
+    misses = off.hot.misses
+    for e in (base, off):
+        e.add_request(40)  # same row, same length, reused pages: nothing stale may be read
+    a, b = base.step(), off.step()
+    assert all(torch.equal(x.out, y.out) for x, y in zip(a.layers, b.layers, strict=True))
+    assert off.hot.misses > misses  # everything it read came in from the host
+
+
+# ---------------------------------------------------------------- the hot buffer alone
+def buffer(size=4, rows=2, tokens=32):
+    host = HostKVPool(1 + rows * tokens, 1, 1, 2)
+    host.k[0].copy_(torch.randn_like(host.k[0]))
+    host.v[0].copy_(torch.randn_like(host.v[0]))
+    r2t = torch.arange(1, 1 + rows * tokens, dtype=torch.int32).view(rows, tokens)  # row r token t: slot 1 + r*T + t
+    return HotBuffer(1, rows, size, 1, 2), host, r2t
+
+
+def read(hot, host, r2t, row, want, seq_len, width=8):
+    table, kv_lens = hot.swap_in(0, [row], [want], [seq_len], host, r2t, width)
+    slots = table[0, : int(kv_lens[0])].long()
+    return slots, hot.k[0][slots]
+
+
+def test_least_recently_used_slots_are_replaced_and_the_newest_token_is_resident():
+    hot, host, r2t = buffer(size=4)
+    hot.write_newest(0, [0], host.k[0][r2t[0, 9].long()][None], host.v[0][r2t[0, 9].long()][None])
+    slots, k = read(hot, host, r2t, 0, [0, 1, 2, 3, 9], seq_len=10)  # 4 misses, the newest (9) a hit
+    assert torch.equal(k, host.k[0][r2t[0, [0, 1, 2, 3, 9]].long()])
+    assert (hot.hits, hot.misses) == (1, 4) and int(slots[-1]) == hot.base(0) + hot.size
+    read(hot, host, r2t, 0, [0, 1, 4], seq_len=10)  # 0, 1 hit; 4 takes the least recently used of 2, 3
+    assert sorted(hot.token[0, 0].tolist()) == [0, 1, 3, 4] or sorted(hot.token[0, 0].tolist()) == [0, 1, 2, 4]
+    read(hot, host, r2t, 0, [3, 5], seq_len=10)  # 3 (if held) hits; 5 evicts the oldest: 2 or 3, never 0, 1, 4
+    held = set(hot.token[0, 0].tolist())
+    assert {0, 1, 4} - held and 5 in held and 3 in held  # 0 and 1 were used two steps ago: one of them goes
+
+
+def test_a_selection_that_changes_wholesale_misses_everything_and_reads_the_right_rows():
+    hot, host, r2t = buffer(size=4, rows=2)
+    read(hot, host, r2t, 1, [0, 1, 2, 3], seq_len=20)
+    misses = hot.misses
+    slots, k = read(hot, host, r2t, 1, [10, 11, 12, 13], seq_len=20)  # a topic switch: nothing kept is read
+    assert hot.misses - misses == 4
+    assert torch.equal(k, host.k[0][r2t[1, [10, 11, 12, 13]].long()])
+    assert set(hot.token[0, 0].tolist()) == {-1}, "another row's buffer is untouched"
+
+
+def test_many_rows_evict_only_their_own_slots():
+    hot, host, r2t = buffer(size=3, rows=2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        for row in (0, 1):
+            want = sorted(torch.randperm(20, generator=g)[:3].tolist())
+            _, k = read(hot, host, r2t, row, want, seq_len=25)
+            assert torch.equal(k, host.k[0][r2t[row, want].long()])
+        assert all(s // hot.width == 0 for s in (hot.token[0, 0] >= 0).nonzero().squeeze(1).tolist())
+
+
+def test_positions_read_follow_the_all_on_device_table():
+    selected = torch.tensor([[0, 2, 4, -1], [1, 3, -1, -1], [0, -1, -1, -1]])
+    got = positions_read(selected, torch.tensor([3, 2, 0]), torch.tensor([True, True, False]),
+                         torch.tensor([18, 15, 3]), 4)
+    assert got == [[0, 1, 2, 3, 8, 9, 10, 11, 16, 17], [4, 5, 6, 7, 12, 13, 14], [0, 1, 2]]

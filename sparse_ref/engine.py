@@ -70,6 +70,8 @@ class StepResult:
     layers: list[LayerTrace] = field(default_factory=list)
     sparse_time_s: float = 0.0  # ``forward``, all layers (K/V append, retrieval, page table, attention, update)
     dense_time_s: float = 0.0  # dense attention alone, same backend, all layers (compare_dense only)
+    offload_hits: int = 0  # offload mode: tokens read this step that the hot buffers held (all layers) ...
+    offload_misses: int = 0  # ... and those copied in from the host pool
 
 
 class SparseCoordinator:
@@ -317,10 +319,13 @@ class DecodeEngine:
         check_engine_step(self)  # every live request as the engine left it, before anything grows
         batch = decode_step(self.manager, self.live)  # each request grows by a token (a fresh page when one fills)
         inputs = [self.decode_inputs(layer) for layer in range(self.manager.token_to_kv_pool.num_layers)]
+        hits, misses = (self.hot.hits, self.hot.misses) if self.hot is not None else (0, 0)
         t0 = self._sync()
         traces, dense = self.forward(batch, inputs)
         t1 = self._sync()
         result = StepResult([r.rid for r in self.live], batch.seq_lens.clone(), traces, sparse_time_s=t1 - t0)
+        if self.hot is not None:
+            result.offload_hits, result.offload_misses = self.hot.hits - hits, self.hot.misses - misses
         if self.compare_dense:
             for trace, (q, *_) in zip(traces, inputs, strict=True):
                 self.attend(q, trace.layer, dense)

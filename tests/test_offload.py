@@ -186,3 +186,17 @@ def test_positions_read_follow_the_all_on_device_table():
     got = positions_read(selected, torch.tensor([3, 2, 0]), torch.tensor([True, True, False]),
                          torch.tensor([18, 15, 3]), 4)
     assert got == [[0, 1, 2, 3, 8, 9, 10, 11, 16, 17], [4, 5, 6, 7, 12, 13, 14], [0, 1, 2]]
+
+
+def test_each_step_reports_its_hits_and_misses():
+    """A steady request reuses most of what it read the step before (the hit rate offload lives on), and the
+    counts add up to the tokens its sparse layers read."""
+    _, off = engines()
+    off.add_request(44)
+    first = off.step()
+    assert first.offload_misses > 0
+    later = [off.step() for _ in range(4)]
+    for r in later:
+        read = sum(int(t.offload.kv_lens.sum()) for t in r.layers if t.offload is not None)
+        assert r.offload_hits + r.offload_misses == read
+    assert sum(r.offload_hits for r in later) > sum(r.offload_misses for r in later)

@@ -50,9 +50,10 @@ def run_one(workload: PlantedEngineWorkload, algorithm: str, gqa_mode: str, budg
     recent = 2
     config = SparseConfig(page_budget=max(budget // page_size - recent, 1), num_recent_pages=recent,
                           gqa_mode=gqa_mode)
-    engine = DecodeEngine(workload, [algorithm] * workload.num_layers, config, dsa_topk=budget, page_size=page_size,
-                          max_requests=batch, max_context_len=context + steps + 1, attention_backend=attention_backend,
-                          device=device)
+    engine = DecodeEngine(workload, [algorithm] * workload.num_layers, config,
+                          dsa_topk=min(budget, context + steps + 1),  # (a budget past the context keeps everything)
+                          page_size=page_size, max_requests=batch, max_context_len=context + steps + 1,
+                          attention_backend=attention_backend, device=device)
     for i in range(batch):
         engine.add_request(context - 7 * i, key=i)  # slightly different lengths, each with its own needles
     engine.step()  # warm-up (first-call costs), not counted
@@ -207,10 +208,10 @@ def check_demo_args(parser: argparse.ArgumentParser, args, gpu: bool) -> tuple[i
                      f"is 7 tokens shorter than the one before), got {context}")
     if steps > 10_000:
         parser.error(f"argument --steps: expected at most 10000 decode steps, got {steps}")
-    too_big = [b for b in budgets if b > context]
+    too_big = [b for b in budgets if b > MAX_CONTEXT]
     if too_big:
-        parser.error(f"argument --budgets: expected budgets of at most the context ({context} tokens: a request "
-                     f"cannot keep more than it holds), got {too_big}")
+        parser.error(f"argument --budgets: expected budgets of at most {MAX_CONTEXT} tokens (a budget past the "
+                     f"context keeps everything: the run is dense), got {too_big}")
     return context, batch, steps, budgets
 
 

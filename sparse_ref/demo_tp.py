@@ -32,7 +32,8 @@ SETUPS = (("quest, global", "quest", "global", "check"), ("quest, per_rank", "qu
 def run_setup(workload, label, algorithm, quest_mode, dsa_mode, *, context, batch, steps, budget, device) -> dict:
     """One set-up on every rank; returns this rank's counts (rank 0's are printed)."""
     cfg = SparseConfig(page_budget=max(budget // 16 - 2, 1), num_recent_pages=2, gqa_mode="per_kv_head")
-    kw = dict(dsa_topk=budget, page_size=16, max_requests=batch, max_context_len=context + steps + 1,
+    kw = dict(dsa_topk=min(budget, context + steps + 1), page_size=16, max_requests=batch,
+              max_context_len=context + steps + 1,
               device=device)
     tp = TensorParallelEngine(workload, [algorithm] * workload.num_layers, cfg, quest_mode=quest_mode,
                               dsa_mode=dsa_mode, **kw)

@@ -1,0 +1,105 @@
+"""The offload swap-in in one Triton launch: one program per request row, no host sync, graph-capturable.
+
+``sparse_ref.offload.HotBuffer.swap_in`` in a kernel. The buffer's state lives on the device: per row, the
+token each slot holds (``token``, -1 empty), the step it was last used (``last_used``) and the reverse map
+token -> slot (``slot_of``, -1: not held). Each program (one request row):
+
+1. looks its tokens up in ``slot_of`` (the newest token is always in the reserved slot ``B``): hits are
+   stamped with this step's ``clock``;
+2. ranks every slot by (not used this step, empty first, then least recently used, then slot id) with one
+   sort of packed keys, and writes the order to its scratch row; the ``m``-th miss takes the ``m``-th slot;
+3. for each miss: forgets the slot's old token, records the new one, copies its K/V row in from the host
+   pool (on a GPU the host pool is pinned memory, read through unified addressing: no copy engine, no
+   sync), and stamps the slot;
+4. writes the row's page-size-1 table (0 past its tokens).
+
+It must equal the torch reference bit for bit: the same tables, the same slots replaced, the same K/V.
+Each row's state is its own (one program per row), so programs never race.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_ref.checks import check_int, check_kernel_device, check_tensor
+
+
+@triton.jit
+def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v,
+                    token, last_used, slot_of, scratch, table, clock,
+                    W, R2T_W, MAX_CTX, B: tl.constexpr, HD: tl.constexpr,
+                    W_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(rows + b).to(tl.int64)
+    n, newest = tl.load(counts + b), tl.load(seq_lens + b) - 1
+    base = 1 + row * (B + 1)  # the row's first slot; slot 0 of the buffer is padding
+    j = tl.arange(0, W_PAD)
+    valid = j < n
+    t = tl.load(positions + b.to(tl.int64) * W + j, mask=valid, other=0)
+    lookup = valid & (t != newest)
+    s = tl.load(slot_of + row * MAX_CTX + t, mask=lookup, other=-1)  # 1. hits
+    hit = lookup & (s >= 0)
+    tl.store(last_used + row * B + s, tl.full([W_PAD], 0, tl.int32) + clock, mask=hit)
+    tl.debug_barrier()
+    # 2. every slot ranked: used this step last, then empty, then least recently used, then by slot id
+    i = tl.arange(0, B_PAD)
+    held = tl.load(token + row * B + i, mask=i < B, other=-1)
+    used = tl.load(last_used + row * B + i, mask=i < B, other=0)
+    group = tl.where(i >= B, 3, tl.where(used == clock, 2, tl.where(held < 0, 0, 1))).to(tl.int64)
+    key = (group * 4294967296 + tl.where(held < 0, 0, used).to(tl.int64)) * B_PAD + i  # unique: ties by slot id
+    order = (tl.sort(key) % B_PAD).to(tl.int32)
+    tl.store(scratch + b.to(tl.int64) * B_PAD + i, order)
+    tl.debug_barrier()
+    miss = lookup & ~hit
+    victim = tl.load(scratch + b.to(tl.int64) * B_PAD + tl.cumsum(miss.to(tl.int32), axis=0) - 1, mask=miss,
+                     other=0)
+    old = tl.load(token + row * B + victim, mask=miss, other=-1)  # 3. the victims' old tokens are forgotten
+    tl.store(slot_of + row * MAX_CTX + old, tl.full([W_PAD], -1, tl.int32), mask=miss & (old >= 0))
+    tl.debug_barrier()
+    tl.store(slot_of + row * MAX_CTX + t, victim, mask=miss)
+    tl.store(token + row * B + victim, t, mask=miss)
+    tl.store(last_used + row * B + victim, tl.full([W_PAD], 0, tl.int32) + clock, mask=miss)
+    src = tl.load(req_to_token + row * R2T_W + t, mask=miss, other=0).to(tl.int64)
+    for d0 in range(0, HD, BLOCK_D):  # the missed rows' K/V, BLOCK_D values of each row a step
+        d = d0 + tl.arange(0, BLOCK_D)
+        cols = miss[:, None] & (d < HD)[None, :]
+        dst = (base + victim).to(tl.int64)[:, None] * HD + d[None, :]
+        tl.store(hot_k + dst, tl.load(host_k + src[:, None] * HD + d[None, :], mask=cols, other=0.0), mask=cols)
+        tl.store(hot_v + dst, tl.load(host_v + src[:, None] * HD + d[None, :], mask=cols, other=0.0), mask=cols)
+    slot = tl.where(t == newest, B, tl.where(hit, s, victim))  # 4. the table
+    tl.store(table + b.to(tl.int64) * W + j, tl.where(valid, base + slot, 0).to(tl.int32), mask=j < W)
+
+
+def swap_in(positions: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+            req_to_token: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, hot_k: torch.Tensor,
+            hot_v: torch.Tensor, token: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, clock: int,
+            size: int) -> torch.Tensor:
+    """int32 ``[bs, W]``: the hot slots of each row's ``positions`` (int32 ``[bs, W]``, ascending, the first
+    ``counts[b]`` valid); misses copied in from ``host_k`` / ``host_v``; ``token``, ``last_used`` (int32
+    ``[rows, size]``) and ``slot_of`` (int32 ``[rows, max_ctx]``) updated in place. One launch, no host sync."""
+    check_swap_in(positions, counts, hot_k, token, slot_of, size)
+    bs, width = positions.shape
+    hd = hot_k.shape[1] * hot_k.shape[2]
+    table = torch.empty(bs, width, dtype=torch.int32, device=positions.device)
+    if bs == 0:
+        return table
+    b_pad, w_pad = triton.next_power_of_2(size), triton.next_power_of_2(max(width, 1))
+    scratch = torch.empty(bs, b_pad, dtype=torch.int32, device=positions.device)
+    _swap_in_kernel[(bs,)](positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v, token,
+                           last_used, slot_of, scratch, table, clock, width, req_to_token.shape[1], slot_of.shape[1],
+                           B=size, HD=hd, W_PAD=w_pad, B_PAD=b_pad,
+                           BLOCK_D=max(1, min(triton.next_power_of_2(hd), 16384 // w_pad)))
+    return table
+
+
+# ------------------------------ argument checks (each entry point above calls one first)
+def check_swap_in(positions, counts, hot_k, token, slot_of, size) -> None:
+    size = check_int("size", size, low=1, high=1 << 16)
+    check_tensor("positions", positions, dtype=torch.int32, dims=2, contiguous=True)
+    check_tensor("counts", counts, dtype=torch.int32, shape=(positions.shape[0],))
+    check_tensor("token", token, dtype=torch.int32, dims=2, contiguous=True)
+    check_tensor("slot_of", slot_of, dtype=torch.int32, shape=(token.shape[0], None), contiguous=True)
+    check_tensor("hot_k", hot_k, dims=3, contiguous=True)
+    check_kernel_device("positions", positions, "move it with .cuda().")

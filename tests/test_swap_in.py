@@ -90,3 +90,26 @@ def test_kernel_equals_the_reference_over_many_steps(size, seed):
 def test_refuses_bad_state_before_launch():
     with pytest.raises(SparseRefError, match="positions"):
         swap_in(torch.zeros(2, 3, dtype=torch.int64, device=DEVICE), *([None] * 12), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernel_reads_the_pinned_host_pool_directly():
+    """On a GPU the host pool stays in pinned host memory: the kernel reads the missed rows from it directly."""
+    rows, size, max_ctx = 2, 8, 32
+    host = HostKVPool(1 + rows * max_ctx, 1, 2, 4)
+    assert host.k[0].is_pinned()
+    host.k[0].copy_(torch.randn(host.k[0].shape))
+    host.v[0].copy_(torch.randn(host.v[0].shape))
+    r2t = torch.arange(1, 1 + rows * max_ctx, dtype=torch.int32).view(rows, max_ctx).cuda()
+    ref = HotBuffer(1, rows, size, 2, 4, device="cuda")
+    kern = KernelBuffer(rows, size, max_ctx, ref)
+    positions = torch.tensor([[0, 3, 5, 9], [1, 2, 6, 7]], dtype=torch.int32, device="cuda")
+    table = swap_in(positions, torch.tensor([4, 4], dtype=torch.int32, device="cuda"),
+                    torch.tensor([20, 20], dtype=torch.int32, device="cuda"),
+                    torch.tensor([0, 1], dtype=torch.int32, device="cuda"), r2t, host.k[0], host.v[0], kern.k, kern.v,
+                    kern.token, kern.last_used, kern.slot_of, 1, size)
+    torch.cuda.synchronize()
+    got = kern.k[table.long().view(-1)].cpu()
+    want = host.k[0][r2t.cpu()[[0, 0, 0, 0, 1, 1, 1, 1], positions.cpu().view(-1).long()].long()]
+    assert torch.equal(got, want)

@@ -48,25 +48,22 @@ The design, in five steps:
 
 ``order="score"`` then sorts the <= k winners of each row (``sort.py``).
 
-Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that
-keeps it in registers (``_short_row_kernel``, one launch; ``rows.py``). When k is a large share of the
-row it skips steps 2-5: window rounds over the whole row and a pairwise rank give ``t``, one prefix sum
-places the winners; else it runs steps 2-5 in registers (a bitmask word per 32 columns gives the slots,
-the tie path too). Longer rows use
-three launches: delegates (``threshold.py``: a few programs per row; the last one to
-finish computes ``T``), candidates (``candidates.py``: a light program per chunk, no serial
-tail) and select (``select.py``: a few programs per row, ``select_programs`` in
-all, each a span of the row: in the runs mode the first writes the row's answer while the others return
-at once; in the bitmask mode every one copies its span's candidates and the last one selects; on a
-flagged row every program writes its span of the fallback). The selection is a launch of its own so
-that the wide per-chunk pass runs with few warps and the one serial step per row with many; the
-fallback shares the select launch because a launch of its own cost 3-10 µs even when no row needed it.
-"Last program of the row" is an atomic counter that the last program resets, and the select launch
-resets the row's candidate count, so nothing is read back to the host and the call can be captured in
-a CUDA graph. This module plans the launches and checks the inputs; the device helpers every kernel
-shares (keys, radix and window rounds, ranks, ordered writes, the per-row state) are in
-``common.py``, the one module the others import from, and the two plans of a row held in registers in
-``rows.py`` (shared with ``sparse_ref.kernels.page_select``).
+Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that keeps it in
+registers (``_short_row_kernel``, one launch; ``rows.py``). When k is a large share of the row it skips steps 2-5:
+window rounds over the whole row and a pairwise rank give ``t``, one prefix sum places the winners; else it runs steps
+2-5 in registers (a bitmask word per 32 columns gives the slots, the tie path too). Longer rows use three launches:
+delegates (``threshold.py``: a few programs per row; the last one to finish computes ``T``), candidates
+(``candidates.py``: a light program per chunk, no serial tail) and select (``select.py``: a few programs per row,
+``select_programs`` in all, each a span of the row: in the runs mode the first writes the row's answer while the
+others return at once; in the bitmask mode every one copies its span's candidates and the last one selects; on a
+flagged row every program writes its span of the fallback). The selection is a launch of its own so that the wide
+per-chunk pass runs with few warps and the one serial step per row with many; the fallback shares the select launch
+because a launch of its own cost 3-10 µs even when no row needed it. "Last program of the row" is an atomic counter
+that the last program resets, and the select launch resets the row's candidate count, so nothing is read back to the
+host and the call can be captured in a CUDA graph. This module plans the launches and checks the inputs; the device
+helpers every kernel shares (keys, radix and window rounds, ranks, ordered writes, the per-row state) are in
+``common.py``, the one module the others import from, and the two plans of a row held in registers in ``rows.py``
+(shared with ``sparse_ref.kernels.page_select``).
 """
 
 from __future__ import annotations
@@ -94,8 +91,7 @@ from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, _
 from sparse_ref.kernels.topk.rows import select_direct, select_in_registers, use_direct
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
-# Launch knobs (module level so tests can force paths and benchmarks can try variants).
-W_, P2, OFF = 1 << 20, 1 << 16, True  # (the declared ranges below: powers of two where a kernel tiles by them)
+W_, P2, OFF = 1 << 20, 1 << 16, True  # launch knobs' declared ranges: powers of two where a kernel tiles by them
 RANGES = {
     "register_row": Knob(1, 16384, zero=OFF), "direct_ratio": Knob(1, W_, zero=OFF),
     "short_pair": Knob(16, 256, pow2=True, zero=OFF), "scores_per_warp": Knob(16, 8192, pow2=True),
@@ -107,9 +103,8 @@ RANGES = {
     "select_programs": Knob(1, W_), "tie_tile": Knob(16, P2, pow2=True), "local_threshold": Knob(1, 1024, zero=OFF),
     "delegate_tile": Knob(256, P2, pow2=True), "block": Knob(16, P2, pow2=True), "sort_warps": Knob(1, 32, pow2=True),
     "sort_run": Knob(16, 4096, pow2=True, zero=OFF), "sort_run_warps": Knob(1, 32, pow2=True), "pdl": Knob(flag=True),
-    "pair_rank": Knob(16, 256, pow2=True, zero=OFF),
-}
-TUNING = Knobs("topk", RANGES, **{
+    "pair_rank": Knob(16, 256, pow2=True, zero=OFF)}
+TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them, benchmarks try variants
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers (rows.py)
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
     "short_pair": 32,  # directly: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)

@@ -185,8 +185,8 @@ class DecodeEngine:
                                  [algorithms[i] for i in self.offloaded])
             pool = self.manager.token_to_kv_pool
             self.host_kv = HostKVPool(pool.num_slots, pool.num_layers, pool.num_kv_heads, pool.head_dim, dtype)
-            self.hot = HotBuffer(pool.num_layers, max_requests, size, pool.num_kv_heads, pool.head_dim, dtype,
-                                 self.device)
+            self.hot = HotBuffer(pool.num_layers, max_requests, size, pool.num_kv_heads, pool.head_dim,
+                                 max_context_len, dtype, self.device)
 
     def _most_tokens_read(self, dsa_topk: int, page_size: int) -> int:
         """The most tokens one request reads in a step, in any sparse layer (the hot buffer must hold them)."""
@@ -296,18 +296,27 @@ class DecodeEngine:
 
     def _swap_in(self, layer: int, batch: ForwardBatch, md: Metadata, k: torch.Tensor, v: torch.Tensor) -> Metadata:
         """Offload mode: the new token into the host pool and its row's reserved slot, then the tokens attention
-        reads into the hot buffer; the metadata over the hot buffer (page size 1, the same tokens in order)."""
-        rows = [r.req_pool_idx for r in self.live]
-        self.host_kv.write(layer, batch.out_cache_loc, k, v)
-        self.hot.write_newest(layer, rows, k, v)
-        if md.selected is None:  # (a dense layer is never offloaded)
-            raise AssertionError("offloaded layers are sparse")
-        seq_lens = [r.seq_len for r in self.live]
-        positions = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens, md.page_size)
+        reads into the hot buffer; the metadata over the hot buffer (page size 1, the same tokens in order). The
+        Triton backend does it in one launch (no host sync: a CUDA graph holds it); the torch backend runs the
+        reference, which reads the selection back."""
+        assert md.selected is not None, "offloaded layers are sparse"
         width = md.page_table.shape[1] * md.page_size  # the all-on-device table's width in tokens
-        table, kv_lens = self.hot.swap_in(layer, rows, positions, seq_lens, self.host_kv,
-                                          self.manager.req_to_token_pool.req_to_token, width)
-        return Metadata(table, kv_lens, 1, md.selected, md.lengths, md.sparse_mask)
+        positions, counts = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens, md.page_size,
+                                           width)
+        hot, host, rows = self.hot, self.host_kv, batch.req_pool_indices
+        r2t = self.manager.req_to_token_pool.req_to_token
+        if self.attention_backend == "triton":
+            from sparse_ref.kernels.swap_in import swap_in  # lazy: optional kernel module
+
+            table = swap_in(positions, counts, batch.seq_lens, rows, r2t, host.k[layer], host.v[layer], hot.k[layer],
+                            hot.v[layer], k.contiguous(), v.contiguous(), batch.out_cache_loc, hot.token[layer],
+                            hot.last_used[layer], hot.slot_of[layer], hot.clock[layer: layer + 1], hot.stats,
+                            hot.size)
+        else:
+            host.write(layer, batch.out_cache_loc, k, v)
+            hot.write_newest(layer, rows, k, v)
+            table = hot.swap_in(layer, rows, positions, counts, batch.seq_lens, host, r2t)
+        return Metadata(table, counts, 1, md.selected, md.lengths, md.sparse_mask)
 
     def mark_written(self) -> None:
         """Every live request's K/V is written up to its length (``forward`` and a graph replay call this)."""

@@ -117,10 +117,11 @@ class GraphedDecodeStep:
 def check_graphed_engine(engine) -> None:
     if not isinstance(engine, DecodeEngine):
         fail("engine", "a sparse_ref.engine.DecodeEngine", describe(engine), error=ConfigError)
-    if engine.offloaded:
-        fail("engine", "an engine without offload_buffer (the offload mode's swap-in is a torch reference that "
-             "reads each selection on the host: not capturable yet)", f"offload_buffer={engine.hot.size}",
-             "step the offload engine eagerly (engine.step()).", ConfigError)
+    if engine.offloaded and engine.attention_backend != "triton":
+        fail("engine", "an offload engine with attention_backend 'triton' (its swap-in kernel needs no host sync; "
+             "the torch reference reads each selection on the host: not capturable)",
+             f"attention_backend={engine.attention_backend!r}", "build the engine with attention_backend='triton' "
+             "or 'auto' on CUDA, or step it eagerly (engine.step()).", ConfigError)
 
 
 def check_graph_current(step) -> None:

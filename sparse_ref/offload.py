@@ -4,13 +4,15 @@ Every token's K/V lives in a host pool (pinned when CUDA is there), addressed by
 pool (``req_to_token``). On the device each request row owns a hot buffer of ``size`` token slots, replaced
 least-recently-used, plus one slot reserved for the newest token: the write path puts the new token's K/V
 there (and in the host pool), so it is always a hit. Each step, per layer, ``swap_in`` turns the tokens that
-attention reads (a request's kept pages or tokens, or all of a dense row's) into hot slots: a hit keeps its
-slot, a miss takes a free slot or the least recently used one this step does not need, and its K/V is copied
-in from the host pool. Attention then reads the hot buffer through a page-size-1 table: the same tokens, in
-the same order, as the all-on-device step.
+attention reads (``positions_read``: a request's kept pages or tokens, or all of a dense row's) into hot
+slots: a hit keeps its slot, a miss takes an empty slot or the least recently used one this step does not
+need, and its K/V is copied in from the host pool. Attention then reads the hot buffer through a
+page-size-1 table: the same tokens, in the same order, as the all-on-device step.
 
-This reference keeps the buffer's bookkeeping on the host (it reads each selection back: a host sync per
-layer on a GPU); ``hits`` and ``misses`` count every lookup, ``bytes_in`` the K/V bytes copied in.
+The buffer's state is kept as the kernel keeps it (``sparse_ref.kernels.swap_in``, one launch, no host sync):
+per layer and row, the token each slot holds (``token``, -1 empty), the step it was last used
+(``last_used``), the reverse map token -> slot (``slot_of``), a step counter per layer (``clock``) and the
+hit / miss counts (``stats``). This reference reads them back and loops on the host: a host sync per layer.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from sparse_ref.errors import ConfigError
 
 
 class HostKVPool:
-    """Every layer's K/V ``[num_slots, H_kv, D]`` in host memory, pinned when CUDA is there (copies can be async)."""
+    """Every layer's K/V ``[num_slots, H_kv, D]`` in host memory, pinned when CUDA is there (a kernel reads it)."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype=torch.float32):
         pin = torch.cuda.is_available()
@@ -45,21 +47,37 @@ class HotBuffer:
     """
 
     def __init__(self, num_layers: int, num_rows: int, size: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
+                 max_context_len: int, dtype=torch.float32, device="cpu"):
         self.size, self.width, self.device = size, size + 1, torch.device(device)
-        shape = (1 + num_rows * self.width, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.token = torch.full((num_layers, num_rows, size), -1, dtype=torch.int64)  # position held (-1: empty)
-        self.last_used = torch.zeros((num_layers, num_rows, size), dtype=torch.int64)  # step of its last use
-        self.clock = self.hits = self.misses = self.bytes_in = 0
+        shape, on = (1 + num_rows * self.width, num_kv_heads, head_dim), {"device": self.device}
+        self.k = [torch.zeros(shape, dtype=dtype, **on) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, **on) for _ in range(num_layers)]
+        self.token = torch.full((num_layers, num_rows, size), -1, dtype=torch.int32, **on)  # position held
+        self.last_used = torch.zeros((num_layers, num_rows, size), dtype=torch.int32, **on)  # step of last use
+        self.slot_of = torch.full((num_layers, num_rows, max_context_len), -1, dtype=torch.int32, **on)
+        self.clock = torch.zeros(num_layers, dtype=torch.int32, **on)  # swap-ins so far, per layer
+        self.stats = torch.zeros(2, dtype=torch.int64, **on)  # tokens read that were held (hits), copied in
+        self.token_bytes = 2 * num_kv_heads * head_dim * self.k[0].element_size()  # K + V of one token
+
+    @property
+    def hits(self) -> int:
+        return int(self.stats[0])
+
+    @property
+    def misses(self) -> int:
+        return int(self.stats[1])
+
+    @property
+    def bytes_in(self) -> int:
+        """K/V bytes copied in from the host pool so far."""
+        return self.misses * self.token_bytes
 
     def base(self, row: int) -> int:
         return 1 + row * self.width
 
-    def write_newest(self, layer: int, rows: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_newest(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new token of each row (``k``, ``v``: ``[bs, H_kv, D]``) into its reserved slot."""
-        slots = torch.tensor([self.base(r) + self.size for r in rows], dtype=torch.long, device=self.device)
+        slots = 1 + rows.to(self.device).long() * self.width + self.size
         self.k[layer][slots] = k.to(self.k[layer].dtype)
         self.v[layer][slots] = v.to(self.v[layer].dtype)
 
@@ -67,55 +85,67 @@ class HotBuffer:
         """The row's request left: its slots hold nothing (the next request of the row starts empty)."""
         self.token[:, row] = -1
         self.last_used[:, row] = 0
+        self.slot_of[:, row] = -1
 
-    def swap_in(self, layer: int, rows: list[int], positions: list[list[int]], seq_lens: list[int],
-                host: HostKVPool, req_to_token: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(table int32 [bs, width], kv_lens int32 [bs])``: hot slots of each row's ``positions`` (ascending
-        token positions that attention reads), 0 past them; misses copied in from ``host``."""
-        self.clock += 1
-        table = torch.zeros(len(rows), width, dtype=torch.int32)
-        for b, (row, want, seq_len) in enumerate(zip(rows, positions, seq_lens, strict=True)):
-            newest = seq_len - 1
-            tokens, used = self.token[layer, row], self.last_used[layer, row]
-            held = {int(t): s for s, t in enumerate(tokens.tolist()) if t >= 0}
+    def swap_in(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
+                seq_lens: torch.Tensor, host: HostKVPool, req_to_token: torch.Tensor) -> torch.Tensor:
+        """int32 ``[bs, W]``: the hot slots of each row's first ``counts[b]`` ``positions`` (``positions_read``),
+        0 past them; misses copied in from ``host``; the state updated."""
+        self.clock[layer] += 1
+        clock, table = int(self.clock[layer]), torch.zeros(positions.shape, dtype=torch.int32)
+        hits = misses = 0
+        for b, (row, n, seq_len) in enumerate(zip(rows.tolist(), counts.tolist(), seq_lens.tolist(), strict=True)):
+            want, newest = positions[b, :n].tolist(), seq_len - 1
+            tokens, used = self.token[layer, row].tolist(), self.last_used[layer, row].tolist()
+            held = {t: s for s, t in enumerate(tokens) if t >= 0}
             needed = [t for t in want if t != newest]
             assert len(needed) <= self.size, "the engine sizes the buffer for its largest selection"
             missing = [t for t in needed if t not in held]
-            keep = {held[t] for t in needed if t in held}
-            free = sorted((s for s in range(self.size) if s not in keep),
-                          key=lambda s: (int(tokens[s]) >= 0, int(used[s]), s))  # empty first, then least recent
-            if missing:
-                slots = torch.tensor(free[: len(missing)], dtype=torch.long)
-                src = req_to_token[row, torch.tensor(missing, device=req_to_token.device)].long().cpu()
-                dst = (self.base(row) + slots).to(self.device)
-                self.k[layer][dst] = host.k[layer][src].to(self.device, non_blocking=True)
-                self.v[layer][dst] = host.v[layer][src].to(self.device, non_blocking=True)
-                tokens[slots] = torch.tensor(missing)
-                held.update(zip(missing, slots.tolist(), strict=True))
-                self.bytes_in += 2 * host.k[layer][src].numel() * host.k[layer].element_size()
             for t in needed:
-                used[held[t]] = self.clock
-            self.hits += len(needed) - len(missing) + (newest in want)
-            self.misses += len(missing)
-            slot_of = {**held, newest: self.size}
-            table[b, : len(want)] = torch.tensor([self.base(row) + slot_of[t] for t in want], dtype=torch.int32)
-        kv_lens = torch.tensor([len(w) for w in positions], dtype=torch.int32)
-        return table.to(self.device), kv_lens.to(self.device)
+                if t in held:
+                    used[held[t]] = clock
+            victims = sorted((s for s in range(self.size) if used[s] != clock),
+                             key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))[: len(missing)]
+            for t, s in zip(missing, victims, strict=True):  # empty slots first, then the least recently used
+                if tokens[s] >= 0:
+                    del held[tokens[s]]
+                tokens[s], used[s], held[t] = t, clock, s
+            if missing:
+                src = req_to_token[row, torch.tensor(missing, device=req_to_token.device)].long().cpu()
+                dst = torch.tensor(victims, device=self.device) + self.base(row)
+                self.k[layer][dst] = host.k[layer][src].to(self.device)
+                self.v[layer][dst] = host.v[layer][src].to(self.device)
+            self.token[layer, row] = torch.tensor(tokens, dtype=torch.int32)
+            self.last_used[layer, row] = torch.tensor(used, dtype=torch.int32)
+            self.slot_of[layer, row] = -1
+            if held:
+                self.slot_of[layer, row, torch.tensor(list(held))] = torch.tensor(list(held.values()),
+                                                                                 dtype=torch.int32)
+            hits, misses = hits + len(want) - len(missing), misses + len(missing)
+            table[b, :n] = torch.tensor([self.base(row) + (self.size if t == newest else held[t]) for t in want],
+                                        dtype=torch.int32)
+        self.stats += torch.tensor([hits, misses], device=self.device)
+        return table.to(self.device)
 
 
-def positions_read(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor,
-                   seq_lens: torch.Tensor, page_size: int) -> list[list[int]]:
-    """The token positions attention reads, per row, in the order the all-on-device page table reads them: the
-    kept pages' tokens (below ``seq_len``) for a sparse row, every token for a dense one."""
-    out = []
-    for sel, n_kept, sparse, seq_len in zip(selected.tolist(), lengths.tolist(), sparse_mask.tolist(),
-                                            seq_lens.tolist(), strict=True):
-        if sparse and n_kept > 0:
-            out.append([p * page_size + o for p in sel[:n_kept] for o in range(page_size) if p * page_size + o
-                        < seq_len])
-        else:
-            out.append(list(range(seq_len)))
-    return out
+def positions_read(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, seq_lens: torch.Tensor,
+                   page_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions int32 [bs, width], counts int32 [bs])``: the token positions attention reads, per row, in the
+    order the all-on-device page table reads them (the first ``counts[b]`` valid, 0 after): the kept pages'
+    tokens below ``seq_len`` for a sparse row, every token for a dense one. Tensor ops only (no host sync).
+
+    Kept pages ascend, so only the last one can reach past ``seq_len``: the valid positions form a prefix."""
+    bs, device = selected.shape[0], selected.device
+    offsets = torch.arange(page_size, device=device)
+    pos = (selected.long()[:, :, None] * page_size + offsets).reshape(bs, -1)
+    j = torch.arange(max(width, pos.shape[1]), device=device)
+    pos = torch.nn.functional.pad(pos, (0, j.numel() - pos.shape[1]))
+    seq_lens = seq_lens.long()[:, None]
+    kept = (j < lengths.long()[:, None] * page_size) & (pos < seq_lens)
+    sparse = (sparse_mask & (lengths > 0))[:, None]
+    valid = torch.where(sparse, kept, j < seq_lens)[:, :width]
+    positions = torch.where(sparse, pos, j)[:, :width]
+    return torch.where(valid, positions, 0).to(torch.int32), valid.sum(1).to(torch.int32)
 
 
 def check_offload(size, needed: int, layer_names: list[str]) -> int:

@@ -26,11 +26,11 @@ SCRIPT = [("add", 37), ("add", 22), ("step",), ("step",), ("add", 9), ("step",),
           ("add", 41), ("step",), ("step",), ("finish", 1), ("add", 30), ("step",), ("step",), ("step",)]
 
 
-def engines(offload_buffer=64):
+def engines(offload_buffer=64, backend="torch"):
     wl = PlantedEngineWorkload(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=13)
     cfg = SparseConfig(page_budget=2, num_recent_pages=1, num_sink_pages=1, min_sparse_seq_len=12)
-    kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, attention_backend="torch")
+    kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, attention_backend=backend)
     return DecodeEngine(wl, LAYERS, cfg, **kw), DecodeEngine(wl, LAYERS, cfg, offload_buffer=offload_buffer, **kw)
 
 
@@ -87,11 +87,34 @@ def run(script, pair):
     return steps
 
 
-def test_offload_engine_equals_the_all_on_device_engine_through_joins_and_leaves():
-    pair = engines()
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_offload_engine_equals_the_all_on_device_engine_through_joins_and_leaves(backend):
+    """torch: the reference swap-in; triton: the swap-in kernel (one launch per layer, no host sync)."""
+    pair = engines(backend=backend)
     assert run(SCRIPT, pair) == 9
     hot = pair[1].hot
-    assert hot.hits > 0 and hot.misses > 0 and hot.bytes_in > 0
+    assert hot.hits > 0 and hot.misses > 0 and hot.bytes_in == hot.misses * 2 * 2 * 8 * 4
+
+
+def test_the_kernel_and_the_reference_leave_the_same_hot_buffer_state():
+    """The same script through the reference and through the kernel: every slot, table and count identical."""
+    ref, kern = engines(backend="torch")[1], engines(backend="triton")[1]
+    for op in SCRIPT:
+        for e in (ref, kern):
+            if op[0] == "add":
+                e.add_request(op[1])
+            elif op[0] == "finish":
+                e.finish(e.live[op[1]])
+        if op[0] == "step":
+            a, b = ref.step(), kern.step()
+            assert all(torch.equal(x.offload.page_table, y.offload.page_table) for x, y in
+                       zip(a.layers, b.layers, strict=True) if x.offload is not None)
+            assert (a.offload_hits, a.offload_misses) == (b.offload_hits, b.offload_misses)
+        for name in ("token", "last_used", "slot_of", "clock", "stats"):
+            assert torch.equal(getattr(ref.hot, name), getattr(kern.hot, name)), (op, name)
+        for layer in ref.offloaded:
+            assert torch.equal(ref.hot.k[layer], kern.hot.k[layer]) and torch.equal(ref.host_kv.v[layer],
+                                                                                     kern.host_kv.v[layer])
 
 
 def test_a_buffer_smaller_than_what_a_step_reads_is_refused_before_anything_is_built():
@@ -106,11 +129,20 @@ def test_a_buffer_smaller_than_what_a_step_reads_is_refused_before_anything_is_b
     assert run(SCRIPT, pair) == 9 and pair[1].hot.misses > 0
 
 
-def test_a_graphed_step_refuses_an_offload_engine():
+def test_a_graphed_step_runs_the_offload_kernel_and_refuses_the_reference():
     _, off = engines()
     off.add_request(20)
-    with pytest.raises(ConfigError, match="offload_buffer"):
+    with pytest.raises(ConfigError, match="attention_backend"):
         GraphedDecodeStep(off)
+    base, off = engines(backend="triton")
+    for e in (base, off):
+        e.add_request(30)
+        e.add_request(17)
+    graphed = [GraphedDecodeStep(e) for e in (base, off)]  # on CPU it runs eagerly, on the same static tensors
+    for _ in range(3):
+        a, b = (g.step() for g in graphed)
+        assert all(torch.equal(x.out, y.out) for x, y in zip(a, b, strict=True))
+    assert off.hot.hits > 0
 
 
 def test_a_finished_requests_row_starts_empty_for_the_next_request():
@@ -138,18 +170,21 @@ def buffer(size=4, rows=2, tokens=32):
     host.k[0].copy_(torch.randn_like(host.k[0]))
     host.v[0].copy_(torch.randn_like(host.v[0]))
     r2t = torch.arange(1, 1 + rows * tokens, dtype=torch.int32).view(rows, tokens)  # row r token t: slot 1 + r*T + t
-    return HotBuffer(1, rows, size, 1, 2), host, r2t
+    return HotBuffer(1, rows, size, 1, 2, tokens), host, r2t
 
 
 def read(hot, host, r2t, row, want, seq_len, width=8):
-    table, kv_lens = hot.swap_in(0, [row], [want], [seq_len], host, r2t, width)
-    slots = table[0, : int(kv_lens[0])].long()
+    positions = torch.zeros(1, width, dtype=torch.int32)
+    positions[0, : len(want)] = torch.tensor(want)
+    table = hot.swap_in(0, torch.tensor([row]), positions, torch.tensor([len(want)]), torch.tensor([seq_len]), host,
+                        r2t)
+    slots = table[0, : len(want)].long()
     return slots, hot.k[0][slots]
 
 
 def test_least_recently_used_slots_are_replaced_and_the_newest_token_is_resident():
     hot, host, r2t = buffer(size=4)
-    hot.write_newest(0, [0], host.k[0][r2t[0, 9].long()][None], host.v[0][r2t[0, 9].long()][None])
+    hot.write_newest(0, torch.tensor([0]), host.k[0][r2t[0, 9].long()][None], host.v[0][r2t[0, 9].long()][None])
     slots, k = read(hot, host, r2t, 0, [0, 1, 2, 3, 9], seq_len=10)  # 4 misses, the newest (9) a hit
     assert torch.equal(k, host.k[0][r2t[0, [0, 1, 2, 3, 9]].long()])
     assert (hot.hits, hot.misses) == (1, 4) and int(slots[-1]) == hot.base(0) + hot.size
@@ -183,9 +218,11 @@ def test_many_rows_evict_only_their_own_slots():
 
 def test_positions_read_follow_the_all_on_device_table():
     selected = torch.tensor([[0, 2, 4, -1], [1, 3, -1, -1], [0, -1, -1, -1]])
-    got = positions_read(selected, torch.tensor([3, 2, 0]), torch.tensor([True, True, False]),
-                         torch.tensor([18, 15, 3]), 4)
-    assert got == [[0, 1, 2, 3, 8, 9, 10, 11, 16, 17], [4, 5, 6, 7, 12, 13, 14], [0, 1, 2]]
+    positions, counts = positions_read(selected, torch.tensor([3, 2, 0]), torch.tensor([True, True, False]),
+                                       torch.tensor([18, 15, 3]), 4, 12)
+    assert counts.tolist() == [10, 7, 3] and positions.dtype == torch.int32 and positions.shape == (3, 12)
+    assert positions.tolist() == [[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 0, 0], [4, 5, 6, 7, 12, 13, 14, 0, 0, 0, 0, 0],
+                                  [0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
 
 
 def test_each_step_reports_its_hits_and_misses():

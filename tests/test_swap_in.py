@@ -18,51 +18,50 @@ from sparse_ref.offload import HostKVPool, HotBuffer
 DEVICE = sparse_ref.default_device()
 
 
-class KernelBuffer:
-    """The device state the kernel keeps: per row, each slot's token and last use, and token -> slot."""
-
-    def __init__(self, rows, size, max_ctx, ref: HotBuffer):
-        self.size, self.ref = size, ref
-        self.token = torch.full((rows, size), -1, dtype=torch.int32, device=DEVICE)
-        self.last_used = torch.zeros((rows, size), dtype=torch.int32, device=DEVICE)
-        self.slot_of = torch.full((rows, max_ctx), -1, dtype=torch.int32, device=DEVICE)
-        self.k = torch.zeros_like(ref.k[0], device=DEVICE)
-        self.v = torch.zeros_like(ref.v[0], device=DEVICE)
-
-    def forget(self, row):
-        self.token[row] = -1
-        self.last_used[row] = 0
-        self.slot_of[row] = -1
+def kernel_swap_in(hot, host, r2t, rows, positions, counts, seq_lens, new_k, new_v, new_loc):
+    """The kernel on ``hot``'s layer-0 state (the same layout the reference keeps)."""
+    return swap_in(positions, counts, seq_lens, rows, r2t, host.k[0], host.v[0], hot.k[0], hot.v[0], new_k, new_v,
+                   new_loc, hot.token[0], hot.last_used[0], hot.slot_of[0], hot.clock[0:1], hot.stats, hot.size)
 
 
-def step(ref, kern, host, r2t, rows, positions, seq_lens, width):
-    table_ref, _ = ref.swap_in(0, rows, positions, seq_lens, host, r2t, width)
-    pos = torch.full((len(rows), width), -1, dtype=torch.int32)
+def padded(positions, width):
+    pos = torch.zeros((len(positions), width), dtype=torch.int32)
     for b, p in enumerate(positions):
         pos[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    counts = torch.tensor([len(p) for p in positions], dtype=torch.int32)
+    return pos, torch.tensor([len(p) for p in positions], dtype=torch.int32)
+
+
+def step(ref, kern, host_ref, host_kern, r2t, rows, positions, seq_lens, width, new_k, new_v):
+    """One swap-in on both sides; the new tokens come in through each side's write path."""
+    pos, counts = padded(positions, width)
+    rows_t, seq_t = torch.tensor(rows), torch.tensor(seq_lens)
+    new_loc = r2t[rows_t, seq_t - 1].long()
+    host_ref.write(0, new_loc, new_k, new_v)
+    ref.write_newest(0, rows_t, new_k, new_v)
+    table_ref = ref.swap_in(0, rows_t, pos, counts, seq_t, host_ref, r2t)
     on = {"device": DEVICE}
-    table = swap_in(pos.to(**on), counts.to(**on), torch.tensor(seq_lens, dtype=torch.int32, **on),
-                    torch.tensor(rows, dtype=torch.int32, **on), r2t.to(**on), host.k[0].to(**on), host.v[0].to(**on),
-                    kern.k, kern.v, kern.token, kern.last_used, kern.slot_of, ref.clock, kern.size)
+    table = kernel_swap_in(kern, host_kern, r2t.to(**on), rows_t.to(**on), pos.to(**on), counts.to(**on),
+                           seq_t.to(**on), new_k.to(**on), new_v.to(**on), new_loc.to(**on))
     assert torch.equal(table.cpu(), table_ref.cpu())
-    assert torch.equal(kern.token.cpu().long(), ref.token[0])
-    assert torch.equal(kern.last_used.cpu().long(), ref.last_used[0])
-    held = kern.token.cpu() >= 0
-    assert torch.equal(kern.k.cpu()[1:].view(len(kern.token), -1, *kern.k.shape[1:])[:, :-1][held],
-                       ref.k[0][1:].view(len(kern.token), -1, *kern.k.shape[1:])[:, :-1][held])
+    for name in ("token", "last_used", "slot_of", "clock", "stats"):
+        assert torch.equal(getattr(kern, name).cpu(), getattr(ref, name).cpu()), name
+    assert torch.equal(kern.k[0].cpu(), ref.k[0].cpu()) and torch.equal(kern.v[0].cpu(), ref.v[0].cpu())
+    assert torch.equal(host_kern.k[0], host_ref.k[0]) and torch.equal(host_kern.v[0], host_ref.v[0])
 
 
 @pytest.mark.parametrize("size, seed", [(6, 0), (16, 1), (13, 2)])
 def test_kernel_equals_the_reference_over_many_steps(size, seed):
-    rows, max_ctx, width = 3, 40, 20
+    rows, max_ctx, width, heads, dim = 3, 40, 20, 2, 3
     g = torch.Generator().manual_seed(seed)
-    host = HostKVPool(1 + rows * max_ctx, 1, 2, 3)
-    host.k[0].copy_(torch.randn(host.k[0].shape, generator=g))
-    host.v[0].copy_(torch.randn(host.v[0].shape, generator=g))
+    host_ref = HostKVPool(1 + rows * max_ctx, 1, heads, dim)
+    host_ref.k[0].copy_(torch.randn(host_ref.k[0].shape, generator=g))
+    host_ref.v[0].copy_(torch.randn(host_ref.v[0].shape, generator=g))
+    host_kern = HostKVPool(1 + rows * max_ctx, 1, heads, dim)
+    host_kern.k[0].copy_(host_ref.k[0])
+    host_kern.v[0].copy_(host_ref.v[0])
     r2t = (1 + torch.randperm(rows * max_ctx, generator=g)).int().view(rows, max_ctx)  # shuffled slots
-    ref = HotBuffer(1, rows, size, 2, 3)
-    kern = KernelBuffer(rows, size, max_ctx, ref)
+    ref = HotBuffer(1, rows, size, heads, dim, max_ctx)
+    kern = HotBuffer(1, rows, size, heads, dim, max_ctx, device=DEVICE)
     seq = [10, 25, 5]
     for it in range(12):
         seq = [s + 1 for s in seq]
@@ -75,41 +74,60 @@ def test_kernel_equals_the_reference_over_many_steps(size, seed):
             pool = torch.randperm(seq[b] - 1, generator=g)[:keep] if it % 4 == 3 else \
                 torch.arange(max(0, seq[b] - 1 - keep), seq[b] - 1)  # mostly a sliding window, sometimes a jump
             positions.append(sorted(pool.tolist()) + [seq[b] - 1])
-        for b in range(rows):  # the newest token, written by the write path into the reserved slot
-            src = r2t[b, seq[b] - 1].long()
-            ref.write_newest(0, [b], host.k[0][src][None], host.v[0][src][None])
-            kern.k[1 + b * (size + 1) + size] = host.k[0][src].to(DEVICE)
-            kern.v[1 + b * (size + 1) + size] = host.v[0][src].to(DEVICE)
-        step(ref, kern, host, r2t, [0, 1, 2], positions, seq, width)
+        new_k, new_v = torch.randn(rows, heads, dim, generator=g), torch.randn(rows, heads, dim, generator=g)
+        order = [2, 0, 1] if it % 2 else [0, 1, 2]  # batch order is not row order
+        step(ref, kern, host_ref, host_kern, r2t, order, [positions[r] for r in order], [seq[r] for r in order],
+             width, new_k, new_v)
         if it == 6:  # row 1's request leaves; a new one starts in its row
             ref.forget(1)
             kern.forget(1)
             seq[1] = 3
+    assert 0 < ref.misses < ref.hits + ref.misses
 
 
 def test_refuses_bad_state_before_launch():
-    with pytest.raises(SparseRefError, match="positions"):
-        swap_in(torch.zeros(2, 3, dtype=torch.int64, device=DEVICE), *([None] * 12), 4)
+    """Each wrong argument is named; nothing (not even the clock) changes before the refusal."""
+    hot = HotBuffer(1, 2, 4, 1, 2, 16, device=DEVICE)
+    host = HostKVPool(33, 1, 1, 2)
+    on = {"device": DEVICE}
+    good = dict(positions=torch.zeros(2, 5, dtype=torch.int32, **on), counts=torch.ones(2, dtype=torch.int32, **on),
+                seq_lens=torch.ones(2, dtype=torch.int64, **on), rows=torch.arange(2, **on),
+                req_to_token=torch.zeros(2, 16, dtype=torch.int32, **on), host_k=host.k[0], host_v=host.v[0],
+                hot_k=hot.k[0], hot_v=hot.v[0], new_k=torch.zeros(2, 1, 2, **on), new_v=torch.zeros(2, 1, 2, **on),
+                new_loc=torch.ones(2, dtype=torch.int64, **on), token=hot.token[0], last_used=hot.last_used[0],
+                slot_of=hot.slot_of[0], clock=hot.clock[0:1], stats=hot.stats, size=4)
+    for name, bad in (("positions", good["positions"].long()), ("counts", good["counts"][:1]),
+                      ("new_k", good["new_k"][:1]), ("clock", torch.zeros(1, dtype=torch.int64, **on)),
+                      ("stats", torch.zeros(2, dtype=torch.int32, **on)), ("size", 0)):
+        with pytest.raises(SparseRefError, match=name):
+            swap_in(**{**good, name: bad})
+    assert int(hot.clock[0]) == 0 and hot.hits == hot.misses == 0
+    swap_in(**good)  # the same arguments, all good: it runs
+    assert int(hot.clock[0]) == 1 and hot.hits == 2  # each row reads its newest token (position 0): a hit
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_kernel_reads_the_pinned_host_pool_directly():
-    """On a GPU the host pool stays in pinned host memory: the kernel reads the missed rows from it directly."""
+def test_gpu_kernel_reads_and_writes_the_pinned_host_pool_directly():
+    """On a GPU the host pool stays in pinned host memory: the kernel reads the missed rows from it and writes
+    the new tokens into it directly (no copy engine, no host sync)."""
     rows, size, max_ctx = 2, 8, 32
     host = HostKVPool(1 + rows * max_ctx, 1, 2, 4)
     assert host.k[0].is_pinned()
     host.k[0].copy_(torch.randn(host.k[0].shape))
     host.v[0].copy_(torch.randn(host.v[0].shape))
     r2t = torch.arange(1, 1 + rows * max_ctx, dtype=torch.int32).view(rows, max_ctx).cuda()
-    ref = HotBuffer(1, rows, size, 2, 4, device="cuda")
-    kern = KernelBuffer(rows, size, max_ctx, ref)
-    positions = torch.tensor([[0, 3, 5, 9], [1, 2, 6, 7]], dtype=torch.int32, device="cuda")
-    table = swap_in(positions, torch.tensor([4, 4], dtype=torch.int32, device="cuda"),
-                    torch.tensor([20, 20], dtype=torch.int32, device="cuda"),
-                    torch.tensor([0, 1], dtype=torch.int32, device="cuda"), r2t, host.k[0], host.v[0], kern.k, kern.v,
-                    kern.token, kern.last_used, kern.slot_of, 1, size)
+    kern = HotBuffer(1, rows, size, 2, 4, max_ctx, device="cuda")
+    positions = torch.tensor([[0, 3, 5, 9], [1, 2, 6, 19]], dtype=torch.int32, device="cuda")
+    new_k, new_v = torch.randn(2, 2, 4, device="cuda"), torch.randn(2, 2, 4, device="cuda")
+    new_loc = r2t[[0, 1], [19, 19]].long()
+    table = kernel_swap_in(kern, host, r2t, torch.tensor([0, 1], device="cuda"), positions,
+                           torch.tensor([4, 4], dtype=torch.int32, device="cuda"),
+                           torch.tensor([20, 20], device="cuda"),
+                           new_k, new_v, new_loc)
     torch.cuda.synchronize()
-    got = kern.k[table.long().view(-1)].cpu()
+    assert torch.equal(host.k[0][new_loc.cpu()], new_k.cpu()) and torch.equal(host.v[0][new_loc.cpu()], new_v.cpu())
+    got = kern.k[0][table.long().view(-1)].cpu()
     want = host.k[0][r2t.cpu()[[0, 0, 0, 0, 1, 1, 1, 1], positions.cpu().view(-1).long()].long()]
     assert torch.equal(got, want)
+    assert kern.hits == 1 and kern.misses == 7  # row 1's newest token (19) is the only hit

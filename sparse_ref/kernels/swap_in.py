@@ -2,8 +2,10 @@
 
 ``sparse_ref.offload.HotBuffer.swap_in`` in a kernel. The buffer's state lives on the device: per row, the
 token each slot holds (``token``, -1 empty), the step it was last used (``last_used``) and the reverse map
-token -> slot (``slot_of``, -1: not held). Each program (one request row):
+token -> slot (``slot_of``, -1: not held), a step counter (``clock``) and the hit / miss counts. Each
+program (one request row):
 
+0. writes the row's new token's K/V into its reserved slot ``B`` and into the host pool (the write path);
 1. looks its tokens up in ``slot_of`` (the newest token is always in the reserved slot ``B``): hits are
    stamped with this step's ``clock``;
 2. ranks every slot by (not used this step, empty first, then least recently used, then slot id) with one
@@ -27,14 +29,23 @@ from sparse_ref.checks import check_int, check_kernel_device, check_tensor
 
 
 @triton.jit
-def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v,
-                    token, last_used, slot_of, scratch, table, clock,
+def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v, new_k, new_v,
+                    new_loc, token, last_used, slot_of, scratch, table, clock_ptr, stats,
                     W, R2T_W, MAX_CTX, B: tl.constexpr, HD: tl.constexpr,
                     W_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     row = tl.load(rows + b).to(tl.int64)
-    n, newest = tl.load(counts + b), tl.load(seq_lens + b) - 1
+    n, newest, clock = tl.load(counts + b), tl.load(seq_lens + b) - 1, tl.load(clock_ptr)
     base = 1 + row * (B + 1)  # the row's first slot; slot 0 of the buffer is padding
+    loc = tl.load(new_loc + b).to(tl.int64)
+    for d0 in range(0, HD, BLOCK_D):  # 0. the new token: its reserved slot, and the host pool
+        d = d0 + tl.arange(0, BLOCK_D)
+        k_new = tl.load(new_k + b.to(tl.int64) * HD + d, mask=d < HD)
+        v_new = tl.load(new_v + b.to(tl.int64) * HD + d, mask=d < HD)
+        tl.store(hot_k + (base + B) * HD + d, k_new, mask=d < HD)
+        tl.store(hot_v + (base + B) * HD + d, v_new, mask=d < HD)
+        tl.store(host_k + loc * HD + d, k_new, mask=d < HD)
+        tl.store(host_v + loc * HD + d, v_new, mask=d < HD)
     j = tl.arange(0, W_PAD)
     valid = j < n
     t = tl.load(positions + b.to(tl.int64) * W + j, mask=valid, other=0)
@@ -53,6 +64,8 @@ def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, hos
     tl.store(scratch + b.to(tl.int64) * B_PAD + i, order)
     tl.debug_barrier()
     miss = lookup & ~hit
+    tl.atomic_add(stats, tl.sum((valid & ~miss).to(tl.int64), axis=0))
+    tl.atomic_add(stats + 1, tl.sum(miss.to(tl.int64), axis=0))
     victim = tl.load(scratch + b.to(tl.int64) * B_PAD + tl.cumsum(miss.to(tl.int32), axis=0) - 1, mask=miss,
                      other=0)
     old = tl.load(token + row * B + victim, mask=miss, other=-1)  # 3. the victims' old tokens are forgotten
@@ -74,12 +87,16 @@ def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, hos
 
 def swap_in(positions: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
             req_to_token: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, hot_k: torch.Tensor,
-            hot_v: torch.Tensor, token: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, clock: int,
+            hot_v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, new_loc: torch.Tensor, token: torch.Tensor,
+            last_used: torch.Tensor, slot_of: torch.Tensor, clock: torch.Tensor, stats: torch.Tensor,
             size: int) -> torch.Tensor:
     """int32 ``[bs, W]``: the hot slots of each row's ``positions`` (int32 ``[bs, W]``, ascending, the first
-    ``counts[b]`` valid); misses copied in from ``host_k`` / ``host_v``; ``token``, ``last_used`` (int32
-    ``[rows, size]``) and ``slot_of`` (int32 ``[rows, max_ctx]``) updated in place. One launch, no host sync."""
-    check_swap_in(positions, counts, hot_k, token, slot_of, size)
+    ``counts[b]`` valid); the new tokens ``new_k`` / ``new_v`` ``[bs, H_kv, D]`` written to their reserved slots
+    and to ``host_*[new_loc]``; misses copied in from ``host_k`` / ``host_v``; ``token``, ``last_used`` (int32
+    ``[rows, size]``), ``slot_of`` (int32 ``[rows, max_ctx]``), ``clock`` (int32 ``[1]``, advanced by one) and
+    ``stats`` (int64 ``[2]``: hits, misses) updated in place. One launch, no host sync: graph-capturable."""
+    check_swap_in(positions, counts, hot_k, new_k, token, slot_of, clock, stats, size)
+    clock += 1
     bs, width = positions.shape
     hd = hot_k.shape[1] * hot_k.shape[2]
     table = torch.empty(bs, width, dtype=torch.int32, device=positions.device)
@@ -87,19 +104,23 @@ def swap_in(positions: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tenso
         return table
     b_pad, w_pad = triton.next_power_of_2(size), triton.next_power_of_2(max(width, 1))
     scratch = torch.empty(bs, b_pad, dtype=torch.int32, device=positions.device)
-    _swap_in_kernel[(bs,)](positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v, token,
-                           last_used, slot_of, scratch, table, clock, width, req_to_token.shape[1], slot_of.shape[1],
+    _swap_in_kernel[(bs,)](positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v, new_k,
+                           new_v, new_loc, token, last_used, slot_of, scratch, table, clock, stats, width,
+                           req_to_token.shape[1], slot_of.shape[1],
                            B=size, HD=hd, W_PAD=w_pad, B_PAD=b_pad,
                            BLOCK_D=max(1, min(triton.next_power_of_2(hd), 16384 // w_pad)))
     return table
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
-def check_swap_in(positions, counts, hot_k, token, slot_of, size) -> None:
+def check_swap_in(positions, counts, hot_k, new_k, token, slot_of, clock, stats, size) -> None:
     size = check_int("size", size, low=1, high=1 << 16)
     check_tensor("positions", positions, dtype=torch.int32, dims=2, contiguous=True)
     check_tensor("counts", counts, dtype=torch.int32, shape=(positions.shape[0],))
     check_tensor("token", token, dtype=torch.int32, dims=2, contiguous=True)
     check_tensor("slot_of", slot_of, dtype=torch.int32, shape=(token.shape[0], None), contiguous=True)
     check_tensor("hot_k", hot_k, dims=3, contiguous=True)
+    check_tensor("new_k", new_k, shape=(positions.shape[0], *hot_k.shape[1:]), contiguous=True)
+    check_tensor("clock", clock, dtype=torch.int32, shape=(1,))
+    check_tensor("stats", stats, dtype=torch.int64, shape=(2,))
     check_kernel_device("positions", positions, "move it with .cuda().")

@@ -1,4 +1,4 @@
-"""The offload swap-in in one Triton launch: one program per request row, no host sync, graph-capturable.
+"""The offload swap-in in two Triton launches (bookkeeping per request row, then the copies): no host sync.
 
 ``sparse_ref.offload.HotBuffer.swap_in`` in a kernel. The buffer's state lives on the device: per row, the
 token each slot holds (``token``, -1 empty), the step it was last used (``last_used``) and the reverse map
@@ -10,10 +10,13 @@ program (one request row):
    stamped with this step's ``clock``;
 2. ranks every slot by (not used this step, empty first, then least recently used, then slot id) with one
    sort of packed keys, and writes the order to its scratch row; the ``m``-th miss takes the ``m``-th slot;
-3. for each miss: forgets the slot's old token, records the new one, copies its K/V row in from the host
-   pool (on a GPU the host pool is pinned memory, read through unified addressing: no copy engine, no
-   sync), and stamps the slot;
+3. for each miss: forgets the slot's old token, records the new one and stamps the slot; writes which host
+   row each missed entry copies from;
 4. writes the row's page-size-1 table (0 past its tokens).
+
+A second launch (``_copy_in_kernel``, a grid of (row, ``COPY_ROWS`` entries)) copies the missed K/V rows in
+from the host pool: on a GPU the host pool is pinned memory, read through unified addressing (no copy
+engine, no sync), and the many programs keep enough PCIe reads in flight.
 
 It must equal the torch reference bit for bit: the same tables, the same slots replaced, the same K/V.
 Each row's state is its own (one program per row), so programs never race.
@@ -30,7 +33,7 @@ from sparse_ref.checks import check_int, check_kernel_device, check_tensor
 
 @triton.jit
 def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v, new_k, new_v,
-                    new_loc, token, last_used, slot_of, scratch, table, clock_ptr, stats,
+                    new_loc, token, last_used, slot_of, scratch, table, copies, clock_ptr, stats,
                     W, R2T_W, MAX_CTX, B: tl.constexpr, HD: tl.constexpr,
                     W_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
@@ -74,15 +77,28 @@ def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, hos
     tl.store(slot_of + row * MAX_CTX + t, victim, mask=miss)
     tl.store(token + row * B + victim, t, mask=miss)
     tl.store(last_used + row * B + victim, tl.full([W_PAD], 0, tl.int32) + clock, mask=miss)
-    src = tl.load(req_to_token + row * R2T_W + t, mask=miss, other=0).to(tl.int64)
-    for d0 in range(0, HD, BLOCK_D):  # the missed rows' K/V, BLOCK_D values of each row a step
-        d = d0 + tl.arange(0, BLOCK_D)
-        cols = miss[:, None] & (d < HD)[None, :]
-        dst = (base + victim).to(tl.int64)[:, None] * HD + d[None, :]
-        tl.store(hot_k + dst, tl.load(host_k + src[:, None] * HD + d[None, :], mask=cols, other=0.0), mask=cols)
-        tl.store(hot_v + dst, tl.load(host_v + src[:, None] * HD + d[None, :], mask=cols, other=0.0), mask=cols)
+    src = tl.load(req_to_token + row * R2T_W + t, mask=miss, other=0)  # the copies for _copy_in_kernel
+    tl.store(copies + b.to(tl.int64) * W + j, tl.where(miss, src, -1), mask=j < W)
     slot = tl.where(t == newest, B, tl.where(hit, s, victim))  # 4. the table
     tl.store(table + b.to(tl.int64) * W + j, tl.where(valid, base + slot, 0).to(tl.int32), mask=j < W)
+
+
+@triton.jit
+def _copy_in_kernel(copies, table, host_k, host_v, hot_k, hot_v, W, HD: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """3b. the missed rows' K/V, ``ROWS`` table entries per program: a grid wide enough to keep many reads of
+    pinned host memory in flight (one program per request row would leave most of the GPU, and PCIe, idle)."""
+    b, j = tl.program_id(0).to(tl.int64), tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    src = tl.load(copies + b * W + j, mask=j < W, other=-1).to(tl.int64)
+    go = src >= 0
+    dst = tl.load(table + b * W + j, mask=go, other=0).to(tl.int64)
+    for d0 in range(0, HD, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        cols = go[:, None] & (d < HD)[None, :]
+        tl.store(hot_k + dst[:, None] * HD + d[None, :], tl.load(host_k + src[:, None] * HD + d[None, :], mask=cols),
+                 mask=cols)
+        tl.store(hot_v + dst[:, None] * HD + d[None, :], tl.load(host_v + src[:, None] * HD + d[None, :], mask=cols),
+                 mask=cols)
 
 
 def swap_in(positions: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
@@ -104,12 +120,19 @@ def swap_in(positions: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tenso
         return table
     b_pad, w_pad = triton.next_power_of_2(size), triton.next_power_of_2(max(width, 1))
     scratch = torch.empty(bs, b_pad, dtype=torch.int32, device=positions.device)
+    copies = torch.empty(bs, width, dtype=torch.int32, device=positions.device)
     _swap_in_kernel[(bs,)](positions, counts, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v, new_k,
-                           new_v, new_loc, token, last_used, slot_of, scratch, table, clock, stats, width,
+                           new_v, new_loc, token, last_used, slot_of, scratch, table, copies, clock, stats, width,
                            req_to_token.shape[1], slot_of.shape[1],
                            B=size, HD=hd, W_PAD=w_pad, B_PAD=b_pad,
-                           BLOCK_D=max(1, min(triton.next_power_of_2(hd), 16384 // w_pad)))
+                           BLOCK_D=min(triton.next_power_of_2(hd), 1024))
+    rows_per, block_d = COPY_ROWS, min(triton.next_power_of_2(hd), 512)
+    _copy_in_kernel[(bs, triton.cdiv(width, rows_per))](copies, table, host_k, host_v, hot_k, hot_v, width, HD=hd,
+                                                        ROWS=rows_per, BLOCK_D=block_d, num_warps=4)
     return table
+
+
+COPY_ROWS = 8  # table entries (token rows) per copy program
 
 
 # ------------------------------ argument checks (each entry point above calls one first)

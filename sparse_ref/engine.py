@@ -165,26 +165,28 @@ class DecodeEngine:
             workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len, num_pages,
             compare_dense, dsa_topk, device, ALGORITHMS, ATTENTION_BACKENDS)
         self.workload, self.compare_dense = workload, compare_dense
-        self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
-                                             num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
-                                             num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
-                                             dtype=dtype, device=self.device)
-        self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device,
-                                             bounds_dtype)
         find = importlib.util.find_spec  # "auto": the Triton kernel on CUDA, when the kernels are installed
         kernel = find("sparse_ref.kernels") and find("sparse_ref.kernels.decode_attention")
         auto = "triton" if self.device.type == "cuda" and kernel else "torch"
         self.attention_backend = auto if attention_backend == "auto" else attention_backend
+        # offload mode (sparse_ref.offload): every sparse layer's K/V in host memory, read through a hot buffer
+        self.offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
+        check_offload_backend(self.offloaded, self.device, self.attention_backend)
+        self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
+                                             num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
+                                             num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
+                                             dtype=dtype, device=self.device, host_layers=self.offloaded)
+        self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device,
+                                             bounds_dtype)
         self.live: list[Request] = []
         self.plans = {}  # rid -> PlantedRequest
         self.written: dict[int, int] = {}  # rid -> tokens whose K/V this engine wrote (all of them, between steps)
-        self.host_kv = self.hot = None  # offload mode (sparse_ref.offload): every sparse layer reads a hot buffer
-        self.offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
+        self.host_kv = self.hot = None
         if self.offloaded:
             size = check_offload(offload_buffer, self._most_tokens_read(dsa_topk, page_size),
                                  [algorithms[i] for i in self.offloaded])
             pool = self.manager.token_to_kv_pool
-            self.host_kv = HostKVPool(pool.num_slots, pool.num_layers, pool.num_kv_heads, pool.head_dim, dtype)
+            self.host_kv = HostKVPool.of_pool(pool)  # the pool's host layers: written by set_kv and the kernel
             self.hot = HotBuffer(pool.num_layers, max_requests, size, pool.num_kv_heads, pool.head_dim,
                                  max_context_len, dtype, self.device)
 
@@ -234,9 +236,7 @@ class DecodeEngine:
         pool = self.manager.token_to_kv_pool
         for layer in range(pool.num_layers):
             k, v, x = self.workload.prefill(plan, layer, with_hidden=layer in self.coordinator.indexers)
-            pool.set_kv(layer, batch.out_cache_loc, k.to(self.device), v.to(self.device))
-            if layer in self.offloaded:  # every token's K/V also in host memory (what the hot buffer reads from)
-                self.host_kv.write(layer, batch.out_cache_loc, k, v)
+            pool.set_kv(layer, batch.out_cache_loc, k.to(self.device), v.to(self.device))  # (host layers too)
             if layer in self.coordinator.indexers:  # the indexer's prefill pass writes its keys (no scores needed)
                 indexer = self.coordinator.indexers[layer]
                 qk = indexer.prepare(x.to(self.device), torch.zeros(prompt_len, indexer.config.q_lora_rank,
@@ -281,7 +281,8 @@ class DecodeEngine:
             coord.forward_begin(batch)
             dense = coord.dense
             for layer, (q, k, v, x, q_lora) in enumerate(inputs):
-                pool.set_kv(layer, batch.out_cache_loc, k, v)
+                if layer not in self.offloaded or self.attention_backend != "triton":  # (the kernel writes it)
+                    pool.set_kv(layer, batch.out_cache_loc, k, v)
                 md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
                 if layer in self.offloaded:
                     hot = self._swap_in(layer, batch, md, k, v)
@@ -312,8 +313,7 @@ class DecodeEngine:
                             hot.v[layer], k.contiguous(), v.contiguous(), batch.out_cache_loc, hot.token[layer],
                             hot.last_used[layer], hot.slot_of[layer], hot.clock[layer: layer + 1], hot.stats,
                             hot.size)
-        else:
-            host.write(layer, batch.out_cache_loc, k, v)
+        else:  # (set_kv wrote the new token into the host pool)
             hot.write_newest(layer, rows, k, v)
             table = hot.swap_in(layer, rows, positions, counts, batch.seq_lens, host, r2t)
         return Metadata(table, counts, 1, md.selected, md.lengths, md.sparse_mask)
@@ -336,8 +336,9 @@ class DecodeEngine:
         if self.hot is not None:
             result.offload_hits, result.offload_misses = self.hot.hits - hits, self.hot.misses - misses
         if self.compare_dense:
-            for trace, (q, *_) in zip(traces, inputs, strict=True):
-                self.attend(q, trace.layer, dense)
+            for trace, (q, *_) in zip(traces, inputs, strict=True):  # dense timing: the device-resident layers
+                if trace.layer not in self.manager.token_to_kv_pool.host_layers or self.device.type == "cpu":
+                    self.attend(q, trace.layer, dense)
             result.dense_time_s = self._sync() - t1
             for trace, (q, *_) in zip(traces, inputs, strict=True):
                 self._compare(trace, q, batch)
@@ -346,9 +347,11 @@ class DecodeEngine:
     def _compare(self, trace: LayerTrace, q: torch.Tensor, batch: ForwardBatch) -> None:
         """Dense attention (the oracle) beside the layer's output: recall, mass kept, output error."""
         pool, md = self.manager.token_to_kv_pool, trace.metadata
-        ref, probs = dense_decode_attention(q, pool.get_key_buffer(trace.layer), pool.get_value_buffer(trace.layer),
-                                            self.manager.req_to_token_pool.req_to_token, batch.req_pool_indices,
-                                            batch.seq_lens, return_probs=True)
+        k_buf, v_buf = pool.get_key_buffer(trace.layer), pool.get_value_buffer(trace.layer)
+        on = k_buf.device  # an offloaded layer's K/V is in host memory: the oracle runs there
+        ref, probs = dense_decode_attention(q.to(on), k_buf, v_buf, self.manager.req_to_token_pool.req_to_token.to(on),
+                                            batch.req_pool_indices.to(on), batch.seq_lens.to(on), return_probs=True)
+        ref, probs = ref.to(q.device), probs.to(q.device)
         trace.dense_out, trace.output_error = ref, relative_error(trace.out, ref)
         if md.selected is None:  # a dense layer keeps everything
             trace.recall = trace.mass_kept = torch.ones(q.shape[0], device=q.device)
@@ -388,6 +391,14 @@ def check_engine(workload, algorithms, config, attention_backend, page_size, max
     if not isinstance(compare_dense, bool):
         fail("compare_dense", "True or False", describe(compare_dense), error=ConfigError)
     return algorithms, configs, num_pages, check_device("device", device)
+
+
+def check_offload_backend(offloaded, device, backend) -> None:
+    """Offload on a GPU needs the Triton backend: the host layers are read by kernels through unified addressing
+    (the torch reference indexes host tensors with device indices: CPU only)."""
+    if offloaded and device.type == "cuda" and backend != "triton":
+        fail("attention_backend", "'triton' (or 'auto') with offload_buffer on a GPU", repr(backend),
+             "build the engine with attention_backend='auto', or run the torch reference on CPU.", ConfigError)
 
 
 def check_finish(engine, req) -> None:

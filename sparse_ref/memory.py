@@ -123,18 +123,26 @@ class TokenToKVPool:
     """Paged K/V buffers: per layer, ``[num_pages * page_size, H_kv, D]``. Slot 0..P-1 is padding.
 
     ``allocator``: the ``PageAllocator`` of these pages; subscribe to it to hear about frees.
+    ``host_layers``: layers whose buffers live in host memory (pinned when CUDA is there), as KV offload keeps
+    them (``sparse_ref.offload``): the device holds none of their K/V.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", host_layers=()):
         self.allocator = PageAllocator(num_pages, page_size)
         self.num_pages, self.page_size = num_pages, page_size
         self.num_layers, self.num_kv_heads, self.head_dim, self.device = check_kv_pool(
             num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device)
-        self.dtype = dtype
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.dtype, self.host_layers = dtype, frozenset(host_layers)
+        shape, pin = (num_pages * page_size, num_kv_heads, head_dim), torch.cuda.is_available()
+
+        def buffer(layer):
+            if layer in self.host_layers:
+                return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        self.k_buffer = [buffer(layer) for layer in range(num_layers)]
+        self.v_buffer = [buffer(layer) for layer in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
@@ -149,8 +157,9 @@ class TokenToKVPool:
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[n, H_kv, D]`` into physical slots ``loc`` ``[n]``."""
         layer = check_set_kv(self, layer, loc, k, v)
-        self.k_buffer[layer][loc.long()] = k.to(self.dtype)
-        self.v_buffer[layer][loc.long()] = v.to(self.dtype)
+        on = self.k_buffer[layer].device  # a host layer: through the host (a sync on a GPU)
+        self.k_buffer[layer][loc.to(on).long()] = k.to(on, self.dtype)
+        self.v_buffer[layer][loc.to(on).long()] = v.to(on, self.dtype)
 
 
 @dataclass(eq=False)
@@ -182,11 +191,11 @@ class KVCacheManager:
     @classmethod
     def create(cls, *, max_requests: int, max_context_len: int, num_pages: int, page_size: int,
                num_layers: int = 1, num_kv_heads: int = 1, head_dim: int = 8, dtype=torch.float32,
-               device="cpu") -> KVCacheManager:
+               device="cpu", host_layers=()) -> KVCacheManager:
         """Build both pools and the manager in one call."""
         return cls(
             ReqToTokenPool(max_requests, max_context_len, device),
-            TokenToKVPool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device),
+            TokenToKVPool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, host_layers),
         )
 
     def slot_of(self, req: Request, t: int) -> int:

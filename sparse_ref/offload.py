@@ -1,7 +1,7 @@
 """KV offload to host memory with a per-request device hot buffer, as SGLang's HiSparse does (torch reference).
 
-Every token's K/V lives in a host pool (pinned when CUDA is there), addressed by the same slots as the KV
-pool (``req_to_token``). On the device each request row owns a hot buffer of ``size`` token slots, replaced
+Every token's K/V of an offloaded layer lives in host memory (pinned when CUDA is there): the KV pool's
+``host_layers``, addressed by the same slots (``req_to_token``); the device keeps none of it. On the device each request row owns a hot buffer of ``size`` token slots, replaced
 least-recently-used, plus one slot reserved for the newest token: the write path puts the new token's K/V
 there (and in the host pool), so it is always a hit. Each step, per layer, ``swap_in`` turns the tokens that
 attention reads (``positions_read``: a request's kept pages or tokens, or all of a dense row's) into hot
@@ -24,13 +24,23 @@ from sparse_ref.errors import ConfigError
 
 
 class HostKVPool:
-    """Every layer's K/V ``[num_slots, H_kv, D]`` in host memory, pinned when CUDA is there (a kernel reads it)."""
+    """Every layer's K/V ``[num_slots, H_kv, D]`` in host memory, pinned when CUDA is there (a kernel reads it).
+
+    The engine's is ``of_pool(token_to_kv_pool)``: the KV pool's host layers themselves (no second copy)."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype=torch.float32):
         pin = torch.cuda.is_available()
         shape = (num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+
+    @classmethod
+    def of_pool(cls, pool) -> HostKVPool:
+        """The host layers of a ``TokenToKVPool`` (``host_layers``) as a host pool: the same tensors."""
+        host = cls.__new__(cls)
+        host.k = [b if i in pool.host_layers else None for i, b in enumerate(pool.k_buffer)]
+        host.v = [b if i in pool.host_layers else None for i, b in enumerate(pool.v_buffer)]
+        return host
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V rows of ``slots`` (the KV pool's slots) into the host pool."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparse_ref.config import IndexerConfig, SparseConfig
-from sparse_ref.engine import DecodeEngine
+from sparse_ref.engine import DecodeEngine, check_offload_backend
 from sparse_ref.engine_graph import GraphedDecodeStep
 from sparse_ref.errors import ConfigError
 from sparse_ref.offload import HostKVPool, HotBuffer, positions_read
@@ -26,11 +26,12 @@ SCRIPT = [("add", 37), ("add", 22), ("step",), ("step",), ("add", 9), ("step",),
           ("add", 41), ("step",), ("step",), ("finish", 1), ("add", 30), ("step",), ("step",), ("step",)]
 
 
-def engines(offload_buffer=64, backend="torch"):
+def engines(offload_buffer=64, backend="torch", device="cpu"):
     wl = PlantedEngineWorkload(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=13)
     cfg = SparseConfig(page_budget=2, num_recent_pages=1, num_sink_pages=1, min_sparse_seq_len=12)
-    kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, attention_backend=backend)
+    kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, attention_backend=backend,
+              device=device)
     return DecodeEngine(wl, LAYERS, cfg, **kw), DecodeEngine(wl, LAYERS, cfg, offload_buffer=offload_buffer, **kw)
 
 
@@ -94,6 +95,29 @@ def test_offload_engine_equals_the_all_on_device_engine_through_joins_and_leaves
     assert run(SCRIPT, pair) == 9
     hot = pair[1].hot
     assert hot.hits > 0 and hot.misses > 0 and hot.bytes_in == hot.misses * 2 * 2 * 8 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_offload_engine_equals_the_all_on_device_engine():
+    """On a GPU: K/V of the sparse layers only in pinned host memory, read by the kernels through unified
+    addressing (the swap-in, the Quest bounds); equal to the all-on-device engine at every step."""
+    pair = engines(backend="triton", device="cuda")
+    assert all(pair[1].manager.token_to_kv_pool.k_buffer[layer].is_pinned() for layer in pair[1].offloaded)
+    assert run(SCRIPT, pair) == 9 and pair[1].hot.misses > 0
+
+
+def test_offloaded_layers_keep_their_kv_in_host_memory_only():
+    """The KV pool's offloaded layers are the host pool (no second copy); a dense layer stays on the device; a
+    GPU engine with the torch reference is refused (it would index host tensors with device indices)."""
+    _, off = engines()
+    pool = off.manager.token_to_kv_pool
+    assert pool.host_layers == {0, 1} and off.offloaded == [0, 1]
+    assert all(pool.k_buffer[i] is off.host_kv.k[i] and pool.v_buffer[i] is off.host_kv.v[i] for i in (0, 1))
+    assert off.host_kv.k[2] is None and pool.k_buffer[2].device == off.device
+    with pytest.raises(ConfigError, match="attention_backend: expected 'triton'"):
+        check_offload_backend([0], torch.device("cuda"), "torch")
+    check_offload_backend([], torch.device("cuda"), "torch")  # no offload: any backend
 
 
 def test_the_kernel_and_the_reference_leave_the_same_hot_buffer_state():

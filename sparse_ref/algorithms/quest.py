@@ -328,8 +328,10 @@ def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> torch.
         raise BatchError(f"{fn}: expected {article} {want_mode.name} batch, got {forward_batch.forward_mode}. "
                          f"Fix: {other} instead.")
     want = (algo.num_pages * algo.page_size, algo.num_kv_heads, algo.head_dim)
-    check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, shape=want, device=algo.device.type,
-                 fix="pass token_to_kv_pool.get_key_buffer(layer_id).")
+    host = isinstance(k_buffer, torch.Tensor) and k_buffer.is_pinned() and algo.uses_triton_scoring()
+    check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, shape=want, device=None if host else algo.device.type,
+                 fix="pass token_to_kv_pool.get_key_buffer(layer_id) (pinned host memory: with the Triton kernels "
+                     "only, which read it through unified addressing).")
     return k_buffer.view(algo.num_pages, algo.page_size, algo.num_kv_heads, algo.head_dim)
 
 

@@ -161,6 +161,7 @@ def check_page_bounds_update(k_buffer, page_min, page_max, page_valid, req_to_to
                      fix=f"pass forward_batch.{'extend_prefix_lens' if name == 'prefix_lens' else name}, one per "
                          "request.")
     check_kernel_device(f"{fn}: page_min", page_min, "move the pools to the GPU, or use the torch bounds update.")
+    on_host = {} if k_buffer.is_pinned() else {"k_buffer": k_buffer}  # pinned host K (offload): read through UVA
     check_same_device(fn, "page_min", {"page_min": page_min, "page_max": page_max, "page_valid": page_valid,
-                                       "k_buffer": k_buffer, "req_to_token": req_to_token,
+                                       **on_host, "req_to_token": req_to_token,
                                        "req_pool_indices": req_pool_indices, **lens})

@@ -1,13 +1,14 @@
 """KV offload to host memory with a per-request device hot buffer, as SGLang's HiSparse does (torch reference).
 
 Every token's K/V of an offloaded layer lives in host memory (pinned when CUDA is there): the KV pool's
-``host_layers``, addressed by the same slots (``req_to_token``); the device keeps none of it. On the device each request row owns a hot buffer of ``size`` token slots, replaced
-least-recently-used, plus one slot reserved for the newest token: the write path puts the new token's K/V
-there (and in the host pool), so it is always a hit. Each step, per layer, ``swap_in`` turns the tokens that
-attention reads (``positions_read``: a request's kept pages or tokens, or all of a dense row's) into hot
-slots: a hit keeps its slot, a miss takes an empty slot or the least recently used one this step does not
-need, and its K/V is copied in from the host pool. Attention then reads the hot buffer through a
-page-size-1 table: the same tokens, in the same order, as the all-on-device step.
+``host_layers``, addressed by the same slots (``req_to_token``); the device keeps none of it. On the device
+each request row owns a hot buffer of ``size`` token slots, replaced least-recently-used, plus one slot
+reserved for the newest token: the write path puts the new token's K/V there (and in the host pool), so it
+is always a hit. Each step, per layer, ``swap_in`` turns the tokens that attention reads
+(``positions_read``: a request's kept pages or tokens, or all of a dense row's) into hot slots: a hit keeps
+its slot, a miss takes an empty slot or the least recently used one this step does not need, and its K/V
+is copied in from the host pool. Attention then reads the hot buffer through a page-size-1 table: the same
+tokens, in the same order, as the all-on-device step.
 
 The buffer's state is kept as the kernel keeps it (``sparse_ref.kernels.swap_in``, one launch, no host sync):
 per layer and row, the token each slot holds (``token``, -1 empty), the step it was last used

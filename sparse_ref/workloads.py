@@ -215,7 +215,10 @@ class PlantedEngineWorkload:
     * ``head_needles``: extra needles aligned with one query head's *own* direction (its base query
       minus the group mean). The group mean does not see them: they are where Quest's ``mean`` GQA
       mode fails and ``per_kv_head`` does not;
-    * decode tokens: fresh keys with the locality boost (a new token is recent); values are ``N(0, 1)``.
+    * decode tokens: fresh keys with the locality boost (a new token is recent); values are ``N(0, 1)``;
+    * ``query_drift`` (radians per decode step, 0 by default): the decode query turns from the base query
+      towards a second random one (and the indexer's direction towards a second one), so what a request
+      attends to drifts step by step (the offload bench's drifting workload).
 
     **Hidden states for the DSA indexer** (``indexer_config``, small by default). DSA's indexer reads
     the hidden states ``x`` and the query latent ``q_lora``, not Q/K. We build them backwards from the
@@ -238,12 +241,15 @@ class PlantedEngineWorkload:
     local_window: int = 32
     local_strength: float = 1.0
     query_noise: float = 0.3
+    query_drift: float = 0.0
     indexer_config: object = None  # IndexerConfig; default: a small one (see __post_init__)
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
             check_int(name, getattr(self, name), low=1, error=SparseRefError)
+        check_float("query_drift", self.query_drift, low=0.0, high=math.pi, error=SparseRefError,
+                    fix="radians per decode step in [0, pi]; 0 keeps each request's query steady.")
         if self.num_q_heads % self.num_kv_heads:
             raise SparseRefError(f"num_q_heads {self.num_q_heads} must be a multiple of num_kv_heads "
                                  f"{self.num_kv_heads}.")
@@ -329,13 +335,19 @@ class PlantedEngineWorkload:
         """
         gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 4, position))
         base, _, _ = self._base_query(req, layer)
+        angle = self.query_drift * max(position - req.prompt_len, 0)
+        if angle:  # drift: towards a second query of the same scale, as a rotation
+            other = torch.randn(base.shape, generator=torch.Generator().manual_seed(
+                _mixed_seed(self.seed, req.key, layer, 7)))
+            base = math.cos(angle) * base + math.sin(angle) * other * base.norm(dim=-1, keepdim=True) / other.norm(
+                dim=-1, keepdim=True)
         q = base + self.query_noise * torch.randn(base.shape, generator=gen)
         boost = torch.full((1,), self.local_strength)
         keys = self._keys(req, layer, torch.tensor([position]), boost, gen)
         values = torch.randn(1, self.num_kv_heads, self.head_dim, generator=gen)
         if not with_hidden:
             return q, keys, values, None, None
-        return q, keys, values, self._hidden(req, layer, boost, gen), self._q_lora(req, layer, gen)
+        return q, keys, values, self._hidden(req, layer, boost, gen), self._q_lora(req, layer, gen, angle)
 
     def _index_boost(self, req: PlantedRequest, boost: torch.Tensor) -> torch.Tensor:
         """What the indexer sees: attention's boosts, with the head needles as ordinary needles.
@@ -368,10 +380,10 @@ class PlantedEngineWorkload:
                                                                                           .double()))
         return self._indexer_solvers[layer]
 
-    def _direction(self, req: PlantedRequest, layer: int) -> torch.Tensor:
+    def _direction(self, req: PlantedRequest, layer: int, tag: int = 6) -> torch.Tensor:
         """The request's indexer direction ``d``: unit, zero on the RoPE dims and zero-mean (LayerNorm keeps it)."""
         c = self.indexer_config
-        gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, 6))
+        gen = torch.Generator().manual_seed(_mixed_seed(self.seed, req.key, layer, tag))
         d = torch.zeros(c.head_dim, dtype=torch.float64)
         d[c.rope_dim:] = torch.randn(c.head_dim - c.rope_dim, generator=gen, dtype=torch.float64)
         d[c.rope_dim:] -= d[c.rope_dim:].mean()
@@ -384,9 +396,13 @@ class PlantedEngineWorkload:
         target = torch.cat([z, torch.ones(len(boost), c.n_heads, dtype=torch.float64)], dim=1)
         return (target @ self._solvers(layer)[0].T).float()
 
-    def _q_lora(self, req: PlantedRequest, layer: int, gen) -> torch.Tensor:
+    def _q_lora(self, req: PlantedRequest, layer: int, gen, angle: float = 0.0) -> torch.Tensor:
         c = self.indexer_config
-        q = self._direction(req, layer)[None, :] * math.sqrt(c.head_dim) * 2.0
+        d = self._direction(req, layer)
+        if angle:  # drift: the direction turns towards a second one
+            d = math.cos(angle) * d + math.sin(angle) * self._direction(req, layer, tag=8)
+            d = d / d.norm()
+        q = d[None, :] * math.sqrt(c.head_dim) * 2.0
         q = q + 0.5 * torch.randn(c.n_heads, c.head_dim, generator=gen, dtype=torch.float64)
         return (q.reshape(1, -1) @ self._solvers(layer)[1].T).float()
 

@@ -122,3 +122,23 @@ def test_bench_json_is_strict_json():
     assert json.loads(text) == {"speedup": None, "tbps": None, "parts": [1.0, None], "ok": 2.5}
     with pytest.raises(ValueError):
         json.dumps(row, allow_nan=False)
+
+
+@pytest.mark.skipif(sparse_ref.default_device().type == "cuda", reason="the CPU smoke run")
+def test_offload_suite_reports_hit_rates_bytes_and_both_sides(tmp_path):
+    """The offload suite's rows: per-step hit rates in [0, 1] that start cold, bytes moved that match
+    (1 - hit rate) x tokens read x bytes per token, and each timed row beside its baseline."""
+    bench.main(["offload", "--quick", "--allow-cpu", "--out", str(tmp_path / "o.json")])
+    saved = json.loads((tmp_path / "o.json").read_text())
+    hits = [r for r in saved["rows"] if r["op"] == "offload_hit_rate"]
+    assert {(r["algorithm"], r["distribution"].split()[0]) for r in hits} == {
+        (a, d) for a in ("quest", "deepseek_dsa") for d in ("planted", "drift")}
+    for r in hits:
+        per_step = r["hit_rate_per_step"]
+        assert all(0 <= h <= 1 for h in per_step) and per_step[0] < r["hit_rate_steady"]
+        assert r["bytes_per_step"][0] > 0 and all(
+            abs(b - f) <= 1 for b, f in zip(r["bytes_per_step"], r["formula_bytes_per_step"], strict=True))
+    swaps = {r["distribution"]: r for r in saved["rows"] if r["op"] == "offload_swap_in"}
+    assert set(swaps) == {"from pinned host", "from device"} and swaps["from pinned host"]["torch_us"] > 0
+    (step,) = [r for r in saved["rows"] if r["op"] == "offload_step"]
+    assert step["torch_us"] > 0 and step["ours_us"] > 0 and step["misses_per_replay"] >= 0

@@ -15,7 +15,7 @@ import torch
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine, check_offload_backend
 from sparse_ref.engine_graph import GraphedDecodeStep
-from sparse_ref.errors import ConfigError
+from sparse_ref.errors import ConfigError, SparseRefError
 from sparse_ref.offload import HostKVPool, HotBuffer, positions_read
 from sparse_ref.workloads import PlantedEngineWorkload
 
@@ -261,3 +261,20 @@ def test_each_step_reports_its_hits_and_misses():
         read = sum(int(t.offload.kv_lens.sum()) for t in r.layers if t.offload is not None)
         assert r.offload_hits + r.offload_misses == read
     assert sum(r.offload_hits for r in later) > sum(r.offload_misses for r in later)
+
+
+def test_a_drifting_query_turns_away_from_the_steady_one():
+    """``query_drift``: the first decode query equals the steady workload's; later ones turn (cosine falls with
+    the steps), and an angle outside [0, pi] is refused."""
+    steady = PlantedEngineWorkload(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, query_noise=0.0)
+    drift = PlantedEngineWorkload(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, query_noise=0.0,
+                                  query_drift=0.1)
+    req = steady.request(0, 20)
+    q0 = [w.decode(req, 0, 20, with_hidden=False)[0] for w in (steady, drift)]
+    assert torch.equal(q0[0], q0[1])
+    cos = [torch.nn.functional.cosine_similarity(steady.decode(req, 0, 20 + t, False)[0],
+                                                 drift.decode(req, 0, 20 + t, False)[0], dim=-1).mean()
+           for t in (5, 10, 15)]
+    assert 1 > cos[0] > cos[1] > cos[2]
+    with pytest.raises(SparseRefError, match="query_drift"):
+        PlantedEngineWorkload(query_drift=-0.1)

@@ -1,6 +1,7 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
-SUITE is ``topk``, ``sweep``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine`` or ``all``; several
+SUITE is ``topk``, ``sweep``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine``, ``offload`` or
+``all``; several
 may be given (``python -m sparse_ref.bench quest retrieve``). One module per suite (its docstring says what it
 measures), all timed by ``timing.py``: CUDA events around CUDA-graph replays, median of many calls,
 L2 cold (a 1 GiB buffer zeroed before each call) or warm, against the copy bandwidth measured in the
@@ -27,13 +28,15 @@ import sparse_ref
 from sparse_ref.bench.decode import bench_decode
 from sparse_ref.bench.dsa import bench_dsa
 from sparse_ref.bench.engine import bench_engine
+from sparse_ref.bench.offload import bench_offload
 from sparse_ref.bench.quest import bench_quest, bench_retrieve
 from sparse_ref.bench.timing import COPY_DETAIL, Timer, copy_bandwidth
 from sparse_ref.bench.topk import bench_select, bench_topk, bench_topk_sweep
 from sparse_ref.checks import cli_output_file, cli_parser, json_safe
 
 SUITES = {"topk": bench_topk, "sweep": bench_topk_sweep, "select": bench_select, "quest": bench_quest,
-          "retrieve": bench_retrieve, "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine}
+          "retrieve": bench_retrieve, "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine,
+          "offload": bench_offload}
 
 
 

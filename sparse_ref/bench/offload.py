@@ -18,6 +18,7 @@ Four measurements, each beside its baseline in the same run:
 from __future__ import annotations
 
 import statistics
+from functools import partial
 
 import torch
 
@@ -93,20 +94,22 @@ def swap_in_bandwidth(device, timer, copy_bw, on_cpu):
     counts, seq_lens = torch.full((bs,), n + 1, dtype=torch.int32, **on), torch.full((bs,), 2 * n + 1, **on)
     new = torch.randn(bs, h_kv, d, **on)
     moved = bs * n * hot.token_bytes
+    def call(positions, host_k, host_v):
+        return swap_in(positions, counts, seq_lens, torch.arange(bs, **on), r2t, host_k, host_v, hot.k[0], hot.v[0],
+                       new, new, r2t[:, -1].long(), hot.token[0], hot.last_used[0], hot.slot_of[0], hot.clock[0:1],
+                       hot.stats, size)
+
+    pin = torch.cuda.is_available()
     for where in ("pinned host", "device"):
-        host_k = torch.randn(1 + bs * slots, h_kv, d, **on).to(torch.bfloat16)
+        pool = [torch.randn(1 + bs * slots, h_kv, d, **on).to(torch.bfloat16) for _ in range(2)]
         if where == "pinned host":
-            host_k = host_k.cpu().pin_memory() if torch.cuda.is_available() else host_k.cpu()
-        host_v = host_k.clone()
-        calls = [lambda s=s: swap_in(s.expand(bs, -1).contiguous(), counts, seq_lens, torch.arange(bs, **on), r2t,
-                                     host_k, host_v, hot.k[0], hot.v[0], new, new, r2t[:, -1].long(), hot.token[0],
-                                     hot.last_used[0], hot.slot_of[0], hot.clock[0:1], hot.stats, size)
-                 for s in sets]  # the two sets alternate: every token of every call misses
-        ours = timer.cold(calls)
+            pool = [t.cpu().pin_memory() if pin else t.cpu() for t in pool]
+        # the two sets alternate: every token of every call misses
+        ours = timer.cold([partial(call, s.expand(bs, -1).contiguous(), *pool) for s in sets])
         if where == "pinned host":
             dst = torch.empty(moved // 2, dtype=torch.bfloat16, **on)
-            src = torch.empty(moved // 2, dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())
-            base = timer.cold([lambda: dst.copy_(src, non_blocking=True)])
+            src = torch.empty(moved // 2, dtype=torch.bfloat16, pin_memory=pin)
+            base = timer.cold([partial(dst.copy_, src, non_blocking=True)])
         else:
             base = float("nan")
         gbps = moved / (ours * 1e-6) / 1e9

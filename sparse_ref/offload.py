@@ -115,9 +115,9 @@ class HotBuffer:
             for t in needed:
                 if t in held:
                     used[held[t]] = clock
-            victims = sorted((s for s in range(self.size) if used[s] != clock),
-                             key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))[: len(missing)]
-            for t, s in zip(missing, victims, strict=True):  # empty slots first, then the least recently used
+            victims = sorted(sorted((s for s in range(self.size) if used[s] != clock),  # empty slots first, then
+                                    key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))[: len(missing)])
+            for t, s in zip(missing, victims, strict=True):  # the least recently used; in slot order
                 if tokens[s] >= 0:
                     del held[tokens[s]]
                 tokens[s], used[s], held[t] = t, clock, s

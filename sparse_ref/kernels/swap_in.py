@@ -8,8 +8,10 @@ program (one request row):
 0. writes the row's new token's K/V into its reserved slot ``B`` and into the host pool (the write path);
 1. looks its tokens up in ``slot_of`` (the newest token is always in the reserved slot ``B``): hits are
    stamped with this step's ``clock``;
-2. ranks every slot by (not used this step, empty first, then least recently used, then slot id) with one
-   sort of packed keys, and writes the order to its scratch row; the ``m``-th miss takes the ``m``-th slot;
+2. keys every slot by (used this step last, empty first, then least recently used, then slot id), packed in
+   one int64, finds the ``m``-th smallest key by bisection (``m`` misses; no sort: a sort of 4096 keys in one
+   program takes minutes to compile) and lists the ``m`` victims in slot order; the ``j``-th miss (in
+   position order) takes the ``j``-th victim;
 3. for each miss: forgets the slot's old token, records the new one and stamps the slot; writes which host
    row each missed entry copies from;
 4. writes the row's page-size-1 table (0 past its tokens).
@@ -57,16 +59,23 @@ def _swap_in_kernel(positions, counts, seq_lens, rows, req_to_token, host_k, hos
     hit = lookup & (s >= 0)
     tl.store(last_used + row * B + s, tl.full([W_PAD], 0, tl.int32) + clock, mask=hit)
     tl.debug_barrier()
-    # 2. every slot ranked: used this step last, then empty, then least recently used, then by slot id
+    # 2. every slot keyed: used this step last, then empty, then least recently used, then by slot id
     i = tl.arange(0, B_PAD)
     held = tl.load(token + row * B + i, mask=i < B, other=-1)
     used = tl.load(last_used + row * B + i, mask=i < B, other=0)
     group = tl.where(i >= B, 3, tl.where(used == clock, 2, tl.where(held < 0, 0, 1))).to(tl.int64)
     key = (group * 4294967296 + tl.where(held < 0, 0, used).to(tl.int64)) * B_PAD + i  # unique: ties by slot id
-    order = (tl.sort(key) % B_PAD).to(tl.int32)
-    tl.store(scratch + b.to(tl.int64) * B_PAD + i, order)
-    tl.debug_barrier()
     miss = lookup & ~hit
+    m = tl.sum(miss.to(tl.int64), axis=0)  # the m smallest keys are the victims: their threshold by bisection
+    lo, hi = tl.full([], -1, tl.int64), tl.full([], 1 << 50, tl.int64)  # #(key <= lo) < m <= #(key <= hi)
+    for _ in range(51):
+        mid = (lo + hi) // 2
+        enough = tl.sum((key <= mid).to(tl.int64), axis=0) >= m
+        hi, lo = tl.where(enough, mid, hi), tl.where(enough, lo, mid)
+    chosen = (key <= hi) & (m > 0)
+    tl.store(scratch + b.to(tl.int64) * B_PAD + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, i.to(tl.int32),
+             mask=chosen)  # the victims in slot order
+    tl.debug_barrier()
     tl.atomic_add(stats, tl.sum((valid & ~miss).to(tl.int64), axis=0))
     tl.atomic_add(stats + 1, tl.sum(miss.to(tl.int64), axis=0))
     victim = tl.load(scratch + b.to(tl.int64) * B_PAD + tl.cumsum(miss.to(tl.int32), axis=0) - 1, mask=miss,

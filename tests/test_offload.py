@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import sparse_ref
-
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine, check_offload_backend
 from sparse_ref.engine_graph import GraphedDecodeStep

@@ -1,8 +1,7 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
-SUITE is ``topk``, ``sweep``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine``, ``offload`` or
-``all``; several
-may be given (``python -m sparse_ref.bench quest retrieve``). One module per suite (its docstring says what it
+SUITE is ``topk``, ``sweep``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine``, ``offload`` (or one
+of its parts: ``offload_capacity``, ``offload_swap``, ``offload_step``, ``offload_hits``) or ``all``; several may be given (``python -m sparse_ref.bench quest retrieve``). One module per suite (its docstring says what it
 measures), all timed by ``timing.py``: CUDA events around CUDA-graph replays, median of many calls,
 L2 cold (a 1 GiB buffer zeroed before each call) or warm, against the copy bandwidth measured in the
 same run, and always beside the baseline under the same output contract.
@@ -28,6 +27,7 @@ import sparse_ref
 from sparse_ref.bench.decode import bench_decode
 from sparse_ref.bench.dsa import bench_dsa
 from sparse_ref.bench.engine import bench_engine
+from sparse_ref.bench.offload import PARTS as OFFLOAD_PARTS
 from sparse_ref.bench.offload import bench_offload
 from sparse_ref.bench.quest import bench_quest, bench_retrieve
 from sparse_ref.bench.timing import COPY_DETAIL, Timer, copy_bandwidth
@@ -36,7 +36,7 @@ from sparse_ref.checks import cli_output_file, cli_parser, json_safe
 
 SUITES = {"topk": bench_topk, "sweep": bench_topk_sweep, "select": bench_select, "quest": bench_quest,
           "retrieve": bench_retrieve, "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine,
-          "offload": bench_offload}
+          "offload": bench_offload, **OFFLOAD_PARTS}
 
 
 
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     print(f"sparse_ref.bench on {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     copy_bw = copy_bandwidth(device, timer)
     print(f"device-to-device copy bandwidth: {'n/a on CPU' if on_cpu else f'{copy_bw:.2f} TB/s'}", flush=True)
-    suites = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
+    suites = [s for s in SUITES if s not in OFFLOAD_PARTS] if "all" in args.suite else list(dict.fromkeys(args.suite))
     rows = []
     for i, name in enumerate(suites):
         print(f"== {name}", flush=True)

@@ -115,9 +115,10 @@ class HotBuffer:
             for t in needed:
                 if t in held:
                     used[held[t]] = clock
-            victims = sorted(sorted((s for s in range(self.size) if used[s] != clock),  # empty slots first, then
-                                    key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))[: len(missing)])
-            for t, s in zip(missing, victims, strict=True):  # the least recently used; in slot order
+            free = sorted((s for s in range(self.size) if used[s] != clock),  # empty slots first, then the least
+                          key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))  # recently used
+            victims = sorted(free[: len(missing)])  # in slot order
+            for t, s in zip(missing, victims, strict=True):
                 if tokens[s] >= 0:
                     del held[tokens[s]]
                 tokens[s], used[s], held[t] = t, clock, s

@@ -44,8 +44,8 @@ def gathered(engine, trace, md, buffers):
     out = []
     for r in range(md.page_table.shape[0]):
         n = int(md.kv_lens[r])
-        slots = (md.page_table[r].long()[:, None] * md.page_size + torch.arange(md.page_size, device=md.page_table.device)
-                 ).reshape(-1)[:n]
+        offsets = torch.arange(md.page_size, device=md.page_table.device)
+        slots = (md.page_table[r].long()[:, None] * md.page_size + offsets).reshape(-1)[:n]
         out.append((k_buf[slots], v_buf[slots]))
     return out
 

@@ -1,8 +1,8 @@
 """Side-by-side GPU timings: ``python -m sparse_ref.bench SUITE [SUITE ...] [--quick] [--out PATH]``.
 
 SUITE is ``topk``, ``sweep``, ``select``, ``quest``, ``retrieve``, ``decode``, ``dsa``, ``engine``, ``offload`` (or one
-of its parts: ``offload_capacity``, ``offload_swap``, ``offload_step``, ``offload_hits``) or ``all``; several may be given (``python -m sparse_ref.bench quest retrieve``).
-One module per suite (its docstring says what it
+of its parts: ``offload_capacity``, ``offload_swap``, ``offload_step``, ``offload_hits``) or ``all``; several
+may be given (``python -m sparse_ref.bench quest retrieve``). One module per suite (its docstring says what it
 measures), all timed by ``timing.py``: CUDA events around CUDA-graph replays, median of many calls,
 L2 cold (a 1 GiB buffer zeroed before each call) or warm, against the copy bandwidth measured in the
 same run, and always beside the baseline under the same output contract.

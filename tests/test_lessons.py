@@ -24,6 +24,7 @@ import flash_decode  # noqa: E402
 import quest_scores  # noqa: E402
 import radix_topk  # noqa: E402
 import select_to_table  # noqa: E402
+import swap_in as swap_in_lesson  # noqa: E402
 
 from sparse_ref.algorithms.dsa import indexer_logits, paged_indexer_logits_reference  # noqa: E402
 from sparse_ref.algorithms.quest import quest_page_scores_reference  # noqa: E402
@@ -35,6 +36,7 @@ from sparse_ref.kernels.dsa import paged_indexer_logits  # noqa: E402
 from sparse_ref.kernels.page_select import select_pages_to_table  # noqa: E402
 from sparse_ref.kernels.quest import quest_page_scores  # noqa: E402
 from sparse_ref.kernels.topk import topk  # noqa: E402
+from sparse_ref.offload import HostKVPool, HotBuffer  # noqa: E402
 from sparse_ref.selection import select_pages, topk_reference  # noqa: E402
 
 DEVICE = sparse_ref.default_device()
@@ -44,7 +46,7 @@ def test_lessons_folder_is_not_a_package():
     root = Path(__file__).resolve().parents[1] / "kernels"
     assert not (root / "__init__.py").exists()
     assert {p.stem for p in root.glob("*.py")} >= {"radix_topk", "delegate_kernels", "quest_scores", "dsa_logits",
-                                                    "select_to_table", "flash_decode"}
+                                                    "select_to_table", "flash_decode", "swap_in"}
 
 
 # ---------------------------------------------------------------- notebook 05: radix top-k, delegates
@@ -219,3 +221,42 @@ def test_flash_decode_equals_package_and_reference(splits):
     torch.testing.assert_close(ours, package, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(ours, reference, rtol=2e-3, atol=2e-3)
     assert bool((ours[0] == 0).all())  # request 0 has no tokens: zeros
+
+
+# ---------------------------------------------------------------- notebook 10: the offload swap-in
+@pytest.mark.parametrize("size, seed", [(5, 0), (13, 1)])
+def test_teaching_swap_in_equals_the_reference(size, seed):
+    """Step after step (sliding windows, jumps, short dense rows, a row forgotten and reused, batch order not row
+    order): the same tables, slots, LRU state and hot K/V as ``HotBuffer.swap_in``."""
+    rows, max_ctx, width, g = 3, 40, 18, torch.Generator().manual_seed(seed)
+    host = HostKVPool(1 + rows * max_ctx, 1, 2, 3)
+    host.k[0].copy_(torch.randn(host.k[0].shape, generator=g))
+    host.v[0].copy_(torch.randn(host.v[0].shape, generator=g))
+    r2t = (1 + torch.randperm(rows * max_ctx, generator=g)).int().view(rows, max_ctx)
+    ref, lesson = HotBuffer(1, rows, size, 2, 3, max_ctx), HotBuffer(1, rows, size, 2, 3, max_ctx, device=DEVICE)
+    seq = [9, 20, 4]
+    for it in range(10):
+        seq = [x + 1 for x in seq]
+        order = [2, 0, 1] if it % 2 else [0, 1, 2]
+        positions = torch.zeros(rows, width, dtype=torch.int32)
+        counts = torch.zeros(rows, dtype=torch.int32)
+        for b, r in enumerate(order):
+            keep = min(size, seq[r] - 1)
+            pick = torch.randperm(seq[r] - 1, generator=g)[:keep] if it % 3 == 2 else torch.arange(seq[r] - 1 - keep,
+                                                                                                     seq[r] - 1)
+            want = sorted(pick.tolist()) + [seq[r] - 1]
+            positions[b, : len(want)], counts[b] = torch.tensor(want), len(want)
+        args = (torch.tensor(order), positions, counts, torch.tensor(seq)[order])
+        want = ref.swap_in(0, *args, host, r2t)
+        got = swap_in_lesson.teaching_swap_in(lesson, 0, *(a.to(DEVICE) for a in args), host, r2t.to(DEVICE))
+        assert torch.equal(got.cpu(), want)
+        for name in ("token", "last_used", "slot_of", "clock"):
+            assert torch.equal(getattr(lesson, name).cpu(), getattr(ref, name)), (it, name)
+        held = ref.token[0] >= 0
+        hot_ref, hot_les = (h.k[0][1:].view(rows, size + 1, 2, 3)[:, :-1][held] for h in (ref, lesson))
+        assert torch.equal(hot_les.cpu(), hot_ref)
+        if it == 5:
+            ref.forget(1)
+            lesson.forget(1)
+            seq[1] = 2
+    assert ref.misses > 0 and ref.hits > 0

@@ -436,3 +436,50 @@ def check_order_hash(fn):
                 assert fn(moved.view(3, 16)) != fn(ids), f"ids [{pos}] + {a} and [{pos + 1}] {b} must change the " \
                     "hash (a linear hash, such as a weighted sum, cannot tell these apart)"
     _passed("order_hash")
+
+
+# ------------------------------------------------------------------ 10_offload
+def _lru_victims_spec(tokens, last_used, clock, m):
+    free = [s for s in range(len(tokens)) if last_used[s] != clock]
+    free.sort(key=lambda s: (tokens[s] >= 0, last_used[s] if tokens[s] >= 0 else 0, s))
+    return sorted(free[:m])
+
+
+def check_lru_victims(fn):
+    """``fn(tokens, last_used, clock, m) -> list``: the ``m`` slots a row's misses take, in slot order: never a slot
+    used this step (``last_used == clock``), empty slots (token -1) first, then the least recently used, ties to
+    the lower slot."""
+    cases = [([-1, -1, -1], [0, 0, 0], 1, 2), ([5, 7, 9, 11], [3, 1, 2, 1], 4, 2), ([5, 7, -1, 11], [4, 1, 0, 4], 4, 1),
+             ([5, 7, 9], [2, 2, 2], 3, 3), ([5, 7, 9], [3, 1, 3], 3, 1), ([4, 8], [1, 1], 2, 0)]
+    g = _gen(10)
+    for _ in range(40):
+        size = int(torch.randint(1, 9, (1,), generator=g))
+        clock = 6
+        used = torch.randint(0, clock + 1, (size,), generator=g).tolist()
+        tokens = [int(t) if torch.rand(1, generator=g) > 0.2 else -1 for t in torch.randperm(50, generator=g)[:size]]
+        used = [0 if t < 0 else u for t, u in zip(tokens, used, strict=True)]
+        cases.append((tokens, used, clock, int(torch.randint(0, 1 + sum(u != clock for u in used), (1,), generator=g))))
+    for tokens, used, clock, m in cases:
+        got, want = list(fn(list(tokens), list(used), clock, m)), _lru_victims_spec(tokens, used, clock, m)
+        assert got == want, f"tokens {tokens}, last_used {used}, clock {clock}, m={m}: got {got}, want {want}"
+    _passed("lru_victims")
+
+
+def _break_even_spec(t_device, t_offload, device_max, offload_max):
+    best = max(b / t_device(b) for b in range(1, device_max + 1))
+    return next((b for b in range(1, offload_max + 1) if b / t_offload(b) > best), None)
+
+
+def check_break_even_batch(fn):
+    """``fn(t_device, t_offload, device_max, offload_max)``: the smallest batch (at most ``offload_max``) whose
+    offload throughput ``b / t_offload(b)`` beats the best all-on-device throughput over batches 1..device_max;
+    ``None`` if none does."""
+    cases = [(lambda b: 100 + 5 * b, lambda b: 100 + 6 * b, 10, 200), (lambda b: 100 + 5 * b, lambda b: 100 + 9 * b,
+                                                                       30, 400),
+             (lambda b: 50 + b, lambda b: 50 + 1.5 * b, 8, 64), (lambda b: 10.0 * b, lambda b: 20.0 * b, 4, 100),
+             (lambda b: 200 + 2 * b, lambda b: 900 + 2 * b, 16, 16)]
+    for t_dev, t_off, n_dev, n_off in cases:
+        got, want = fn(t_dev, t_off, n_dev, n_off), _break_even_spec(t_dev, t_off, n_dev, n_off)
+        assert got == want, f"device fits {n_dev}, offload {n_off}: got {got}, want {want} (t_device(1) = " \
+            f"{t_dev(1)}, t_offload(1) = {t_off(1)})"
+    _passed("break_even_batch")

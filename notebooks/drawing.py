@@ -502,3 +502,58 @@ def graph_against_eager(step: dict, result: dict):
                  f"{str(result.get('date', '?'))[:10]})", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- 10_offload
+def memory_and_bandwidth(per_request: dict, hbm_tbps: float, pcie_gbps: float, copy_engine_gbps: float,
+                         source: str):
+    """Left: bytes per 128K request on the device and in host memory, all-on-device against offload. Right: the
+    two bandwidths a decode step can read K/V through (log scale)."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1.4, 1]})
+    names = list(per_request)
+    device = [per_request[n]["device"] / 2**20 for n in names]
+    host = [per_request[n]["host"] / 2**20 for n in names]
+    pos = np.arange(len(names))
+    ax.bar(pos - 0.2, device, 0.4, color="C3", label="GPU memory (HBM)")
+    ax.bar(pos + 0.2, host, 0.4, color="C0", label="host memory (pinned)")
+    for x, d in zip(pos, device, strict=True):
+        ax.text(x - 0.2, d, f"{d:.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(pos, names)
+    ax.set(ylabel="MiB per 128K-token request, per layer", title=f"Where a request's K/V lives ({source})")
+    ax.legend(fontsize=8)
+    bars = {"HBM copy\n(device to device)": hbm_tbps * 1000, "PCIe: copy engine\n(pinned -> device)": copy_engine_gbps,
+            "PCIe: swap-in kernel\n(pinned, UVA reads)": pcie_gbps}
+    bx.bar(range(3), list(bars.values()), color=["C3", "C0", "C2"])
+    for x, v in enumerate(bars.values()):
+        bx.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    bx.set_xticks(range(3), list(bars), fontsize=8)
+    bx.set(yscale="log", ylabel="GB/s (log)", title="What a step can read K/V through")
+    fig.tight_layout()
+    return fig
+
+
+def selection_reuse(curves: dict, steps: int):
+    """Per decode step: the share of the tokens read that the previous step also read, and the hot buffer's hit
+    rate, one pair of lines per algorithm."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    for i, (name, c) in enumerate(curves.items()):
+        ax.plot(range(2, steps + 1), c["reuse"], f"C{i}--", label=f"{name}: read by the previous step too")
+        ax.plot(range(1, steps + 1), c["hit_rate"], f"C{i}-", marker="o", ms=3, label=f"{name}: hot-buffer hit rate")
+    ax.set(xlabel="decode step", ylabel="share of the tokens read", ylim=(-0.02, 1.02),
+           title="Why offload works: consecutive steps read mostly the same tokens")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def break_even(batches, device_tps, offload_tps, device_max: int, offload_max: int):
+    """Tokens per second against the batch, each engine up to the batch that fits its memory."""
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ax.plot(batches[:device_max], device_tps[:device_max], "C3-", label=f"all on the device (fits {device_max})")
+    ax.plot(batches[:offload_max], offload_tps[:offload_max], "C2-", label=f"offload (fits {offload_max})")
+    ax.axhline(device_tps[device_max - 1], color="C3", ls=":", lw=1)
+    ax.set(xlabel="requests in the batch", ylabel="decode tokens / s (model)",
+           title="The break-even batch: where offload's larger batch beats the device's best")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

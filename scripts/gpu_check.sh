@@ -21,7 +21,8 @@ status=0
 KERNEL_TESTS="tests/test_topk.py tests/test_page_select.py tests/test_page_table.py tests/test_decode_attention.py
   tests/test_dsa_kernel.py tests/test_quest_kernel.py tests/test_quest_fused.py tests/test_quest_bounds.py tests/test_cuda_graph.py
   tests/test_engine.py tests/test_engine_graph.py tests/test_retrieval.py tests/test_dsa.py tests/test_indexer.py
-  tests/test_bench.py tests/test_isolation.py tests/test_aot_compile.py"
+  tests/test_bench.py tests/test_isolation.py tests/test_offload.py tests/test_swap_in.py tests/test_lessons.py
+  tests/test_aot_compile.py"
 log() { echo "$*" | tee -a "$OUT/gpu_check.log"; }
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's sparse_ref, whatever else is installed
@@ -61,7 +62,7 @@ fi
 
 if [[ " $STAGES " == *" bench "* ]]; then
   log "== bench smoke (--quick)"
-  for suite in ${SUITES:-topk select quest decode dsa engine}; do
+  for suite in ${SUITES:-topk select quest decode dsa engine offload_capacity offload_swap}; do
     timeout "${T_BENCH:-240}" "$PY" -m sparse_ref.bench "$suite" ${BENCH_ARGS:---quick} --out "$OUT/h200_$suite.json" \
       2>&1 | tee "$OUT/bench_$suite.log" | tail -n 12 || status=1
   done

@@ -142,3 +142,5 @@ def test_offload_suite_reports_hit_rates_bytes_and_both_sides(tmp_path):
     assert set(swaps) == {"from pinned host", "from device"} and swaps["from pinned host"]["torch_us"] > 0
     (step,) = [r for r in saved["rows"] if r["op"] == "offload_step"]
     assert step["torch_us"] > 0 and step["ours_us"] > 0 and step["misses_per_replay"] >= 0
+    assert set(step["parts_us"]) == {"device", "offload"} and "swap-in (both launches)" in step["parts_us"]["offload"]
+    assert all(v > 0 for p in step["parts_us"].values() for v in p.values())

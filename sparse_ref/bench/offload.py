@@ -9,8 +9,9 @@ Four measurements, each beside its baseline in the same run:
   beside ``copy_`` of the same bytes from pinned memory (the copy engine) and the same kernels with the
   "host" pool in device memory;
 * **step time**, offload against all-on-device (1 Quest layer, CUDA-graph replay of one engine step, L2
-  cold), at bs 1, 8, 64 and 32K / 128K context, with the steady miss rate measured above: before each
-  replay the hot buffers are restored to a state missing that share of the tokens the step reads;
+  cold), at bs 1, 8, 64 and 32K / 128K context, at a 5% miss share (``MISS``): before each replay the hot
+  buffers are restored to a state missing that share of the tokens they hold; and the step's parts, each
+  timed alone the same way (bounds update, positions, swap-in, attention over either table);
 * **capacity**: the device bytes each engine allocates per 128K request (``torch.cuda.memory_allocated``,
   engines of 1 and 2 requests) and the requests that fit in a fixed device-memory cap, and in host RAM.
 """
@@ -18,12 +19,14 @@ Four measurements, each beside its baseline in the same run:
 from __future__ import annotations
 
 import statistics
+import time
 from functools import partial
 
 import torch
 
 from sparse_ref.bench.timing import row
 from sparse_ref.config import SparseConfig
+from sparse_ref.offload import positions_read
 
 BUDGET, BUFFER, PAGE = 2048, 4096, 16
 CAP_GIB, HOST_GIB = 16, 100  # device memory cap for the KV side; host RAM the pinned pools may use
@@ -139,25 +142,52 @@ def _restore_to(engine, miss: float, gen):
     return restore, int(drop.sum())
 
 
-def _timed_replays(timer, step, before, reps):
-    """Median µs of ``step.replay()`` with ``before()`` run (untimed) and the L2 flushed ahead of each."""
+def _timed_replays(timer, replay, before, reps):
+    """Median µs of ``replay()`` with ``before()`` run (untimed) and the L2 flushed ahead of each."""
     times = []
     for _ in range(reps):
         before()
         if not timer.on_gpu:
-            import time
             t0 = time.perf_counter()
-            step.replay()
+            replay()
             times.append((time.perf_counter() - t0) * 1e6)
             continue
         timer.flush.zero_()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        step.replay()
+        replay()
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) * 1e3)
     return statistics.median(times)
+
+
+def _parts_us(engine, step, timer, restore, reps) -> dict:
+    """The step's parts, each captured alone (on a GPU) and replayed with the hot buffers restored before each:
+    the bounds update and attention on both engines; positions and the swap-in with offload."""
+    from sparse_ref.bench.timing import capture_graph
+    from sparse_ref.kernels.decode_attention import paged_decode_attention
+
+    (trace,), batch, (q, k, v, _, _) = step.traces, step.batch, step.inputs[0]
+    md, hot_md, pool = trace.metadata, trace.offload, engine.manager.token_to_kv_pool
+    parts = {"bounds update": partial(engine.coordinator.algorithms[0].update_representations, 0, batch,
+                                      pool.get_key_buffer(0))}
+    if hot_md is None:
+        parts["attention (page-16 table)"] = partial(paged_decode_attention, q, pool.k_buffer[0], pool.v_buffer[0],
+                                                     md.page_table, md.kv_lens, md.page_size)
+    else:
+        width = md.page_table.shape[1] * md.page_size
+        parts["positions"] = partial(positions_read, md.selected, md.lengths, md.sparse_mask, batch.seq_lens,
+                                     md.page_size, width)
+        parts["swap-in (both launches)"] = partial(engine._swap_in, 0, batch, md, k, v)
+        parts["attention (page-1 hot table)"] = partial(paged_decode_attention, q, engine.hot.k[0], engine.hot.v[0],
+                                                        hot_md.page_table, hot_md.kv_lens, 1)
+    out = {}
+    for name, fn in parts.items():
+        restore()
+        replay = capture_graph(fn).replay if timer.on_gpu else fn
+        out[name] = round(_timed_replays(timer, replay, restore, reps), 1)
+    return out
 
 
 def _filled_engine(bs, ctx, buffer, device):
@@ -193,7 +223,7 @@ def step_times(device, timer, copy_bw, quick, on_cpu, miss=MISS):
         [(bs, ctx) for ctx in (32768, 131072) for bs in (1, 8, 64)]
     reps, rows = (3 if on_cpu else (20 if quick else 50)), []
     for bs, ctx in shapes:
-        us = {}
+        us, parts = {}, {}
         for mode in ("device", "offload"):
             engine = _filled_engine(bs, ctx, None if mode == "device" else (192 if on_cpu else BUFFER), device)
             pool = engine.manager.token_to_kv_pool
@@ -203,7 +233,8 @@ def step_times(device, timer, copy_bw, quick, on_cpu, miss=MISS):
             step.step()
             restore, dropped = _restore_to(engine, miss, torch.Generator(device=device).manual_seed(1)) \
                 if mode == "offload" else ((lambda: None), 0)
-            us[mode] = _timed_replays(timer, step, restore, reps)
+            us[mode] = _timed_replays(timer, step.replay, restore, reps)
+            parts[mode] = _parts_us(engine, step, timer, restore, reps)
             del step, engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -211,8 +242,11 @@ def step_times(device, timer, copy_bw, quick, on_cpu, miss=MISS):
                         us["device"], us["offload"], 0, copy_bw, "offload_step",
                         baseline="the same 1-layer Quest engine step, every K/V on the device (one graph)",
                         ratio_offload_over_device=round(us["offload"] / us["device"], 3), misses_per_replay=dropped,
+                        parts_us=parts,
                         note="replays of one captured step; before each, the hot buffers lose the miss share of "
-                             "the tokens they hold"))
+                             "the tokens they hold; parts_us: each part captured and replayed alone, same restore"))
+        print("    parts (us): " + "; ".join(f"{m}: " + ", ".join(f"{k} {v}" for k, v in p.items())
+                                     for m, p in parts.items()), flush=True)
     return rows
 
 

@@ -188,7 +188,7 @@ class DecodeEngine:
             pool = self.manager.token_to_kv_pool
             self.host_kv = HostKVPool.of_pool(pool)  # the pool's host layers: written by set_kv and the kernel
             self.hot = HotBuffer(pool.num_layers, max_requests, size, pool.num_kv_heads, pool.head_dim,
-                                 max_context_len, dtype, self.device)
+                                 max_context_len, dtype, self.device, layers=self.offloaded)
 
     def _most_tokens_read(self, dsa_topk: int, page_size: int) -> int:
         """The most tokens one request reads in a step, in any sparse layer (the hot buffer must hold them)."""

@@ -58,17 +58,19 @@ class HotBuffer:
     """
 
     def __init__(self, num_layers: int, num_rows: int, size: int, num_kv_heads: int, head_dim: int,
-                 max_context_len: int, dtype=torch.float32, device="cpu"):
+                 max_context_len: int, dtype=torch.float32, device="cpu", layers=None):
+        """``layers``: the layers that get K/V slots (default all; the engine's offloaded layers)."""
         self.size, self.width, self.device = size, size + 1, torch.device(device)
         shape, on = (1 + num_rows * self.width, num_kv_heads, head_dim), {"device": self.device}
-        self.k = [torch.zeros(shape, dtype=dtype, **on) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, **on) for _ in range(num_layers)]
+        has = set(range(num_layers) if layers is None else layers)
+        self.k = [torch.zeros(shape, dtype=dtype, **on) if i in has else None for i in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, **on) if i in has else None for i in range(num_layers)]
         self.token = torch.full((num_layers, num_rows, size), -1, dtype=torch.int32, **on)  # position held
         self.last_used = torch.zeros((num_layers, num_rows, size), dtype=torch.int32, **on)  # step of last use
         self.slot_of = torch.full((num_layers, num_rows, max_context_len), -1, dtype=torch.int32, **on)
         self.clock = torch.zeros(num_layers, dtype=torch.int32, **on)  # swap-ins so far, per layer
         self.stats = torch.zeros(2, dtype=torch.int64, **on)  # tokens read that were held (hits), copied in
-        self.token_bytes = 2 * num_kv_heads * head_dim * self.k[0].element_size()  # K + V of one token
+        self.token_bytes = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()  # K + V
 
     @property
     def hits(self) -> int:

@@ -119,6 +119,7 @@ def test_offloaded_layers_keep_their_kv_in_host_memory_only():
     assert pool.host_layers == {0, 1} and off.offloaded == [0, 1]
     assert all(pool.k_buffer[i] is off.host_kv.k[i] and pool.v_buffer[i] is off.host_kv.v[i] for i in (0, 1))
     assert off.host_kv.k[2] is None and pool.k_buffer[2].device == off.device
+    assert off.hot.k[2] is None and off.hot.k[0] is not None  # hot slots only for the offloaded layers
     with pytest.raises(ConfigError, match="attention_backend: expected 'triton'"):
         check_offload_backend([0], torch.device("cuda"), "torch")
     check_offload_backend([], torch.device("cuda"), "torch")  # no offload: any backend
@@ -283,3 +284,19 @@ def test_a_drifting_query_turns_away_from_the_steady_one():
     assert 1 > cos[0] > cos[1] > cos[2]
     with pytest.raises(SparseRefError, match="query_drift"):
         PlantedEngineWorkload(query_drift=-0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphed_offload_step_equals_the_eager_one():
+    """On a GPU the offload step (swap-in kernel included) is captured in one CUDA graph; its replays give the
+    outputs of the eager offload engine, step after step (the capture runs the first step twice: all hits)."""
+    (_, eager), (_, graphed) = engines(backend="triton", device="cuda"), engines(backend="triton", device="cuda")
+    for e in (eager, graphed):
+        e.add_request(30)
+        e.add_request(45)
+    step = GraphedDecodeStep(graphed)
+    for _ in range(4):
+        a, b = eager.step(), step.step()
+        assert all(torch.equal(x.out, y.out) for x, y in zip(a.layers, b, strict=True))
+    assert step.graph is not None and graphed.hot.hits > 0

@@ -152,6 +152,22 @@ WRONG = {
         ("a dense row's pages from the row's length", lambda kept, seq_len, row, P: _table_row(
             kept, seq_len, row, P, dense_from_row=True)),
     ],
+    "check_lru_victims": [
+        ("the lowest free slots, no LRU", lambda tokens, used, clock, m: [
+            s for s in range(len(tokens)) if used[s] != clock][:m]),
+        ("the most recently used evicted", lambda tokens, used, clock, m: sorted(sorted(
+            (s for s in range(len(tokens)) if used[s] != clock),
+            key=lambda s: (tokens[s] >= 0, -used[s], s))[:m])),
+        ("victims in LRU order, not slot order", lambda tokens, used, clock, m: sorted(
+            (s for s in range(len(tokens)) if used[s] != clock),
+            key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))[:m]),
+    ],
+    "check_break_even_batch": [
+        ("against the device at batch 1, not its best", lambda td, to, nd, no: next(
+            (b for b in range(1, no + 1) if b / to(b) > 1 / td(1)), None)),
+        ("past what offload fits", lambda td, to, nd, no: next(
+            (b for b in range(1, 10 * no) if b / to(b) > max(c / td(c) for c in range(1, nd + 1))), None)),
+    ],
 }
 
 

@@ -298,8 +298,8 @@ class DecodeEngine:
     def _swap_in(self, layer: int, batch: ForwardBatch, md: Metadata, k: torch.Tensor, v: torch.Tensor) -> Metadata:
         """Offload mode: the new token into the host pool and its row's reserved slot, then the tokens attention
         reads into the hot buffer; the metadata over the hot buffer (page size 1, the same tokens in order). The
-        Triton backend does it in one launch (no host sync: a CUDA graph holds it); the torch backend runs the
-        reference, which reads the selection back."""
+        Triton backend runs the swap-in kernel (two launches, no host sync: a CUDA graph holds it); the torch
+        backend runs the reference, which reads the selection back."""
         assert md.selected is not None, "offloaded layers are sparse"
         width = md.page_table.shape[1] * md.page_size  # the all-on-device table's width in tokens
         positions, counts = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens, md.page_size,

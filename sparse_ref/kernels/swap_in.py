@@ -10,7 +10,7 @@ program (one request row):
    stamped with this step's ``clock``;
 2. keys every slot by (used this step last, empty first, then least recently used, then slot id), packed in
    one int64, finds the ``m``-th smallest key by bisection (``m`` misses; no sort: a sort of 4096 keys in one
-   program takes minutes to compile) and lists the ``m`` victims in slot order; the ``j``-th miss (in
+   program took over a minute to compile) and lists the ``m`` victims in slot order; the ``j``-th miss (in
    position order) takes the ``j``-th victim;
 3. for each miss: forgets the slot's old token, records the new one and stamps the slot; writes which host
    row each missed entry copies from;

@@ -43,12 +43,6 @@ class HostKVPool:
         host.v = [b if i in pool.host_layers else None for i, b in enumerate(pool.v_buffer)]
         return host
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K/V rows of ``slots`` (the KV pool's slots) into the host pool."""
-        slots = slots.cpu().long()
-        self.k[layer][slots] = k.to("cpu", self.k[layer].dtype)
-        self.v[layer][slots] = v.to("cpu", self.v[layer].dtype)
-
 
 class HotBuffer:
     """Per (layer, request row): ``size`` token slots replaced least-recently-used, and the newest token's slot.

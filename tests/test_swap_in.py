@@ -36,7 +36,7 @@ def step(ref, kern, host_ref, host_kern, r2t, rows, positions, seq_lens, width, 
     pos, counts = padded(positions, width)
     rows_t, seq_t = torch.tensor(rows), torch.tensor(seq_lens)
     new_loc = r2t[rows_t, seq_t - 1].long()
-    host_ref.write(0, new_loc, new_k, new_v)
+    host_ref.k[0][new_loc], host_ref.v[0][new_loc] = new_k, new_v  # the write path (TokenToKVPool.set_kv)
     ref.write_newest(0, rows_t, new_k, new_v)
     table_ref = ref.swap_in(0, rows_t, pos, counts, seq_t, host_ref, r2t)
     on = {"device": DEVICE}

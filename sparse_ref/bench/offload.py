@@ -19,12 +19,11 @@ Four measurements, each beside its baseline in the same run:
 from __future__ import annotations
 
 import statistics
-import time
 from functools import partial
 
 import torch
 
-from sparse_ref.bench.timing import row
+from sparse_ref.bench.timing import eager_cold, row
 from sparse_ref.config import SparseConfig
 from sparse_ref.offload import positions_read
 
@@ -142,26 +141,6 @@ def _restore_to(engine, miss: float, gen):
     return restore, int(drop.sum())
 
 
-def _timed_replays(timer, replay, before, reps):
-    """Median µs of ``replay()`` with ``before()`` run (untimed) and the L2 flushed ahead of each."""
-    times = []
-    for _ in range(reps):
-        before()
-        if not timer.on_gpu:
-            t0 = time.perf_counter()
-            replay()
-            times.append((time.perf_counter() - t0) * 1e6)
-            continue
-        timer.flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
-
-
 def _parts_us(engine, step, timer, restore, reps) -> dict:
     """The step's parts, each captured alone (on a GPU) and replayed with the hot buffers restored before each:
     the bounds update and attention on both engines; positions and the swap-in with offload."""
@@ -186,7 +165,7 @@ def _parts_us(engine, step, timer, restore, reps) -> dict:
     for name, fn in parts.items():
         restore()
         replay = capture_graph(fn).replay if timer.on_gpu else fn
-        out[name] = round(_timed_replays(timer, replay, restore, reps), 1)
+        out[name] = round(eager_cold(timer, replay, reps, restore), 1)
     return out
 
 
@@ -233,7 +212,7 @@ def step_times(device, timer, copy_bw, quick, on_cpu, miss=MISS):
             step.step()
             restore, dropped = _restore_to(engine, miss, torch.Generator(device=device).manual_seed(1)) \
                 if mode == "offload" else ((lambda: None), 0)
-            us[mode] = _timed_replays(timer, step.replay, restore, reps)
+            us[mode] = eager_cold(timer, step.replay, reps, restore)
             parts[mode] = _parts_us(engine, step, timer, restore, reps)
             del step, engine
             if device.type == "cuda":

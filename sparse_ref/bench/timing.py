@@ -135,11 +135,14 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
 
 
 
-def eager_cold(timer, fn, reps):
-    """Median µs of eager calls of ``fn`` with the L2 flushed before each (for calls that cannot be captured)."""
+def eager_cold(timer, fn, reps, before=None):
+    """Median µs of eager calls of ``fn`` with the L2 flushed before each (for calls that cannot be captured);
+    ``before()``, untimed, ahead of each (e.g. restoring state the call changes)."""
     fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         if timer.on_gpu:
             timer.flush.zero_()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -302,18 +302,19 @@ class DecodeEngine:
         backend runs the reference, which reads the selection back."""
         assert md.selected is not None, "offloaded layers are sparse"
         width = md.page_table.shape[1] * md.page_size  # the all-on-device table's width in tokens
-        positions, counts = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens, md.page_size,
-                                           width)
         hot, host, rows = self.hot, self.host_kv, batch.req_pool_indices
         r2t = self.manager.req_to_token_pool.req_to_token
-        if self.attention_backend == "triton":
+        if self.attention_backend == "triton":  # the kernel lists the positions itself (positions_read)
             from sparse_ref.kernels.swap_in import swap_in  # lazy: optional kernel module
 
-            table = swap_in(positions, counts, batch.seq_lens, rows, r2t, host.k[layer], host.v[layer], hot.k[layer],
-                            hot.v[layer], k.contiguous(), v.contiguous(), batch.out_cache_loc, hot.token[layer],
-                            hot.last_used[layer], hot.slot_of[layer], hot.clock[layer: layer + 1], hot.stats,
-                            hot.size)
+            table, counts = swap_in(md.selected, md.lengths, md.sparse_mask, md.page_size, width, batch.seq_lens,
+                                    rows, r2t, host.k[layer], host.v[layer], hot.k[layer], hot.v[layer],
+                                    k.contiguous(), v.contiguous(), batch.out_cache_loc, hot.token[layer],
+                                    hot.last_used[layer], hot.slot_of[layer], hot.lru[layer],
+                                    hot.clock[layer: layer + 1], hot.stats, hot.size)
         else:  # (set_kv wrote the new token into the host pool)
+            positions, counts = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens,
+                                               md.page_size, width)
             hot.write_newest(layer, rows, k, v)
             table = hot.swap_in(layer, rows, positions, counts, batch.seq_lens, host, r2t)
         return Metadata(table, counts, 1, md.selected, md.lengths, md.sparse_mask)

@@ -12,8 +12,11 @@ tokens, in the same order, as the all-on-device step.
 
 The buffer's state is kept as the kernel keeps it (``sparse_ref.kernels.swap_in``, one launch, no host sync):
 per layer and row, the token each slot holds (``token``, -1 empty), the step it was last used
-(``last_used``), the reverse map token -> slot (``slot_of``), a step counter per layer (``clock``) and the
-hit / miss counts (``stats``). This reference reads them back and loops on the host: a host sync per layer.
+(``last_used``), the reverse map token -> slot (``slot_of``), the slots in eviction order (``lru``: empty
+first, then least recently used, ties by slot id; ``lru_order`` derives it from the other two), a step
+counter per layer (``clock``) and the hit / miss counts (``stats``). The kernel keeps ``lru`` so that it
+never sorts: a row's victims are the first slots of its list that this step does not use. This reference
+reads the state back and loops on the host: a host sync per layer.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class HotBuffer:
         self.token = torch.full((num_layers, num_rows, size), -1, dtype=torch.int32, **on)  # position held
         self.last_used = torch.zeros((num_layers, num_rows, size), dtype=torch.int32, **on)  # step of last use
         self.slot_of = torch.full((num_layers, num_rows, max_context_len), -1, dtype=torch.int32, **on)
+        self.lru = torch.arange(size, dtype=torch.int32, **on).repeat(num_layers, num_rows, 1)  # eviction order
         self.clock = torch.zeros(num_layers, dtype=torch.int32, **on)  # swap-ins so far, per layer
         self.stats = torch.zeros(2, dtype=torch.int64, **on)  # tokens read that were held (hits), copied in
         self.token_bytes = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()  # K + V
@@ -93,6 +97,7 @@ class HotBuffer:
         self.token[:, row] = -1
         self.last_used[:, row] = 0
         self.slot_of[:, row] = -1
+        self.lru[:, row] = torch.arange(self.size, dtype=torch.int32, device=self.device)
 
     def swap_in(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
                 seq_lens: torch.Tensor, host: HostKVPool, req_to_token: torch.Tensor) -> torch.Tensor:
@@ -125,6 +130,7 @@ class HotBuffer:
                 self.v[layer][dst] = host.v[layer][src].to(self.device)
             self.token[layer, row] = torch.tensor(tokens, dtype=torch.int32)
             self.last_used[layer, row] = torch.tensor(used, dtype=torch.int32)
+            self.lru[layer, row] = lru_order(self.token[layer, row], self.last_used[layer, row])
             self.slot_of[layer, row] = -1
             if held:
                 self.slot_of[layer, row, torch.tensor(list(held))] = torch.tensor(list(held.values()),
@@ -134,6 +140,15 @@ class HotBuffer:
                                         dtype=torch.int32)
         self.stats += torch.tensor([hits, misses], device=self.device)
         return table.to(self.device)
+
+
+def lru_order(token: torch.Tensor, last_used: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., size]``: each row's slots in eviction order (empty first by slot id, then by ``last_used``,
+    ties by slot id), from its ``token`` and ``last_used`` ``[..., size]``."""
+    size = token.shape[-1]
+    slot = torch.arange(size, device=token.device)
+    key = torch.where(token >= 0, last_used.long() + 1, 0) * size + slot  # unique: argsort is the order
+    return key.argsort(dim=-1).to(torch.int32)
 
 
 def positions_read(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, seq_lens: torch.Tensor,

@@ -221,13 +221,15 @@ DSA = (
 
 
 # the offload swap-in: DSA's top-2048 in a 4096-slot buffer (bf16 K/V, 8 KV heads x 128), and a small fp32 case
-SWAP_IN = [aot_variant(swap_in._swap_in_kernel, dict(B=b, HD=hd, W_PAD=w, B_PAD=b, BLOCK_D=min(hd, 1024)),
-                       {"num_warps": 8},
-                       positions="*i32", counts="*i32", seq_lens="*i64", rows="*i64", req_to_token="*i32",
-                       host_k=f"*{dt}", host_v=f"*{dt}", hot_k=f"*{dt}", hot_v=f"*{dt}", new_k="*fp32",
-                       new_v="*fp32", new_loc="*i64", token="*i32", last_used="*i32", slot_of="*i32",
-                       scratch="*i32", table="*i32", copies="*i32", clock_ptr="*i32", stats="*i64")
-           for b, hd, w, dt in ((4096, 1024, 2048, "bf16"), (16, 64, 32, "fp32"))]
+SWAP_IN = [aot_variant(swap_in._swap_in_kernel, dict(P=p, B=b, HD=hd, W_PAD=w, B_PAD=b, BLOCK_D=min(hd, 1024)),
+                       {"num_warps": swap_in.BOOK_WARPS},
+                       selected="*i32", lengths="*i32", sparse_mask="*i1", seq_lens="*i64", rows="*i64",
+                       req_to_token="*i32", host_k=f"*{dt}", host_v=f"*{dt}", hot_k=f"*{dt}", hot_v=f"*{dt}",
+                       new_k="*fp32", new_v="*fp32", new_loc="*i64", token="*i32", last_used="*i32",
+                       slot_of="*i32", lru="*i32", scratch="*i32", table="*i32", counts="*i32", copies="*i32",
+                       clock_ptr="*i32", stats="*i64")
+           for p, b, hd, w, dt in ((16, 4096, 1024, 2048, "bf16"), (1, 4096, 1024, 2048, "bf16"),
+                                   (1, 16, 64, 32, "fp32"))]
 SWAP_IN += [aot_variant(swap_in._copy_in_kernel, dict(HD=hd, ROWS=swap_in.COPY_ROWS, BLOCK_D=min(hd, 512)),
                         {"num_warps": 4}, copies="*i32", table="*i32", host_k=f"*{dt}", host_v=f"*{dt}",
                         hot_k=f"*{dt}", hot_v=f"*{dt}") for hd, dt in ((1024, "bf16"), (64, "fp32"))]

@@ -13,15 +13,19 @@ import torch
 import sparse_ref
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels.swap_in import swap_in
-from sparse_ref.offload import HostKVPool, HotBuffer
+from sparse_ref.offload import HostKVPool, HotBuffer, lru_order, positions_read
 
 DEVICE = sparse_ref.default_device()
 
 
 def kernel_swap_in(hot, host, r2t, rows, positions, counts, seq_lens, new_k, new_v, new_loc):
-    """The kernel on ``hot``'s layer-0 state (the same layout the reference keeps)."""
-    return swap_in(positions, counts, seq_lens, rows, r2t, host.k[0], host.v[0], hot.k[0], hot.v[0], new_k, new_v,
-                   new_loc, hot.token[0], hot.last_used[0], hot.slot_of[0], hot.clock[0:1], hot.stats, hot.size)
+    """The kernel on ``hot``'s layer-0 state (the same layout the reference keeps), given the positions read
+    (a selection of single tokens: page size 1, every row sparse)."""
+    table, n = swap_in(positions, counts, torch.ones_like(counts, dtype=torch.bool), 1, positions.shape[1], seq_lens,
+                       rows, r2t, host.k[0], host.v[0], hot.k[0], hot.v[0], new_k, new_v, new_loc, hot.token[0],
+                       hot.last_used[0], hot.slot_of[0], hot.lru[0], hot.clock[0:1], hot.stats, hot.size)
+    assert torch.equal(n, counts)
+    return table
 
 
 def padded(positions, width):
@@ -43,7 +47,7 @@ def step(ref, kern, host_ref, host_kern, r2t, rows, positions, seq_lens, width, 
     table = kernel_swap_in(kern, host_kern, r2t.to(**on), rows_t.to(**on), pos.to(**on), counts.to(**on),
                            seq_t.to(**on), new_k.to(**on), new_v.to(**on), new_loc.to(**on))
     assert torch.equal(table.cpu(), table_ref.cpu())
-    for name in ("token", "last_used", "slot_of", "clock", "stats"):
+    for name in ("token", "last_used", "slot_of", "lru", "clock", "stats"):
         assert torch.equal(getattr(kern, name).cpu(), getattr(ref, name).cpu()), name
     assert torch.equal(kern.k[0].cpu(), ref.k[0].cpu()) and torch.equal(kern.v[0].cpu(), ref.v[0].cpu())
     assert torch.equal(host_kern.k[0], host_ref.k[0]) and torch.equal(host_kern.v[0], host_ref.v[0])
@@ -85,18 +89,71 @@ def test_kernel_equals_the_reference_over_many_steps(size, seed):
     assert 0 < ref.misses < ref.hits + ref.misses
 
 
+def test_kernel_lists_pages_and_dense_rows_as_positions_read_does():
+    """Page size 4: a sparse row's kept pages (the last one cut at seq_len), a row kept nothing (dense), a row
+    the mask leaves dense and longer than the table (cut at the width): the kernel's table and counts equal
+    positions_read + the reference, step after step, with the selection moving."""
+    rows, page, size, max_ctx, heads, dim = 3, 4, 24, 64, 1, 2
+    g = torch.Generator().manual_seed(3)
+    host_ref, host_kern = HostKVPool(1 + rows * max_ctx, 1, heads, dim), HostKVPool(1 + rows * max_ctx, 1, heads, dim)
+    host_ref.k[0].copy_(torch.randn(host_ref.k[0].shape, generator=g))
+    host_ref.v[0].copy_(torch.randn(host_ref.v[0].shape, generator=g))
+    host_kern.k[0].copy_(host_ref.k[0])
+    host_kern.v[0].copy_(host_ref.v[0])
+    r2t = (1 + torch.randperm(rows * max_ctx, generator=g)).int().view(rows, max_ctx)
+    ref, kern = HotBuffer(1, rows, size, heads, dim, max_ctx), HotBuffer(1, rows, size, heads, dim, max_ctx,
+                                                                          device=DEVICE)
+    on = {"device": DEVICE}
+    for it, first in enumerate((0, 2, 7, 1)):
+        seq = torch.tensor([41 + it, 10 + it, 30 + it])
+        last = int(seq[0] - 1) // page  # the newest token's page: kept pages stop there
+        pages = sorted({p for p in (first, first + 3, first + 5) if p < last} | {last})
+        selected = torch.tensor([pages + [-1] * (6 - len(pages)), [-1] * 6, [2, 3, -1, -1, -1, -1]],
+                                dtype=torch.int32)
+        lengths, mask = torch.tensor([len(pages), 0, 2], dtype=torch.int32), torch.tensor([True, True, False])
+        rows_t, width = torch.tensor([1, 0, 2]), 6 * page
+        positions, counts = positions_read(selected, lengths, mask, seq, page, width)
+        new_k, new_v = torch.randn(rows, heads, dim, generator=g), torch.randn(rows, heads, dim, generator=g)
+        new_loc = r2t[rows_t, seq - 1].long()
+        host_ref.k[0][new_loc], host_ref.v[0][new_loc] = new_k, new_v
+        ref.write_newest(0, rows_t, new_k, new_v)
+        want = ref.swap_in(0, rows_t, positions, counts, seq, host_ref, r2t)
+        table, n = swap_in(selected.to(**on), lengths.to(**on), mask.to(**on), page, width, seq.to(**on),
+                           rows_t.to(**on), r2t.to(**on), host_kern.k[0], host_kern.v[0], kern.k[0], kern.v[0],
+                           new_k.to(**on), new_v.to(**on), new_loc.to(**on), kern.token[0], kern.last_used[0],
+                           kern.slot_of[0], kern.lru[0], kern.clock[0:1], kern.stats, kern.size)
+        assert n.tolist() == counts.tolist() and counts.tolist()[1:] == [10 + it, width]
+        assert torch.equal(table.cpu(), want.cpu())
+        for name in ("token", "last_used", "slot_of", "lru", "stats"):
+            assert torch.equal(getattr(kern, name).cpu(), getattr(ref, name).cpu()), (it, name)
+        assert torch.equal(kern.k[0].cpu(), ref.k[0].cpu())
+    assert 0 < ref.misses < ref.hits
+
+
+def test_lru_list_is_the_eviction_order_of_the_stamps():
+    """The kept list is what ``lru_order`` derives from ``token`` and ``last_used``: empty slots first by slot
+    id, then the least recently used, ties by slot id (checked by hand on one row)."""
+    token = torch.tensor([[5, -1, 7, 9, -1, 2]], dtype=torch.int32)
+    last_used = torch.tensor([[3, 0, 1, 3, 0, 1]], dtype=torch.int32)
+    assert lru_order(token, last_used).tolist() == [[1, 4, 2, 5, 0, 3]]
+    hot = HotBuffer(2, 3, 6, 1, 1, 8)
+    assert hot.lru.tolist() == [[list(range(6))] * 3] * 2
+
+
 def test_refuses_bad_state_before_launch():
     """Each wrong argument is named; nothing (not even the clock) changes before the refusal."""
     hot = HotBuffer(1, 2, 4, 1, 2, 16, device=DEVICE)
     host = HostKVPool(33, 1, 1, 2)
     on = {"device": DEVICE}
-    good = dict(positions=torch.zeros(2, 5, dtype=torch.int32, **on), counts=torch.ones(2, dtype=torch.int32, **on),
+    good = dict(selected=torch.zeros(2, 5, dtype=torch.int32, **on), lengths=torch.ones(2, dtype=torch.int32, **on),
+                sparse_mask=torch.ones(2, dtype=torch.bool, **on), page_size=1, width=5,
                 seq_lens=torch.ones(2, dtype=torch.int64, **on), rows=torch.arange(2, **on),
                 req_to_token=torch.zeros(2, 16, dtype=torch.int32, **on), host_k=host.k[0], host_v=host.v[0],
                 hot_k=hot.k[0], hot_v=hot.v[0], new_k=torch.zeros(2, 1, 2, **on), new_v=torch.zeros(2, 1, 2, **on),
                 new_loc=torch.ones(2, dtype=torch.int64, **on), token=hot.token[0], last_used=hot.last_used[0],
-                slot_of=hot.slot_of[0], clock=hot.clock[0:1], stats=hot.stats, size=4)
-    for name, bad in (("positions", good["positions"].long()), ("counts", good["counts"][:1]),
+                slot_of=hot.slot_of[0], lru=hot.lru[0], clock=hot.clock[0:1], stats=hot.stats, size=4)
+    for name, bad in (("selected", good["selected"].long()), ("lengths", good["lengths"][:1]),
+                      ("sparse_mask", good["lengths"]), ("page_size", 0), ("lru", hot.lru[0][:, :3]),
                       ("new_k", good["new_k"][:1]), ("clock", torch.zeros(1, dtype=torch.int64, **on)),
                       ("stats", torch.zeros(2, dtype=torch.int32, **on)), ("size", 0)):
         with pytest.raises(SparseRefError, match=name):

@@ -11,7 +11,7 @@ Four measurements, each beside its baseline in the same run:
 * **step time**, offload against all-on-device (1 Quest layer, CUDA-graph replay of one engine step, L2
   cold), at bs 1, 8, 64 and 32K / 128K context, at a 5% miss share (``MISS``): before each replay the hot
   buffers are restored to a state missing that share of the tokens they hold; and the step's parts, each
-  timed alone the same way (bounds update, positions, swap-in, attention over either table);
+  timed alone the same way (bounds update, the swap-in with its positions, attention over either table);
 * **capacity**: the device bytes each engine allocates per 128K request (``torch.cuda.memory_allocated``,
   engines of 1 and 2 requests) and the requests that fit in a fixed device-memory cap, and in host RAM.
 """
@@ -25,7 +25,7 @@ import torch
 
 from sparse_ref.bench.timing import eager_cold, row
 from sparse_ref.config import SparseConfig
-from sparse_ref.offload import positions_read
+from sparse_ref.offload import lru_order
 
 BUDGET, BUFFER, PAGE = 2048, 4096, 16
 CAP_GIB, HOST_GIB = 16, 100  # device memory cap for the KV side; host RAM the pinned pools may use
@@ -96,10 +96,12 @@ def swap_in_bandwidth(device, timer, copy_bw, quick, on_cpu):
     counts, seq_lens = torch.full((bs,), n + 1, dtype=torch.int32, **on), torch.full((bs,), 2 * n + 1, **on)
     new = torch.randn(bs, h_kv, d, **on)
     moved = bs * n * hot.token_bytes
-    def call(positions, host_k, host_v):
-        return swap_in(positions, counts, seq_lens, torch.arange(bs, **on), r2t, host_k, host_v, hot.k[0], hot.v[0],
-                       new, new, r2t[:, -1].long(), hot.token[0], hot.last_used[0], hot.slot_of[0], hot.clock[0:1],
-                       hot.stats, size)
+    sparse = torch.ones(bs, dtype=torch.bool, **on)
+
+    def call(positions, host_k, host_v):  # the positions as a selection of single tokens (page size 1)
+        return swap_in(positions, counts, sparse, 1, n + 1, seq_lens, torch.arange(bs, **on), r2t, host_k, host_v,
+                       hot.k[0], hot.v[0], new, new, r2t[:, -1].long(), hot.token[0], hot.last_used[0],
+                       hot.slot_of[0], hot.lru[0], hot.clock[0:1], hot.stats, size)
 
     pin = torch.cuda.is_available()
     for where in ("pinned host", "device"):
@@ -126,24 +128,26 @@ def swap_in_bandwidth(device, timer, copy_bw, quick, on_cpu):
 
 def _restore_to(engine, miss: float, gen):
     """A function that puts the hot buffers back into their state after the captured step, less a ``miss`` share
-    of the tokens each row holds (emptied slots: the next replay misses exactly those)."""
+    of the tokens each row holds (emptied slots, first in the LRU list: the next replay misses exactly those)."""
     hot = engine.hot
     token, last_used, slot_of = hot.token.clone(), hot.last_used.clone(), hot.slot_of.clone()
     drop = (torch.rand(token.shape, generator=gen, device=token.device) < miss) & (token >= 0)
     layer, row, _ = drop.nonzero(as_tuple=True)
     slot_of[layer, row, token[drop].long()] = -1
     token[drop] = -1
+    lru = lru_order(token, last_used)
 
     def restore():
         hot.token.copy_(token)
         hot.last_used.copy_(last_used)
         hot.slot_of.copy_(slot_of)
+        hot.lru.copy_(lru)
     return restore, int(drop.sum())
 
 
 def _parts_us(engine, step, timer, restore, reps) -> dict:
     """The step's parts, each captured alone (on a GPU) and replayed with the hot buffers restored before each:
-    the bounds update and attention on both engines; positions and the swap-in with offload."""
+    the bounds update and attention on both engines; the swap-in (both launches) with offload."""
     from sparse_ref.bench.timing import capture_graph
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
@@ -155,9 +159,6 @@ def _parts_us(engine, step, timer, restore, reps) -> dict:
         parts["attention (page-16 table)"] = partial(paged_decode_attention, q, pool.k_buffer[0], pool.v_buffer[0],
                                                      md.page_table, md.kv_lens, md.page_size)
     else:
-        width = md.page_table.shape[1] * md.page_size
-        parts["positions"] = partial(positions_read, md.selected, md.lengths, md.sparse_mask, batch.seq_lens,
-                                     md.page_size, width)
         parts["swap-in (both launches)"] = partial(engine._swap_in, 0, batch, md, k, v)
         parts["attention (page-1 hot table)"] = partial(paged_decode_attention, q, engine.hot.k[0], engine.hot.v[0],
                                                         hot_md.page_table, hot_md.kv_lens, 1)

@@ -163,7 +163,7 @@ def swap_in(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Te
     return table, counts
 
 
-BOOK_WARPS = 8  # warps of the bookkeeping program: a 4096-slot row is 16 values per thread
+BOOK_WARPS = 16  # warps of the bookkeeping program (H200, 32K, bs=1: 138 us at 4, 64 at 8, 49 at 16)
 COPY_ROWS = 8  # table entries (token rows) per copy program
 
 

@@ -5,8 +5,9 @@ step's ``clock``. The free slots (not used this step) are ranked by counting, fo
 that come before it (empty first, then least recently used, then a lower slot id); the ``m`` slots of rank
 ``< m`` are the victims of the row's ``m`` misses, taken in slot order. Each miss forgets the victim's old
 token, records its own, and copies its K/V row in from the host pool; the row's page-size-1 table comes
-last. The package's ``sparse_ref.kernels.swap_in`` picks the same victims by bisection on packed keys (no
-``n²`` counting), writes the new token and copies in a second, wider launch; ``tests/test_lessons.py``
+last. The package's ``sparse_ref.kernels.swap_in`` picks the same victims without the ``n²`` counting:
+it keeps each row's slots in eviction order (``HotBuffer.lru``) and takes the first ones this step does
+not use; it also writes the new token and copies in a second, wider launch. ``tests/test_lessons.py``
 holds this kernel equal to the torch reference ``HotBuffer.swap_in``.
 """
 

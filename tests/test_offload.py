@@ -101,6 +101,20 @@ def test_offload_engine_equals_the_all_on_device_engine_through_joins_and_leaves
     assert hot.hits > 0 and hot.misses > 0 and hot.bytes_in == hot.misses * 2 * 2 * 8 * 4
 
 
+def test_the_kernel_with_the_smallest_buffer_spans_only_what_a_row_reads():
+    """A 16-slot buffer under a 64-token-wide Quest table: each kernel program lists only its first 17 table
+    entries (no row reads more), yet the table attention reads keeps the device table's width, zeros past
+    the row's tokens, and the engine still equals the all-on-device one."""
+    base, off = pair = engines(offload_buffer=16, backend="triton", device=DEVICE)
+    assert run(SCRIPT, pair) == 9 and off.hot.misses > 0
+    a, b = base.step(), off.step()  # one more step, on the script's live requests
+    md, hot_md = b.layers[0].metadata, b.layers[0].offload
+    assert hot_md.page_table.shape[1] == md.page_table.shape[1] * P > off.hot.size + 1
+    assert int(hot_md.kv_lens.max()) <= off.hot.size + 1
+    assert bool((hot_md.page_table[:, off.hot.size + 1:] == 0).all())
+    assert torch.equal(a.layers[0].out, b.layers[0].out)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_offload_engine_equals_the_all_on_device_engine():

@@ -195,7 +195,7 @@ def cases():
             yield pytest.param(name, fn, id=f"{name.removeprefix('check_')}: {label}")
 
 
-@pytest.mark.parametrize("checker, wrong", cases())
+@pytest.mark.parametrize("checker, wrong", list(cases()))
 def test_checker_rejects_a_plausible_mistake(checker, wrong):
     with pytest.raises(AssertionError) as info:
         getattr(checkers, checker)(wrong)

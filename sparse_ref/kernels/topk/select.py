@@ -153,10 +153,9 @@ def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.c
 @triton.jit
 def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN: tl.constexpr, CHUNK: tl.constexpr,
                    C_PAD: tl.constexpr, WB: tl.constexpr):
-    """Span f of an overflowing row in the bitmask mode: ``_tie_path_span`` from the candidates launch's words
-    (keys >= T, then keys == T where the chunk has any) instead of the keys: every key > T and the ``need``
-    lowest-id keys == T, ids ascending, at the offsets the chunk counts give. No key is read again, so a
-    plateau costs about what a random row does. need = 0: the keys > T alone (flag 3, into the slots)."""
+    """``_tie_path_span`` in the bitmask mode, from the candidates launch's words (keys >= T; keys == T where
+    a chunk has any), not the keys: every key > T and the ``need`` lowest-id ties, ids ascending, at the
+    chunk counts' offsets; no key is read again. need = 0: the keys > T alone (flag 3, into the slots)."""
     c = tl.arange(0, C_PAD)
     ties_before = tl.sum(tl.where(c < f * (SPAN // CHUNK), ties, 0), axis=0)
     done = tl.sum(tl.where(c < f * (SPAN // CHUNK), above, 0), axis=0) + tl.minimum(ties_before, need)
@@ -169,8 +168,7 @@ def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN:
         eq = tl.load(bits_row + n_words + first + w, mask=ok & has_ties, other=0, cache_modifier=".cg")
         n_eq = _popcount(eq)
         take = tl.minimum(tl.maximum(need - (ties_before + tl.cumsum(n_eq, axis=0) - n_eq), 0), n_eq)
-        keep = tl.where(take == n_eq, eq, 0)  # whole words of needed ties; the one word cut inside, bit by bit:
-        rest = tl.where(take < n_eq, eq, 0)
+        keep, rest = tl.where(take == n_eq, eq, 0), tl.where(take < n_eq, eq, 0)  # whole words; the cut one:
         for j in range(0, tl.max(tl.where(take < n_eq, take, 0), axis=0)):
             low = rest & -rest  # its lowest tie not yet taken
             keep = keep | tl.where(j < take, low, 0)

@@ -148,8 +148,8 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
-@pytest.mark.parametrize("bitmask", [10**9, 0])  # bitmask_programs: the runs mode (keys read again), the bitmask
-@pytest.mark.parametrize("above", [0, 1, 17, 36])  # mode (the candidates launch's words, one cut inside a word)
+@pytest.mark.parametrize("bitmask", [10**9, 0])  # bitmask_programs: the runs mode, the bitmask mode
+@pytest.mark.parametrize("above", [0, 1, 17, 36])
 def test_tie_path_takes_exactly_the_lowest_ties_it_needs(monkeypatch, above, bitmask):
     """``above`` keys over a plateau of ties spread across every chunk: the tie path must take exactly
     k - above ties, the lowest ids first, counting the ties of earlier chunks (its prefix count)."""
@@ -339,8 +339,8 @@ def test_tie_path_across_chunks(monkeypatch, tile, programs, bitmask):
     """Clustered rows (few distinct values) overflow the slots; the tie path splits the ties between
     chunks by their counts: the lowest ids win, also with lengths and per-row k. The select programs of
     a flagged row each write a span: one tile of one chunk (64), several tiles of several chunks, or the
-    whole row in one tile; tiles with nothing to write are skipped. In the bitmask mode (bitmask = 0) the
-    spans take their keys from the candidates launch's words instead (one span per chunk, or one for all)."""
+    whole row in one tile; tiles with nothing to write are skipped. Both candidate modes: runs (bitmask =
+    10**9) and bitmask words (bitmask = 0)."""
     for name, value in {**PATHS["long"], "tie_tile": tile, "select_programs": programs,
                         "bitmask_programs": bitmask}.items():
         monkeypatch.setitem(topk_module.TUNING, name, value)

@@ -271,10 +271,10 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
     bitmask = R * C >= TUNING["bitmask_programs"]
     n_words = C * (chunk // 32) if bitmask else 0
-    cand = torch.empty((R, n_words + p["slots"]), dtype=torch.int32 if bitmask else torch.int64, device=device)
+    cand = torch.empty((R, 2 * n_words + p["slots"]), dtype=torch.int32 if bitmask else torch.int64, device=device)
     head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: common.py)
     stats.update(above=work[:, head[0]:head[0] + C], ties=work[:, head[1]:head[1] + C], threshold=work[:, T_.value],
-                 flags=work[:, FLAG.value], bitmask=bitmask, slots=cand[:, n_words:])
+                 flags=work[:, FLAG.value], bitmask=bitmask, slots=cand[:, 2 * n_words:])
     if bitmask:
         stats["bits"] = cand[:, :n_words]
     else:

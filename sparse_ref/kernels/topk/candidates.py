@@ -3,8 +3,9 @@
 One light program per chunk of a row. It counts its keys above and equal to ``T`` (the select
 launch's offsets, and the tie path's plan if the row overflows) and adds its candidates to the row's
 count (one atomic add). Then, in the *bitmask* mode (many rows), it marks them in the row's bitmask
-(a dense store: nothing over the read); in the *runs* mode (few rows) it copies them as
-``key << 32 | id`` to the run of the row's slots its atomic add returned.
+(a dense store: nothing over the read), and its keys equal to ``T`` in a second one when it has any (a
+row that overflows takes its tie path from the words, reading no key again); in the *runs* mode (few
+rows) it copies them as ``key << 32 | id`` to the run of the row's slots its atomic add returned.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
     tl.store(work_row + HEAD + c, both >> 16)  # keys > T
     tl.store(work_row + HEAD + C_PAD + c, n_c - (both >> 16))  # keys == T
     base = tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")  # (runs: [base, base + n_c))
-    if BITMASK:
-        tl.store(cand + r.to(tl.int64) * (C * WORDS + SLOTS) + c * WORDS + tl.arange(0, WORDS),
-                 _bitmask_words(is_cand, WORDS))
+    if BITMASK:  # the words of keys >= T; then, where the chunk has any, those of keys == T (the tie path's)
+        bits = cand + r.to(tl.int64) * (2 * C * WORDS + SLOTS) + c * WORDS
+        tl.store(bits + tl.arange(0, WORDS), _bitmask_words(is_cand, WORDS))
+        if n_c > (both >> 16):
+            tl.store(bits + C * WORDS + tl.arange(0, WORDS), _bitmask_words(is_cand & (key == T), WORDS))
     else:
         tl.store(work_row + HEAD + 2 * C_PAD + c, n_c)
         tl.store(work_row + HEAD + 3 * C_PAD + c, base)

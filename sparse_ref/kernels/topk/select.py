@@ -11,7 +11,9 @@ period of G, more than half the row wanted), chosen on the device. Most such row
 many keys EQUAL the threshold ``T``. At least k keys are >= T, so if fewer than k are > T, ``T`` is the
 k-th key and the answer is "every key > T, plus the lowest-id keys == T": the *tie path*. Every select
 program of the row turns the chunk counts into its span's offsets (``_plan_tie_path``) and writes its
-share (``_tie_path_span``), reading only the chunks that hold something to write. Rows with k or more
+share: in the bitmask mode from the candidates launch's words of keys >= T and == T (``_tie_bits_span``,
+no key read again), in the runs mode from the keys of the chunks that hold something to write
+(``_tie_path_span``). Rows with k or more
 keys above ``T`` copy those keys into the slots when they fit and select among them (flag 3); when
 they do not (e.g. a period of G), the row takes the whole-row radix select (``_radix_select_row``:
 one program per row, slow; also ``whole_row_kernel``, when k is too wide for the delegates).
@@ -41,8 +43,10 @@ from sparse_ref.kernels.topk.common import (
     _narrow,
     _pad,
     _pairwise_kth,
+    _popcount,
     _row_k_len,
     _walk,
+    _words_to_slots,
     _work_row,
     _write_above_and_ties,
 )
@@ -144,6 +148,33 @@ def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.c
         key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
         _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
                               W)
+
+
+@triton.jit
+def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN: tl.constexpr, CHUNK: tl.constexpr,
+                   C_PAD: tl.constexpr, WB: tl.constexpr):
+    """``_tie_path_span`` in the bitmask mode, from the candidates launch's words (keys >= T; keys == T where
+    a chunk has any), not the keys: every key > T and the ``need`` lowest-id ties, ids ascending, at the
+    chunk counts' offsets; no key is read again. need = 0: the keys > T alone (flag 3, into the slots)."""
+    c = tl.arange(0, C_PAD)
+    ties_before = tl.sum(tl.where(c < f * (SPAN // CHUNK), ties, 0), axis=0)
+    done = tl.sum(tl.where(c < f * (SPAN // CHUNK), above, 0), axis=0) + tl.minimum(ties_before, need)
+    first = f * (SPAN // 32)
+    for w0 in range(0, tl.minimum(n_words - first, SPAN // 32), WB):
+        w = w0 + tl.arange(0, WB)
+        ok = first + w < n_words
+        ge = tl.load(bits_row + first + w, mask=ok, other=0, cache_modifier=".cg")
+        has_ties = tl.load(work_row + HEAD + C_PAD + (first + w) // (CHUNK // 32), mask=ok, other=0) > 0
+        eq = tl.load(bits_row + n_words + first + w, mask=ok & has_ties, other=0, cache_modifier=".cg")
+        n_eq = _popcount(eq)
+        take = tl.minimum(tl.maximum(need - (ties_before + tl.cumsum(n_eq, axis=0) - n_eq), 0), n_eq)
+        keep, rest = tl.where(take == n_eq, eq, 0), tl.where(take < n_eq, eq, 0)  # whole words; the cut one:
+        for j in range(0, tl.max(tl.where(take < n_eq, take, 0), axis=0)):
+            low = rest & -rest  # its lowest tie not yet taken
+            keep = keep | tl.where(j < take, low, 0)
+            rest = rest ^ low
+        done = _words_to_slots((ge & ~eq) | keep, w, done, dst, f * SPAN)
+        ties_before += tl.sum(n_eq, axis=0)
 
 
 @triton.jit
@@ -307,9 +338,9 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
     sync_row = sync + r.to(tl.int64) * SYNC
     out_row = out + r.to(tl.int64) * W
     row = scores + r.to(tl.int64) * stride_r
-    if BITMASK:
-        bits_row = cand + r.to(tl.int64) * (n_words + SLOTS)
-        slots_row = bits_row + n_words
+    if BITMASK:  # (per row: the words of keys >= T, those of keys == T, the slots)
+        bits_row = cand + r.to(tl.int64) * (2 * n_words + SLOTS)
+        slots_row = bits_row + 2 * n_words
     else:
         slots_row = cand + r.to(tl.int64) * SLOTS
     total = tl.load(sync_row + CNT)
@@ -330,11 +361,14 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
     else:  # the candidates overflowed the slots: the fallback, spread over the row's programs
         te, need, flag, above, ties = _plan_tie_path(work_row, k, C, SLOTS, C_PAD)
         if flag == 2:
-            _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN, TILE, CHUNK, C_PAD)
+            if BITMASK:
+                _tie_bits_span(bits_row, n_words, work_row, need, above, ties, out_row, f, SPAN, CHUNK, C_PAD, WB)
+            else:
+                _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN, TILE, CHUNK, C_PAD)
         elif flag == 3:  # every key > T into the slots, for the row's last program
             total = k - need
-            if BITMASK:  # (the tie path's code with no ties wanted: ascending ids)
-                _tie_path_span(row, length, te, 0, above, ties, slots_row, f, SLOTS, SPAN, TILE, CHUNK, C_PAD)
+            if BITMASK:  # (the tie path with no ties wanted: ascending ids)
+                _tie_bits_span(bits_row, n_words, work_row, 0, above, ties, slots_row, f, SPAN, CHUNK, C_PAD, WB)
             else:
                 _above_to_slots(row, length, te, above, slots_row, work_row, sync_row, f, SPAN, TILE, CHUNK, C_PAD)
         elif f == 0:

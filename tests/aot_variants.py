@@ -166,10 +166,14 @@ def _decode_attention_variants():
         (torch.float16, torch.float16, 1, 64),
     ]:
         for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
-            cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise)
-            ce = {**cfg["constexprs"], "PDL": True}  # (as a Hopper GPU launches it)
-            variants.append((decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
-                             cfg["options"]))
+            for split_len in (0, 1 << 15):  # short splits and long ones (the long-split tile)
+                cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise,
+                                                     split_len=split_len)
+                ce = {**cfg["constexprs"], "PDL": True}  # (as a Hopper GPU launches it)
+                variant = (decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
+                           cfg["options"])
+                if variant not in variants:
+                    variants.append(variant)
     for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
         cfg = decode_attention.launch_config(group, 128, torch.bfloat16, False, use_dot=False)
         ce = {**cfg["constexprs"], "PDL": False}  # (PDL off: the plain launch)

@@ -266,3 +266,55 @@ def test_the_running_max_moves_late_within_and_across_splits(rising, num_splits,
     got = check_against_reference(case, page_size, num_splits=num_splits, block_n=block_n)
     p = torch.softmax(0.1 * pos[:n] * (1 if rising else -1) * math.sqrt(8), 0)  # by hand, no reference
     torch.testing.assert_close(got[0, 0].cpu(), p @ v[:n, 0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2), (3, 3), (16, 1)])  # groups 4, 4, 1 (MHA) and 16 (not packed)
+def test_two_term_dots_packed_or_not_equal_the_reference(monkeypatch, heads, pack):
+    """The compiled path's two-term 16-bit dots (``PRECISE``), run in the interpreter on fp16 K/V (its fp16
+    tl.dot is right; bf16 is not): the high and low halves of q and p packed into one dot's rows (``PACKED``,
+    groups up to half the padded rows) or in two dots each. Both keep the fp32 reference's precision."""
+    monkeypatch.setattr(da, "triton_interpreted", lambda: False)  # launch as compiled: 16-bit dots
+    monkeypatch.setattr(da, "PACK_HALVES", pack)
+    cfg = da.launch_config(heads[0] // heads[1], 12, torch.float16, False)["constexprs"]
+    assert cfg["PRECISE"] and cfg["PACKED"] == (pack and heads[0] // heads[1] <= 8)
+    q, k, v, table, kv_lens = make_case([0, 1, 6, 13, 16], *heads, 12, 4, torch.float16, width=4, seed=heads[0] + pack)
+    want = sparse_decode_attention(q, k, v, table, kv_lens, 4)
+    for num_splits in (1, 3):
+        with tuning(da.TUNING, num_splits=num_splits):
+            got = paged_decode_attention(q, k, v, table, kv_lens, 4)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+        assert not got[0].any()
+
+
+def test_long_splits_take_the_long_tile_only_on_16bit_tensor_cores():
+    """``launch_config``'s tile from the split length: GQA 128 tokens and 2 stages from ``LONG_SPLIT_GQA``
+    tokens a split, MHA 64 from ``LONG_SPLIT_MHA``; fp32 K/V, the interpreter and explicit knobs keep theirs."""
+    def tile(group, split_len, kv_dtype=torch.bfloat16, interpreted=False, **knobs):
+        cfg = da.launch_config(group, 128, kv_dtype, interpreted, split_len=split_len, **knobs)
+        return cfg["constexprs"]["BLOCK_N"], cfg["options"].get("num_stages")
+
+    assert tile(4, da.LONG_SPLIT_GQA) == (128, 2) and tile(4, da.LONG_SPLIT_GQA - 1) == (64, None)
+    assert tile(1, da.LONG_SPLIT_MHA) == (64, None) and tile(1, da.LONG_SPLIT_MHA - 1) == (32, None)
+    assert tile(4, 10**6, torch.float32) == (32, None) and tile(4, 10**6, interpreted=True) == (32, None)
+    assert tile(4, 10**6, block_n=32) == (32, None) and tile(4, 10**6, num_stages=3) == (128, 3)
+    assert tile(1, 10**6, torch.float16) == (64, None)
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (3, 3)])  # a GQA group of 4 (128-token tile) and MHA (64)
+def test_long_splits_equal_the_reference(monkeypatch, heads):
+    """One split over 4.1K-4.6K tokens (not a multiple of either tile) takes the long-split tile: compiled-path
+    dots (fp16 in the interpreter, where fp16 tl.dot is right), against the fp32 reference."""
+    monkeypatch.setattr(da, "triton_interpreted", lambda: False)  # launch as compiled: 16-bit dots
+    page_size, width = 16, 290
+    lens = [4100 + 37 * heads[0], 4099, 1]
+    assert width * page_size >= max(lens) >= da.LONG_SPLIT_GQA
+    cfg = da.launch_config(heads[0] // heads[1], 16, torch.float16, False, split_len=width * page_size)["constexprs"]
+    assert cfg["BLOCK_N"] == (128 if heads[0] > heads[1] else 64)
+    q, k, v, table, kv_lens = make_case(lens, *heads, 16, page_size, torch.float16, width=width, num_pages=300,
+                                        seed=heads[0])
+    want = sparse_decode_attention(q, k, v, table, kv_lens, page_size)
+    with tuning(da.TUNING, num_splits=1):
+        got = paged_decode_attention(q, k, v, table, kv_lens, page_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    assert got[2].abs().sum() > 0

@@ -22,9 +22,11 @@ Two launches:
 Two ways to form ``q . k`` and ``p . v`` (``USE_DOT``):
 
 * ``tl.dot`` over the GQA group padded to 16 rows (tensor cores). With 16-bit K/V the fp32
-  query (and the fp32 probabilities) are split into a high and a low 16-bit part, two dots
-  each (``PRECISE``), so the result keeps ~16 mantissa bits instead of 8: K/V are exact in
-  16 bits, only q and p would be rounded. With fp32 K/V (and always under Triton's
+  query (and the fp32 probabilities) are split into a high and a low 16-bit part (``PRECISE``), so
+  the result keeps ~16 mantissa bits instead of 8: K/V are exact in 16 bits, only q and p would be
+  rounded. When the group fits half the 16 rows (``PACKED``: groups up to 8) both parts go into
+  one dot, the high parts in the first half of the rows and the low ones in the second, and the
+  two halves of the result are summed; larger groups take two dots each. With fp32 K/V (and always under Triton's
   interpreter, whose bf16 ``tl.dot`` is wrong) the operands stay fp32 (``FP32_DOT``, IEEE
   precision, no TF32).
 * broadcast multiply + sum in fp32 (``q[:, None, :] * k[None, :, :]``): a launch knob
@@ -72,7 +74,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
                          dims,  # (KV heads, table width W, page size, pages in the pool, splits per row)
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
     writes the group's partial outputs and log-sum-exps for the merge."""
     after_previous_launch(PDL)  # (the page table and lengths come from the launch before)
@@ -83,14 +85,25 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
     kvh = pid % num_kv_heads
     num_q_heads = num_kv_heads * GROUP
 
-    g = tl.arange(0, BLOCK_G)
+    # ROWS query rows: the group padded to BLOCK_G (tl.dot's 16 rows), or, PACKED, to BLOCK_G // 2: the dots'
+    # rows [0, ROWS) then carry the high 16-bit halves and rows [ROWS, BLOCK_G) the low ones (below)
+    ROWS: tl.constexpr = BLOCK_G // 2 if PACKED else BLOCK_G
+    g = tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
     in_g = g < GROUP
     in_d = d < HEAD_DIM
     heads = kvh * GROUP + g  # the query heads of this KV head's group
-    q_offs = (row * num_q_heads + heads)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=in_g[:, None] & in_d[None, :], other=0.0).to(tl.float32)
-    q = q * (sm_scale * 1.4426950408889634)  # fold the scale and log2(e) in: softmax with exp2
+    scale = sm_scale * 1.4426950408889634  # fold the scale and log2(e) in: softmax with exp2
+    if PACKED:  # each query row twice: its high 16-bit half in row r, the rest in row ROWS + r
+        r = tl.arange(0, BLOCK_G)
+        q_offs = (row * num_q_heads + kvh * GROUP + r % ROWS)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+        q2 = tl.load(q_ptr + q_offs, mask=((r % ROWS) < GROUP)[:, None] & in_d[None, :], other=0.0)
+        q2 = q2.to(tl.float32) * scale
+        q2_hi = q2.to(k_ptr.dtype.element_ty)
+        q_pack = tl.where((r < ROWS)[:, None], q2_hi, (q2 - q2_hi.to(tl.float32)).to(k_ptr.dtype.element_ty))
+    else:
+        q_offs = (row * num_q_heads + heads)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=in_g[:, None] & in_d[None, :], other=0.0).to(tl.float32) * scale
 
     kv_len = tl.load(kv_lens_ptr + row)
     kv_len = tl.minimum(tl.maximum(kv_len, 0), width * page_size)  # never past the table
@@ -98,9 +111,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     row_stride = num_kv_heads * HEAD_DIM
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
@@ -112,7 +125,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
         kv_mask = valid[:, None] & in_d[None, :]
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if USE_DOT:
+        if PACKED:  # one dot: rows r and ROWS + r are the two halves of q_r . k, summed in fp32
+            qk = tl.sum(tl.reshape(tl.dot(q_pack, tl.trans(k)), [2, ROWS, BLOCK_N]), axis=0)
+        elif USE_DOT:
             if FP32_DOT:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -127,7 +142,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
+        if PACKED:  # the same for p . v: p's high halves in rows [0, ROWS), the rest below them
+            p_hi = p.to(v.dtype)
+            p_pack = tl.reshape(tl.permute(tl.join(p_hi, (p - p_hi.to(tl.float32)).to(v.dtype)), (2, 0, 1)),
+                                [BLOCK_G, BLOCK_N])
+            pv = tl.sum(tl.reshape(tl.dot(p_pack, v), [2, ROWS, BLOCK_D]), axis=0)
+        elif USE_DOT:
             if FP32_DOT:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -184,6 +204,10 @@ TUNING = Knobs("decode_attention", {
     "use_dot": Knob(flag=True, none=True), "precise": Knob(flag=True), "pdl": Knob(flag=True),
 }, num_splits=None, block_n=None, num_warps=None, num_stages=None, use_dot=None, precise=True, pdl=True)
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
+PACK_HALVES = True  # both 16-bit parts in one dot where the group fits half the rows (H200 bs=64 32K: 2261 -> 2061 us)
+# KV tokens per split from which 16-bit tensor-core launches take the long-split tile: GQA 128 tokens a step and 2
+# pipeline stages, MHA 64 tokens (see launch_config)
+LONG_SPLIT_GQA, LONG_SPLIT_MHA = 4096, 512
 PROGRAMS_PER_SM = 8  # split-kernel programs per SM the default split count aims for
 
 
@@ -221,24 +245,35 @@ def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int,
 
 def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted: bool,
                   use_dot: bool | None = None, block_n: int | None = None, num_warps: int | None = None,
-                  precise: bool = True, num_stages: int | None = None) -> dict:
-    """The constexprs and launch options of the split kernel for a GQA group size, head dim and K/V dtype."""
+                  precise: bool = True, num_stages: int | None = None, split_len: int = 0) -> dict:
+    """The constexprs and launch options of the split kernel for a GQA group size, head dim and K/V dtype, and
+    ``split_len``, the KV tokens one program walks (0: short; it picks the default tile)."""
     use_dot = group >= DOT_MIN_GROUP if use_dot is None else use_dot
     fp32_dot = bool(use_dot and (interpreted or kv_dtype == torch.float32))
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(max(head_dim, 16 if use_dot else 1))
+    big = group >= 2 and not fp32_dot
+    if block_n is None and use_dot and not fp32_dot and split_len >= (LONG_SPLIT_GQA if big else LONG_SPLIT_MHA):
+        # long splits (H200, bf16 D=128 32K, packed halves, L2 cold): bs=64 32q/8kv (3 splits of 11K tokens)
+        # 1948 us with 128 tokens and 2 stages against 2061 with 64 and 3; bs=1 MHA (33 splits of 1K) 150 against
+        # 181 us with 64 tokens against 32. Short splits keep the defaults below: bs=1 32q/8kv (64 splits of 512)
+        # took 60 us with 128 against 53 with 64
+        block_n = 128 if big else 64
+        num_stages = 2 if big and num_stages is None else num_stages
     if block_n is None:
         # broadcast path: keep the [BLOCK_G, BLOCK_N, BLOCK_D] product near 8K fp32 values per program
         # tensor cores: 64 tokens a step for GQA groups over 16-bit K/V (H200, bs=64 32q/8kv 32K bf16: 2225
         # against 2530 us with 32); 32 for MHA (at bs=1 the sparse step's short splits lose with 64: 29 against
         # 25 us) and for fp32 K/V (64 spills registers)
-        big = group >= 2 and not fp32_dot
         block_n = (64 if big else 32) if use_dot else max(16, min(64, 8192 // (block_g * block_d)))
     if num_warps is None:
         num_warps = 4
+    # two-term dots in one when the group fits half the padded rows
+    packed = bool(PACK_HALVES and use_dot and precise and not fp32_dot and 2 * group <= block_g)
     options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages is not None else {})}
     return dict(constexprs=dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-                                USE_DOT=bool(use_dot), FP32_DOT=fp32_dot, PRECISE=bool(precise and not fp32_dot)),
+                                USE_DOT=bool(use_dot), FP32_DOT=fp32_dot, PRECISE=bool(precise and not fp32_dot),
+                                PACKED=packed),
                 options=options)
 
 
@@ -268,12 +303,14 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     if bs == 0:
         return out
     group = num_q_heads // num_kv_heads
-    cfg = launch_config(group, head_dim, k_buffer.dtype, interpreted, knobs["use_dot"], knobs["block_n"],
-                        knobs["num_warps"], knobs["precise"], knobs["num_stages"])
+    config = functools.partial(launch_config, group, head_dim, k_buffer.dtype, interpreted, knobs["use_dot"],
+                               knobs["block_n"], knobs["num_warps"], knobs["precise"], knobs["num_stages"])
     num_splits = knobs["num_splits"]
+    if num_splits is None:  # (from the short-split tile; only a cap of one split per tile of tokens depends on it)
+        num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, config()["constexprs"]["BLOCK_N"],
+                                       q.device)
+    cfg = config(split_len=triton.cdiv(width * page_size, num_splits))
     ce = cfg["constexprs"]
-    if num_splits is None:
-        num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, ce["BLOCK_N"], q.device)
     q = q.contiguous()
     pdl = pdl_options(q.device, knobs["pdl"])
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)

@@ -32,10 +32,10 @@ AOT_ROWS = [(dict(k="i32"), dict(lengths=None)), (dict(k="*i32", lengths="*i64")
 TOPK = [  # the short rows: 8192 columns at k = 2048 (direct, 16 warps), k = 128 (delegates); bf16, rounds only
     *[aot_variant(topk_pkg._short_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b, DIRECT=d),
                   {"num_warps": nw}, scratch="*i32", flags="*i32", **rt, **AOT_PTRS)
-      for (rt, rc), g, b, pr, d, nw in zip(AOT_ROWS, (4096, 256), (1024, 128), (32, 128), (True, False), (16, 8),
+      for (rt, rc), g, b, pr, d, nw in zip(AOT_ROWS, (4096, 256), (1024, 128), (128, 128), (2, 0), (16, 8),
                                            strict=True)],
     aot_variant(topk_pkg._short_row_kernel, dict(lengths=None, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16,
-                                                 DIRECT=True), {"num_warps": 8}, scratch="*i32", flags="*i32",
+                                                 DIRECT=1), {"num_warps": 8}, scratch="*i32", flags="*i32",
                 k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
 ]
 TOPK += [  # 64 x 64K and 8 x 128K at k = 2048 (LOCAL); 1 x 128K (the row's merged histogram)
@@ -83,12 +83,12 @@ _TABLE_SIG = {**{k: v for k, v in _SELECT_SIG.items() if k not in ("sizes", "rul
 PAGE_SELECT = [
     (page_select._page_select_kernel, _SELECT_SIG,
      {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "DIRECT": d}, {"num_warps": 8})
-    for n_pad, pr, d in ((2048, 32, True), (8192, 128, False))
+    for n_pad, pr, d in ((2048, 128, 1), (8192, 128, 0))
 ] + [
     (page_select._select_to_table_kernel, _TABLE_SIG,
      {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "BLOCK_T": 1024, "DIRECT": d,
       "PDL": True}, {"num_warps": 8})
-    for n_pad, pr, d in ((2048, 32, True), (8192, 128, False))
+    for n_pad, pr, d in ((2048, 128, 1), (8192, 128, 0))
 ]
 
 

@@ -25,7 +25,15 @@ from sparse_ref import checks
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
-from sparse_ref.kernels.topk.common import _bin_shift, _bits_to_slots, _hit_ranks, _narrow, _write_above_and_ties
+from sparse_ref.kernels.topk.common import (
+    _bin_shift,
+    _bits_to_slots,
+    _hit_ranks,
+    _keys,
+    _narrow,
+    _write_above_and_ties,
+)
+from sparse_ref.kernels.topk.rows import _value_round
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -35,6 +43,7 @@ PATHS = {
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
     "register_rounds": {"short_pair": 0},
+    "register_key_rounds": {"value_round": False},
     "register_delegates": {"direct_ratio": 0},
     "register_fallback": {"direct_ratio": 0, "slots": 2},
     "bitmask": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "bitmask_programs": 0},
@@ -615,6 +624,55 @@ def test_window_rounds(case):
         t, m, k_rem = out[:3].tolist()  # (the select programs' mode: until at most 8 keys share the bin)
         assert m <= 8 or (t == kth and m == int((keys == kth).sum())), (case, k)
         assert int((keys >= t).sum()) >= k >= int((keys >= t).sum()) - m + k_rem  # the k-th is in the bin
+
+
+@triton.jit
+def _value_round_kernel(x, n, k, out, members, N_PAD: tl.constexpr):
+    i = tl.arange(0, N_PAD)
+    v = tl.load(x + i, mask=i < n, other=0.0)
+    ok = _keys(v, i < n) != -2147483648
+    member, m, k_rem = _value_round(v, ok, tl.sum(ok.to(tl.int32), axis=0), k)
+    tl.store(out, m)
+    tl.store(out + 1, k_rem)
+    tl.store(members + i, member.to(tl.int32))
+
+
+@pytest.mark.parametrize("case", ["randn", "packed", "signs and extremes", "subnormals", "with nan",
+                                  "plus inf", "one value", "tiny span", "nothing valid"])
+def test_value_round(case):
+    """``_value_round`` (the direct plan's first round, on the float values): where it bins, its bin is a run
+    of the sorted valid scores that holds the k-th largest (k_rem of it taken), and a random row keeps
+    about 1% of its scores; where it must not bin (+inf, all equal, a span below 2**-100, no valid score)
+    it keeps every valid score and k."""
+    g = torch.Generator().manual_seed(len(case))
+    n = 1000
+    x = {"randn": torch.randn(n, generator=g), "packed": 5700 * (1 + 0.02 * torch.rand(n, generator=g)),
+         "signs and extremes": torch.cat([torch.tensor([3.4e38, -3.4e38, 0.0, -0.0]), torch.randn(n - 4, generator=g)]),
+         "subnormals": torch.randn(n, generator=g) * 1e-39,
+         "with nan": torch.where(torch.rand(n, generator=g) < 0.3, float("nan"), torch.randn(n, generator=g)),
+         "plus inf": torch.cat([torch.randn(n - 1, generator=g), torch.tensor([float("inf")])]),
+         "one value": torch.full((n,), -2.5), "tiny span": 1.0e-37 + 1e-44 * torch.randint(0, 5, (n,), generator=g),
+         "nothing valid": torch.full((n,), float("-inf"))}[case]
+    valid = ~(torch.isnan(x) | (x == float("-inf")))
+    skipped = case in ("plus inf", "one value", "tiny span", "nothing valid")
+    for k in (1, 17, 250, 999):
+        k = max(1, min(k, int(valid.sum())))  # (as select_direct calls it)
+        out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        members = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
+        _value_round_kernel[(1,)](x.to(DEVICE), n, k, out, members, N_PAD=1024)
+        m, k_rem = out.tolist()
+        member = members.cpu()[:n].bool()
+        assert int(member.sum()) == m and not (member & ~valid).any()
+        if skipped:
+            assert torch.equal(member, valid) and k_rem == k, (case, k)
+            continue
+        v = x[valid].sort(descending=True).values
+        inside = x[member]
+        above = int((x[valid] > inside.max()).sum())  # the valid scores above the bin
+        assert bool(((x[valid] >= inside.min()) & (x[valid] <= inside.max()) == member[valid]).all())  # one run
+        assert inside.min() <= v[k - 1] <= inside.max() and above + k_rem == k and 1 <= k_rem <= m, (case, k)
+        if case == "randn":
+            assert m <= 40, m  # ~1% of 1000 near the top; at most ~40 in the densest bin (the middle)
 
 
 @triton.jit

@@ -50,7 +50,7 @@ from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import after_previous_launch, pdl_options
 from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
 from sparse_ref.kernels.topk import TUNING, short_row_warps
-from sparse_ref.kernels.topk.rows import select_direct, select_in_registers, use_direct
+from sparse_ref.kernels.topk.rows import direct_mode, select_direct, select_in_registers, use_direct
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
 # Candidate slots per delegate (the delegates plan). Quest scores are packed (~2% spread); a threshold cut to 16
@@ -58,6 +58,9 @@ MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this 
 # packed range (fewer candidates); the slots stay, and the exact k-th delegate is needed only beyond them. The
 # top-k's TUNING["slots"] still overrides (tests force overflows).
 SLOTS_PER_DELEGATE = 2
+# The direct plan's value round (top-k's TUNING["value_round"]) stays off for page histories: on an H200 the decode
+# step's selection (2048 Quest page scores, k = 123, bs=1) took 11.6 us with it and 11.1 without (2026-12-04).
+VALUE_ROUND = False
 # Programmatic dependent launch of the select-to-table launch (``TUNING["pdl"]``): it always lets the attention
 # launch after it be placed early; it is itself placed early, while the scoring launch before it finishes, only
 # for at most this many rows. Same-process A/B on an H200 (the decode step, bf16 bounds, default knobs): 48.2 us at
@@ -110,7 +113,7 @@ def _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scr
     row = scores + r.to(tl.int64) * stride_r
     if DIRECT:
         k_eff = select_direct(row, sink_end, recent_start, k, out_row, sink_end, W, scratch + r.to(tl.int64) * PAIR,
-                               N_PAD, PAIR)
+                               N_PAD, PAIR, DIRECT == 2)
     else:
         k_eff, _ = select_in_registers(row, sink_end, recent_start, k, out_row, sink_end, W,
                                         scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
@@ -198,9 +201,9 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     scratch = torch.empty((bs, max(pair, 1) if direct else slots), dtype=torch.int32, device=device)
     args = (seq_lens.contiguous(), sparse_mask.contiguous(), budget_table(max_pages, config, device), scratch)
     rules = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)
+    nw = (short_row_warps(n_pad) if direct else TUNING["num_warps"]) if device.type == "cuda" else 1
     constexprs = dict(N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
-                      DIRECT=direct, num_warps=(short_row_warps(n_pad) if direct else TUNING["num_warps"])
-                      if device.type == "cuda" else 1)
+                      DIRECT=direct_mode(direct, VALUE_ROUND), num_warps=nw)
     return args, rules, constexprs
 
 

@@ -24,6 +24,7 @@ from sparse_ref.kernels.topk.common import (
     _narrow,
     _pairwise_kth,
     _radix_rounds,
+    _walk,
     _words_to_slots,
     _write_above_and_ties,
 )
@@ -37,33 +38,99 @@ def use_direct(n_pad: int, G: int, ratio: int) -> bool:
     return n_pad <= ratio * G
 
 
+def direct_mode(direct: bool, value_round: bool) -> int:
+    """The DIRECT constexpr of a kernel that holds rows in registers: 0 the delegates plan
+    (``select_in_registers``), 1 ``select_direct``, 2 ``select_direct`` with its value round (top-k's
+    ``TUNING["value_round"]``)."""
+    return (2 if value_round else 1) if direct else 0
+
+
 @triton.jit
-def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr):
+def _value_round(x, ok, n, k_rem):
+    """The direct plan's first round on the float values: 256 equal-width bins over [min, max] of the ``ok``
+    values, the walk to the bin of the k_rem-th largest. Returns ``(member, m, k_rem)``: that bin's keys,
+    their count, how many of them the k-th takes. Key-space bins are coarse where the row spans both signs
+    (a bin of randn keys near the 75th percentile holds 2 binades, ~25% of the row: a second round over the
+    whole row); equal-width value bins keep ~1% (8192 randn scores: ~80 keys), which the pairwise rank
+    takes at once. Halves, a difference and a positive scale all round monotonically, so a larger key never
+    gets a lower bin. Skipped (every ok key kept) when a score is +inf, when all are equal, or when the span
+    is below 2**-99 (the scale would overflow): the key rounds that follow handle those rows."""
+    lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
+    hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+    finite = (hi <= 3.4028234663852886e38) & (lo <= hi)  # (-inf is never ok; no ok key: lo > hi)
+    lo, hi = tl.where(finite, lo, 0.0), tl.where(finite, hi, 0.0)
+    half = hi * 0.5 - lo * 0.5  # half the span: no overflow, even from -FLT_MAX to FLT_MAX
+    usable = finite & (half >= 7.888609052210118e-31)  # 2**-100
+    member, m = ok, n + tl.zeros([], tl.int32)
+    k_rem = k_rem + tl.zeros([], tl.int32)
+    if usable:
+        scale = 128.0 / half
+        b = tl.minimum(((tl.where(ok, x, lo) * 0.5 - lo * 0.5) * scale).to(tl.int32), 255)  # (0 to 256 at most)
+        d, k_rem = _walk(tl.histogram(b, 256, mask=ok), k_rem)
+        member = ok & (b == d)
+        m = tl.sum(member.to(tl.int32), axis=0)
+    return member, m, k_rem
+
+
+@triton.jit
+def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest of the m <= PAIR ``member`` keys of a row held in registers, and how
+    many keys equal to ``t`` it takes (``scratch``: PAIR free int32). Their ids reach ``scratch`` through
+    bitmask words (``_words_to_slots``: a prefix sum over N_PAD / 32 word counts, not over the row), their
+    keys come back from ``row`` into a [PAIR] tensor, and window rounds on those few (cheap: PAIR keys, not
+    the row) leave at most 16 to rank pairwise. A [PAIR, PAIR] rank of them all measured ~7 µs slower at
+    PAIR = 128 (16 warps)."""
+    _words_to_slots(_bitmask_words(member, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32),
+                    scratch, 0)
+    tl.debug_barrier()
+    s = tl.arange(0, PAIR)
+    ids = tl.load(scratch + s, mask=s < m, other=0, cache_modifier=".cg")
+    key = _keys(tl.load(row + ids, mask=s < m, other=0.0), s < m)
+    lo, hi = _key_range(key, s < m)
+    t, few, f, k_rem = _narrow(key, s < m, m, k_rem, lo, hi, 16, False, 4)
+    if f <= 16:  # (else the rounds ran to one key value: t is it)
+        tl.debug_barrier()  # every thread has read its ids
+        tl.store(scratch + tl.cumsum(few.to(tl.int32), axis=0) - 1, key, mask=few)
+        tl.debug_barrier()
+        t, k_rem = _pairwise_kth(scratch, f, k_rem, 16)
+    return t, k_rem
+
+
+@triton.jit
+def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr,
+                  VALUE_ROUND: tl.constexpr):
     """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]; ties
     to the lower id. Returns how many were written: min(k, valid keys). The short rows of the top-k and the
     page histories of ``sparse_ref.kernels.page_select``.
 
     The exact k-th key ``t`` comes from window rounds over the row's own range (``_narrow``: one round on
     random rows and on page scores packed within ~2%; up to four, which always end on one key value, on ties
-    and clusters) and, when the kept bin holds at most PAIR keys, a pairwise rank of them (``scratch_row``:
-    PAIR free int32). Then one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its
-    ranks (N_PAD <= 2**14 keeps the packed sum below 2**31): its place is the keys > t before it plus the
-    ties before it, capped at the ties the row takes. No delegates and no candidates. When k is small
+    and clusters) until the kept bin holds at most PAIR keys, which ``_kth_in_bin`` ranks (``scratch_row``:
+    PAIR free int32). VALUE_ROUND: the first round bins the float values instead (``_value_round``). Then
+    one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its ranks (N_PAD <= 2**14
+    keeps the packed sum below 2**31): its place is the keys > t before it plus the ties before it, capped at
+    the ties the row takes. No delegates and no candidates. When k is small
     against the row, ``select_in_registers`` (below) is cheaper (``use_direct``)."""
     tl.static_assert(N_PAD <= 16384)  # (the packed prefix sum: no int32 overflow)
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
-    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    x = tl.load(row + j, mask=valid, other=0.0).to(tl.float32)
+    key = _keys(x, valid)
     ok = key != -2147483648
     n = tl.sum(ok.to(tl.int32), axis=0)
-    key_lo, key_hi = _key_range(key, ok)
     k_eff = tl.minimum(k, n)
-    t, member, m, ties = _narrow(key, ok, n, tl.maximum(k_eff, 1), key_lo, key_hi, PAIR, False, 4)
+    if VALUE_ROUND:
+        member, m, k_rem = _value_round(x, ok, n, tl.maximum(k_eff, 1))
+    else:
+        member, m, k_rem = ok, n, tl.maximum(k_eff, 1) + tl.zeros([], tl.int32)
+    t = tl.zeros([], tl.int32)
+    if m > PAIR:  # key rounds over the kept keys' own range until at most PAIR remain (or one key value: t)
+        key_lo, key_hi = _key_range(key, member)
+        t, member, m, k_rem = _narrow(key, member, m, k_rem, key_lo, key_hi, PAIR, False, 4)
     if PAIR > 0:
-        if m <= PAIR:  # (else the rounds ran to one key value: t is it)
-            tl.store(scratch_row + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
-            tl.debug_barrier()
-            t, ties = _pairwise_kth(scratch_row, m, ties, PAIR)
+        if m <= PAIR:
+            t, k_rem = _kth_in_bin(row, member, m, k_rem, scratch_row, N_PAD, PAIR)
+    ties = k_rem
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
     ties = tl.where(k_eff > 0, ties, 0)
     gt, eq = key > t, key == t

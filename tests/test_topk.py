@@ -43,7 +43,7 @@ PATHS = {
     "long": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128},
     "fallback": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "slots": 2},
     "register_rounds": {"short_pair": 0},
-    "register_key_rounds": {"value_round": False},
+    "register_key_rounds": {"value_bins": 0},
     "register_delegates": {"direct_ratio": 0},
     "register_fallback": {"direct_ratio": 0, "slots": 2},
     "bitmask": {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128, "bitmask_programs": 0},
@@ -627,11 +627,11 @@ def test_window_rounds(case):
 
 
 @triton.jit
-def _value_round_kernel(x, n, k, out, members, N_PAD: tl.constexpr):
+def _value_round_kernel(x, n, k, out, members, N_PAD: tl.constexpr, BINS: tl.constexpr):
     i = tl.arange(0, N_PAD)
     v = tl.load(x + i, mask=i < n, other=0.0)
     ok = _keys(v, i < n) != -2147483648
-    member, m, k_rem = _value_round(v, ok, tl.sum(ok.to(tl.int32), axis=0), k)
+    member, m, k_rem = _value_round(v, ok, tl.sum(ok.to(tl.int32), axis=0), k, BINS)
     tl.store(out, m)
     tl.store(out + 1, k_rem)
     tl.store(members + i, member.to(tl.int32))
@@ -639,10 +639,11 @@ def _value_round_kernel(x, n, k, out, members, N_PAD: tl.constexpr):
 
 @pytest.mark.parametrize("case", ["randn", "packed", "signs and extremes", "subnormals", "with nan",
                                   "plus inf", "one value", "tiny span", "nothing valid"])
-def test_value_round(case):
+@pytest.mark.parametrize("bins", [256, 32])
+def test_value_round(case, bins):
     """``_value_round`` (the direct plan's first round, on the float values): where it bins, its bin is a run
     of the sorted valid scores that holds the k-th largest (k_rem of it taken), and a random row keeps
-    about 1% of its scores; where it must not bin (+inf, all equal, a span below 2**-100, no valid score)
+    about 256 / bins % of its scores; where it must not bin (+inf, all equal, a span below 2**-100, no valid score)
     it keeps every valid score and k."""
     g = torch.Generator().manual_seed(len(case))
     n = 1000
@@ -659,7 +660,7 @@ def test_value_round(case):
         k = max(1, min(k, int(valid.sum())))  # (as select_direct calls it)
         out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
         members = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
-        _value_round_kernel[(1,)](x.to(DEVICE), n, k, out, members, N_PAD=1024)
+        _value_round_kernel[(1,)](x.to(DEVICE), n, k, out, members, N_PAD=1024, BINS=bins)
         m, k_rem = out.tolist()
         member = members.cpu()[:n].bool()
         assert int(member.sum()) == m and not (member & ~valid).any()
@@ -672,7 +673,7 @@ def test_value_round(case):
         assert bool(((x[valid] >= inside.min()) & (x[valid] <= inside.max()) == member[valid]).all())  # one run
         assert inside.min() <= v[k - 1] <= inside.max() and above + k_rem == k and 1 <= k_rem <= m, (case, k)
         if case == "randn":
-            assert m <= 40, m  # ~1% of 1000 near the top; at most ~40 in the densest bin (the middle)
+            assert m <= 40 * 256 // bins, m  # 256 bins: ~1% of 1000 near the top, at most ~40 in the middle
 
 
 @triton.jit

@@ -58,9 +58,9 @@ MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this 
 # packed range (fewer candidates); the slots stay, and the exact k-th delegate is needed only beyond them. The
 # top-k's TUNING["slots"] still overrides (tests force overflows).
 SLOTS_PER_DELEGATE = 2
-# The direct plan's value round (top-k's TUNING["value_round"]) stays off for page histories: on an H200 the decode
+# The direct plan's value round (top-k's TUNING["value_bins"]) stays off for page histories: on an H200 the decode
 # step's selection (2048 Quest page scores, k = 123, bs=1) took 11.6 us with it and 11.1 without (2026-12-04).
-VALUE_ROUND = False
+VALUE_BINS = 0
 # Programmatic dependent launch of the select-to-table launch (``TUNING["pdl"]``): it always lets the attention
 # launch after it be placed early; it is itself placed early, while the scoring launch before it finishes, only
 # for at most this many rows. Same-process A/B on an H200 (the decode step, bf16 bounds, default knobs): 48.2 us at
@@ -113,7 +113,7 @@ def _select_row(r, scores, selected, lengths, seq_lens, sparse_mask, budget, scr
     row = scores + r.to(tl.int64) * stride_r
     if DIRECT:
         k_eff = select_direct(row, sink_end, recent_start, k, out_row, sink_end, W, scratch + r.to(tl.int64) * PAIR,
-                               N_PAD, PAIR, DIRECT == 2)
+                               N_PAD, PAIR, DIRECT)
     else:
         k_eff, _ = select_in_registers(row, sink_end, recent_start, k, out_row, sink_end, W,
                                         scratch + r.to(tl.int64) * SLOTS, N_PAD, G, SLOTS, PAIR)
@@ -203,7 +203,7 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     rules = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)
     nw = (short_row_warps(n_pad) if direct else TUNING["num_warps"]) if device.type == "cuda" else 1
     constexprs = dict(N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
-                      DIRECT=direct_mode(direct, VALUE_ROUND), num_warps=nw)
+                      DIRECT=direct_mode(direct, VALUE_BINS), num_warps=nw)
     return args, rules, constexprs
 
 

@@ -94,7 +94,7 @@ NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 W_, P2, OFF = 1 << 20, 1 << 16, True  # launch knobs' declared ranges: powers of two where a kernel tiles by them
 RANGES = {
     "register_row": Knob(1, 16384, zero=OFF), "direct_ratio": Knob(1, W_, zero=OFF),
-    "short_pair": Knob(16, 256, pow2=True, zero=OFF), "scores_per_warp": Knob(16, 8192, pow2=True),
+    "short_pair": Knob(16, 1024, pow2=True, zero=OFF), "scores_per_warp": Knob(16, 8192, pow2=True),
     "min_delegates": Knob(16, 8192, pow2=True), "max_delegates": Knob(16, 16384, pow2=True),
     "slots_per_delegate": Knob(1, 8), "slots": Knob(1, W_, pow2=True, zero=OFF), "chunk": Knob(16, P2, pow2=True),
     "bitmask_programs": Knob(1, 2**31 - 1, zero=OFF), "delegate_cols": Knob(16, P2, pow2=True),
@@ -103,11 +103,11 @@ RANGES = {
     "select_programs": Knob(1, W_), "tie_tile": Knob(16, P2, pow2=True), "local_threshold": Knob(1, 1024, zero=OFF),
     "delegate_tile": Knob(256, P2, pow2=True), "block": Knob(16, P2, pow2=True), "sort_warps": Knob(1, 32, pow2=True),
     "sort_run": Knob(16, 4096, pow2=True, zero=OFF), "sort_run_warps": Knob(1, 32, pow2=True), "pdl": Knob(flag=True),
-    "pair_rank": Knob(16, 256, pow2=True, zero=OFF), "value_round": Knob(flag=True)}
+    "pair_rank": Knob(16, 256, pow2=True, zero=OFF), "value_bins": Knob(16, 256, pow2=True, zero=OFF)}
 TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them, benchmarks try variants
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers (rows.py)
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
-    "short_pair": 128,  # directly: the k-th key by a pairwise rank of up to this many keys of its bin (0: rounds only)
+    "short_pair": 256,  # directly: rounds over the row until the kept bin holds this many (0: to one value)
     "scores_per_warp": 512,  # directly: warps = N_PAD / this, from 8 to 32 (the delegates plan: num_warps)
     "min_delegates": 256,  # G = max(this, next_pow2(2 k)), at most max_delegates
     "max_delegates": 8192,
@@ -134,7 +134,7 @@ TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them,
     "sort_run_warps": 4,
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
-    "value_round": True,  # directly: the first round bins the float values, not the keys (rows._value_round)
+    "value_bins": 128,  # directly: the first round bins the float values in this many bins (0: keys; rows.py)
 })
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
 ORDERS = ("score", "index", "none")
@@ -148,8 +148,8 @@ def _short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
                       N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
                       BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
     """One program = one row of at most N_PAD columns, held in registers: the whole top-k in one launch
-    (``rows.py``). DIRECT (1, or 2: the first round on the float values): window rounds over the row and a
-    pairwise rank (``scratch``: PAIR int32 per row); 0: the delegates plan (``scratch``: SLOTS int32 per row),
+    (``rows.py``). DIRECT (> 1: a first round of DIRECT bins on the float values): window rounds over the row
+    and the kept bin ranked (``scratch``: PAIR int32 per row); 0: the delegates plan (``scratch``: SLOTS int32 per row),
     which stores its path in ``flags``."""
     r = tl.program_id(0)
     k, length = _row_k_len(r, N, W, k, lengths)
@@ -157,7 +157,7 @@ def _short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
     row = scores + r.to(tl.int64) * stride_r
     if DIRECT:
         k_eff = select_direct(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR,
-                              DIRECT == 2)
+                              DIRECT)
         tl.store(flags + r, 0)
     else:
         k_eff, path = select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,
@@ -254,7 +254,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         return [("short_row", lambda: _short_row_kernel[(R,)](
             scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
             PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
-            DIRECT=direct_mode(p["direct"], TUNING["value_round"]), num_warps=nw))]
+            DIRECT=direct_mode(p["direct"], TUNING["value_bins"]), num_warps=nw))]
     nw = TUNING["delegate_warps"] if device.type == "cuda" else 1
     block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p["n_pad"])
     G, cols, chunk = p["G"], p["cols"], p["chunk"]

@@ -50,11 +50,11 @@ def _keys(x, valid):
 
 @triton.jit
 def _walk(h, k_rem):
-    """Walk a 256-bin histogram from the top: the bin d holding the k_rem-th largest, and the new k_rem
-    (minus the keys in the bins above d). Two block-wide steps: a suffix sum, then one max over
-    ``bin << 32 | keys above the bin`` of the bins that k_rem keys reach (a sequential step costs more
-    than its arithmetic, so the count rides along with the bin)."""
-    bins = tl.arange(0, 256)
+    """Walk a histogram (256 bins, or the direct plan's value round's) from the top: the bin d holding the
+    k_rem-th largest, and the new k_rem (minus the keys in the bins above d). Two block-wide steps: a suffix
+    sum, then one max over ``bin << 32 | keys above the bin`` of the bins that k_rem keys reach (a sequential
+    step costs more than its arithmetic, so the count rides along with the bin)."""
+    bins = tl.arange(0, h.shape[0])
     at_or_above = tl.cumsum(h, axis=0, reverse=True)
     best = tl.max(tl.where(at_or_above >= k_rem, (bins.to(tl.int64) << 32) | (at_or_above - h).to(tl.int64), -1),
                   axis=0)

@@ -38,20 +38,20 @@ def use_direct(n_pad: int, G: int, ratio: int) -> bool:
     return n_pad <= ratio * G
 
 
-def direct_mode(direct: bool, value_round: bool) -> int:
+def direct_mode(direct: bool, value_bins: int) -> int:
     """The DIRECT constexpr of a kernel that holds rows in registers: 0 the delegates plan
-    (``select_in_registers``), 1 ``select_direct``, 2 ``select_direct`` with its value round (top-k's
-    ``TUNING["value_round"]``)."""
-    return (2 if value_round else 1) if direct else 0
+    (``select_in_registers``), else ``select_direct`` with a value round of DIRECT bins (1: none; top-k's
+    ``TUNING["value_bins"]``)."""
+    return max(1, value_bins) if direct else 0
 
 
 @triton.jit
-def _value_round(x, ok, n, k_rem):
-    """The direct plan's first round on the float values: 256 equal-width bins over [min, max] of the ``ok``
+def _value_round(x, ok, n, k_rem, BINS: tl.constexpr):
+    """The direct plan's first round on the float values: BINS equal-width bins over [min, max] of the ``ok``
     values, the walk to the bin of the k_rem-th largest. Returns ``(member, m, k_rem)``: that bin's keys,
     their count, how many of them the k-th takes. Key-space bins are coarse where the row spans both signs
     (a bin of randn keys near the 75th percentile holds 2 binades, ~25% of the row: a second round over the
-    whole row); equal-width value bins keep ~1% (8192 randn scores: ~80 keys), which the pairwise rank
+    whole row); 256 equal-width value bins keep ~1% (8192 randn scores: ~80 keys), which ``_kth_in_bin``
     takes at once. Halves, a difference and a positive scale all round monotonically, so a larger key never
     gets a lower bin. Skipped (every ok key kept) when a score is +inf, when all are equal, or when the span
     is below 2**-99 (the scale would overflow): the key rounds that follow handle those rows."""
@@ -64,9 +64,9 @@ def _value_round(x, ok, n, k_rem):
     member, m = ok, n + tl.zeros([], tl.int32)
     k_rem = k_rem + tl.zeros([], tl.int32)
     if usable:
-        scale = 128.0 / half
-        b = tl.minimum(((tl.where(ok, x, lo) * 0.5 - lo * 0.5) * scale).to(tl.int32), 255)  # (0 to 256 at most)
-        d, k_rem = _walk(tl.histogram(b, 256, mask=ok), k_rem)
+        scale = (BINS / 2) / half
+        b = tl.minimum(((tl.where(ok, x, lo) * 0.5 - lo * 0.5) * scale).to(tl.int32), BINS - 1)  # (0 to BINS)
+        d, k_rem = _walk(tl.histogram(b, BINS, mask=ok), k_rem)
         member = ok & (b == d)
         m = tl.sum(member.to(tl.int32), axis=0)
     return member, m, k_rem
@@ -98,7 +98,7 @@ def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.co
 
 @triton.jit
 def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr,
-                  VALUE_ROUND: tl.constexpr):
+                  VALUE_BINS: tl.constexpr):
     """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]; ties
     to the lower id. Returns how many were written: min(k, valid keys). The short rows of the top-k and the
     page histories of ``sparse_ref.kernels.page_select``.
@@ -106,7 +106,7 @@ def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.const
     The exact k-th key ``t`` comes from window rounds over the row's own range (``_narrow``: one round on
     random rows and on page scores packed within ~2%; up to four, which always end on one key value, on ties
     and clusters) until the kept bin holds at most PAIR keys, which ``_kth_in_bin`` ranks (``scratch_row``:
-    PAIR free int32). VALUE_ROUND: the first round bins the float values instead (``_value_round``). Then
+    PAIR free int32). VALUE_BINS > 1: the first round bins the float values instead (``_value_round``). Then
     one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its ranks (N_PAD <= 2**14
     keeps the packed sum below 2**31): its place is the keys > t before it plus the ties before it, capped at
     the ties the row takes. No delegates and no candidates. When k is small
@@ -119,8 +119,8 @@ def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.const
     ok = key != -2147483648
     n = tl.sum(ok.to(tl.int32), axis=0)
     k_eff = tl.minimum(k, n)
-    if VALUE_ROUND:
-        member, m, k_rem = _value_round(x, ok, n, tl.maximum(k_eff, 1))
+    if VALUE_BINS > 1:
+        member, m, k_rem = _value_round(x, ok, n, tl.maximum(k_eff, 1), VALUE_BINS)
     else:
         member, m, k_rem = ok, n, tl.maximum(k_eff, 1) + tl.zeros([], tl.int32)
     t = tl.zeros([], tl.int32)

@@ -109,8 +109,7 @@ TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them,
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
     "short_pair": 256,  # directly: rounds over the row until the kept bin holds this many (0: to one value)
     "scores_per_warp": 512,  # directly: warps = N_PAD / this, from 8 to 32 (the delegates plan: num_warps)
-    "min_delegates": 256,  # G = max(this, next_pow2(2 k)), at most max_delegates
-    "max_delegates": 8192,
+    "min_delegates": 256, "max_delegates": 8192,  # G = max(min_delegates, next_pow2(2 k)), at most max_delegates
     "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
     "chunk": 2048,  # columns per candidate program
@@ -124,14 +123,12 @@ TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them,
     "reverse_rows": True,  # the candidates launch takes the rows last-first (the delegates launch read them last)
     "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
     "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
-    "tie_tile": 2048,  # columns per load of a flagged row's select program, and per tile of its -1 padding (a
-    # power of two; at least one chunk)
+    "tie_tile": 2048,  # columns per load of a flagged row's select program and per tile of its -1 padding (pow2)
     "local_threshold": 4,  # up to this many delegates programs per row: T from their own thresholds
     "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the whole-row kernel's loops (k too wide for delegates)
     "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
-    "sort_run": 512,  # > 0: order="score" sorts runs of this many winners in parallel, then merges them
-    "sort_run_warps": 4,
+    "sort_run": 512, "sort_run_warps": 4,  # > 0: order="score" sorts runs of this many in parallel, then merges
     "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
     "value_bins": 128,  # directly: the first round bins the float values in this many bins (0: keys; rows.py)

@@ -51,10 +51,11 @@ def _value_round(x, ok, n, k_rem, BINS: tl.constexpr):
     values, the walk to the bin of the k_rem-th largest. Returns ``(member, m, k_rem)``: that bin's keys,
     their count, how many of them the k-th takes. Key-space bins are coarse where the row spans both signs
     (a bin of randn keys near the 75th percentile holds 2 binades, ~25% of the row: a second round over the
-    whole row); 256 equal-width value bins keep ~1% (8192 randn scores: ~80 keys), which ``_kth_in_bin``
-    takes at once. Halves, a difference and a positive scale all round monotonically, so a larger key never
-    gets a lower bin. Skipped (every ok key kept) when a score is +inf, when all are equal, or when the span
-    is below 2**-99 (the scale would overflow): the key rounds that follow handle those rows."""
+    whole row); equal-width value bins keep a few hundredths of that (8192 randn scores, 128 bins: ~160
+    keys), which ``_kth_in_bin`` takes at once. Halves, a difference and a positive scale all round
+    monotonically, so a larger key never gets a lower bin. Skipped (every ok key kept) when a score is +inf,
+    when all are equal, or when the span is below 2**-99 (the scale would overflow): the key rounds that
+    follow handle those rows."""
     lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
     hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
     finite = (hi <= 3.4028234663852886e38) & (lo <= hi)  # (-inf is never ok; no ok key: lo > hi)

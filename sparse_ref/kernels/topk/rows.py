@@ -74,19 +74,25 @@ def _value_round(x, ok, n, k_rem, BINS: tl.constexpr):
 
 
 @triton.jit
+def _gather_hits(row, hit, count, scratch, N_PAD: tl.constexpr, SLOTS: tl.constexpr):
+    """``(ids, keys)`` [SLOTS] of the ``count`` <= SLOTS columns where ``hit`` is set in a row held in
+    registers, ascending (then NONE keys): the ids reach ``scratch`` through bitmask words (a word per 32
+    columns, ``_words_to_slots``: no prefix sum over the row), and the keys come back from ``row``."""
+    _words_to_slots(_bitmask_words(hit, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32), scratch, 0)
+    tl.debug_barrier()
+    s = tl.arange(0, SLOTS)
+    ids = tl.load(scratch + s, mask=s < count, other=0, cache_modifier=".cg")
+    return ids, _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+
+
+@triton.jit
 def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.constexpr):
     """``(t, ties)``: the k_rem-th largest of the m <= PAIR ``member`` keys of a row held in registers, and how
-    many keys equal to ``t`` it takes (``scratch``: PAIR free int32). Their ids reach ``scratch`` through
-    bitmask words (``_words_to_slots``: a prefix sum over N_PAD / 32 word counts, not over the row), their
-    keys come back from ``row`` into a [PAIR] tensor, and window rounds on those few (cheap: PAIR keys, not
-    the row) leave at most 16 to rank pairwise. A [PAIR, PAIR] rank of them all measured ~7 µs slower at
-    PAIR = 128 (16 warps)."""
-    _words_to_slots(_bitmask_words(member, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32),
-                    scratch, 0)
-    tl.debug_barrier()
+    many keys equal to ``t`` it takes (``scratch``: PAIR free int32). Their keys reach a [PAIR] tensor
+    (``_gather_hits``), and window rounds on those few (cheap: PAIR keys, not the row) leave at most 16 to
+    rank pairwise. A [PAIR, PAIR] rank of them all measured ~7 µs slower at PAIR = 128 (16 warps)."""
     s = tl.arange(0, PAIR)
-    ids = tl.load(scratch + s, mask=s < m, other=0, cache_modifier=".cg")
-    key = _keys(tl.load(row + ids, mask=s < m, other=0.0), s < m)
+    _, key = _gather_hits(row, member, m, scratch, N_PAD, PAIR)
     lo, hi = _key_range(key, s < m)
     t, few, f, k_rem = _narrow(key, s < m, m, k_rem, lo, hi, 16, False, 4)
     if f <= 16:  # (else the rounds ran to one key value: t is it)
@@ -237,12 +243,7 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)
     if count <= SLOTS:  # the candidates' ids, ascending, into the scratch row (a bitmask word per 32 columns)
-        _words_to_slots(_bitmask_words(cand, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32),
-                        scratch_row, 0)
-        tl.debug_barrier()
-        s = tl.arange(0, SLOTS)
-        ids = tl.load(scratch_row + s, mask=s < count, other=0, cache_modifier=".cg")
-        skey = _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+        ids, skey = _gather_hits(row, cand, count, scratch_row, N_PAD, SLOTS)
         k_eff = _write_top_in_window(skey, ids, count, k, T, top, out_row, base, W, scratch_row, PAIR)
     else:  # overflow even at T = Te (or fewer than k delegates)
         above = tl.sum((key > T).to(tl.int32), axis=0)

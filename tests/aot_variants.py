@@ -8,7 +8,16 @@ module-level ``triton.JITFunction`` named ``*_kernel`` in ``sparse_ref.kernels``
 
 import torch
 
-from sparse_ref.kernels import decode_attention, dsa, page_select, page_table, quest, quest_bounds, swap_in
+from sparse_ref.kernels import (
+    decode_attention,
+    dsa,
+    page_select,
+    page_table,
+    quest,
+    quest_bounds,
+    quest_select,
+    swap_in,
+)
 from sparse_ref.kernels import topk as topk_pkg
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 
@@ -130,6 +139,19 @@ QUEST = [
     for block_p in (16, 4)
 ]
 
+# the one-launch retrieval (bs=1 decode step): 32K (2048 pages, direct) and 128K (8192, delegates), bf16 bounds
+QUEST_SELECT = [
+    (quest_select._quest_select_kernel,
+     {"q_ptr": "*fp32", "page_min_ptr": "*bf16", "page_max_ptr": "*bf16", "valid_ptr": "*u8", "arrivals": "*i32",
+      **{k: v for k, v in _TABLE_SIG.items() if k not in ("sizes", "rules")}, "sizes": ("i32",) * 6,
+      "rules": ("i32",) * 4, "num_pages": "i32", "HD": "i32", "head_dim": "i32",
+      **{name: "constexpr" for name in ("GROUP", "MEAN", "BLOCK_P", "BLOCK_HD", "N_PAD", "G", "SLOTS", "PAIR",
+                                        "BLOCK_OUT", "BLOCK_T", "DIRECT", "PDL")}},
+     {"GROUP": 1, "MEAN": True, "BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p, "N_PAD": n_pad, "G": 256,
+      "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "BLOCK_T": 1024, "DIRECT": d, "PDL": True}, {"num_warps": 8})
+    for n_pad, pr, d, block_p in ((2048, page_select.PAGE_PAIR, 1, 4), (8192, 128, 0, 16))
+]
+
 
 # ----------------------------------------------------------------------------- Quest bounds update
 QUEST_BOUNDS = [  # page 16, D = 128 (the engine step's shape), decode and prefill, each bounds dtype and K dtype
@@ -151,7 +173,7 @@ _TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 def _split_signature(q_dtype, kv_dtype, constexprs):
     sig = {"q_ptr": _TRITON_TYPES[q_dtype], "k_ptr": _TRITON_TYPES[kv_dtype], "v_ptr": _TRITON_TYPES[kv_dtype],
            "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-           "sm_scale": "fp32", "dims": ("i32",) * 5}
+           "out_ptr": "*fp32", "arrivals": "*i32", "sm_scale": "fp32", "dims": ("i32",) * 5}
     sig.update({name: "constexpr" for name in constexprs})
     return sig
 
@@ -166,17 +188,18 @@ def _decode_attention_variants():
         (torch.float16, torch.float16, 1, 64),
     ]:
         for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
-            for split_len in (0, 1 << 15):  # short splits and long ones (the long-split tile)
+            for split_len, merge in ((0, False), (1 << 15, False), (0, True), (1 << 15, True)):
+                # short splits and long ones (the long-split tile); the merge in the split kernel or not
                 cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise,
                                                      split_len=split_len)
-                ce = {**cfg["constexprs"], "PDL": True}  # (as a Hopper GPU launches it)
+                ce = {**cfg["constexprs"], "MERGE": merge, "BLOCK_S": 64 if merge else 32, "PDL": True}
                 variant = (decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
                            cfg["options"])
                 if variant not in variants:
                     variants.append(variant)
     for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
         cfg = decode_attention.launch_config(group, 128, torch.bfloat16, False, use_dot=False)
-        ce = {**cfg["constexprs"], "PDL": False}  # (PDL off: the plain launch)
+        ce = {**cfg["constexprs"], "MERGE": False, "BLOCK_S": 32, "PDL": False}  # (PDL off: the plain launch)
         variants.append((decode_attention._decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce),
                          ce, {"num_warps": 4}))
     for head_dim, block_s in ((128, 2), (128, 4), (128, 8), (128, 16), (128, 32), (128, 64), (64, 32)):
@@ -238,4 +261,5 @@ SWAP_IN += [aot_variant(swap_in._copy_in_kernel, dict(HD=hd, ROWS=swap_in.COPY_R
                         {"num_warps": 4}, copies="*i32", table="*i32", host_k=f"*{dt}", host_v=f"*{dt}",
                         hot_k=f"*{dt}", hot_v=f"*{dt}") for hd, dt in ((1024, "bf16"), (64, "fp32"))]
 
-VARIANTS = TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_BOUNDS + DECODE_ATTENTION + DSA + SWAP_IN
+VARIANTS = (TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_SELECT + QUEST_BOUNDS + DECODE_ATTENTION + DSA
+            + SWAP_IN)

@@ -69,8 +69,8 @@ def test_awkward_lengths_gqa_ratios_and_dtypes(heads, kv_dtype):
     page_size = 4
     case = make_case([0, 1, 4, 7, 13], *heads, 12, page_size, kv_dtype, width=4,
                      seed=heads[0] * 10 + heads[1])
-    for num_splits in (None, 1, 3):
-        got = check_against_reference(case, page_size, num_splits=num_splits)
+    for num_splits, merge_tail in ((None, False), (1, False), (3, False), (3, True)):  # (the merge launched or not)
+        got = check_against_reference(case, page_size, num_splits=num_splits, merge_tail=merge_tail)
         assert not got[0].any()  # kv_len 0: zeros
 
 
@@ -94,10 +94,10 @@ def test_launch_knobs_do_not_change_the_result(knobs):
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=3), st.sampled_from([1, 3, 8]),
        st.sampled_from([(1, 1), (3, 3), (4, 1), (8, 1), (6, 2)]), st.sampled_from([4, 9, 16]),
-       st.sampled_from([None, 1, 2, 5]), st.integers(0, 1000))
-def test_random_shapes(lens, page_size, heads, head_dim, num_splits, seed):
+       st.sampled_from([None, 1, 2, 5]), st.sampled_from([False, True]), st.integers(0, 1000))
+def test_random_shapes(lens, page_size, heads, head_dim, num_splits, merge_tail, seed):
     case = make_case(lens, *heads, head_dim, page_size, seed=seed, num_pages=20)
-    check_against_reference(case, page_size, num_splits=num_splits)
+    check_against_reference(case, page_size, num_splits=num_splits, merge_tail=merge_tail)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the NaN, in the interpreter's numpy
@@ -106,8 +106,11 @@ def test_empty_rows_give_zeros_and_nan_queries_give_nan():
     q, k, v, table, kv_lens = make_case([6, 0, 6, 0], 4, 2, 8, 4, seed=6)
     q[2, 1, 3] = float("nan")  # one NaN component: every logit of query head 1 is NaN
     q[3] = float("nan")  # an empty row: nothing is read, so 0 even for a NaN query
-    with tuning(da.TUNING, num_splits=2):
+    with tuning(da.TUNING, num_splits=2, merge_tail=True):
+        tail = paged_decode_attention(q, k, v, table, kv_lens, 4)
+    with tuning(da.TUNING, num_splits=2, merge_tail=False):
         out = paged_decode_attention(q, k, v, table, kv_lens, 4)
+    assert torch.equal(out.isnan(), tail.isnan()) and torch.equal(out.nan_to_num(), tail.nan_to_num())
     assert not out[1].any() and not out[3].any()
     assert bool(torch.isnan(out[2, 1]).all())
     assert bool(torch.isfinite(out[2, [0, 2, 3]]).all()) and bool(torch.isfinite(out[0]).all())
@@ -117,6 +120,27 @@ def test_empty_rows_give_zeros_and_nan_queries_give_nan():
     keep = torch.ones(4, dtype=torch.bool)
     keep[1] = False
     torch.testing.assert_close(out[2][keep], want[2][keep], rtol=1e-5, atol=1e-5)
+
+
+def test_the_last_split_merges_without_a_merge_launch(monkeypatch):
+    """merge_tail: the last split program of each (request, KV head) merges, and no merge kernel is launched
+    (a merge launch would fail here); the arrival counters are zero again after each call. Off by default."""
+    case = make_case([37, 5, 0], 8, 2, 16, 4, torch.bfloat16, seed=8, num_pages=16)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the merge kernel was launched")
+
+    with tuning(da.TUNING, merge_tail=False, num_splits=3):
+        launched = paged_decode_attention(*case, 4)
+    monkeypatch.setattr(da, "_decode_merge_kernel", NoLaunch())
+    for num_splits in (3, 7, 3):
+        got = check_against_reference(case, 4, num_splits=num_splits, merge_tail=True)
+        assert int(da.arrival_counters("decode_attention", got.device, 3 * 2).abs().sum()) == 0
+    torch.testing.assert_close(got, launched, rtol=0, atol=0)  # the same sums in the same order
+    with pytest.raises(AssertionError, match="merge kernel was launched"):
+        check_against_reference(case, 4, num_splits=3, merge_tail=False)
+    assert da.TUNING["merge_tail"] is False
 
 
 def test_dense_and_sparse_steps_through_the_adaptor():

@@ -66,7 +66,8 @@ def sdpa_baseline(timer, bs, h_q, h_kv, d, ctx, device) -> dict:
 
 
 ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=32),
-                        dict(block_n=64), dict(num_warps=8), dict(num_splits=32, block_n=64), dict(num_splits=8)]
+                        dict(block_n=64), dict(num_warps=8), dict(num_splits=32, block_n=64), dict(num_splits=8),
+                        dict(merge_tail=True), dict(num_splits=16, merge_tail=True)]
 
 
 
@@ -74,6 +75,7 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
     """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
     (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
     from sparse_ref.attention import sparse_decode_attention
+    from sparse_ref.kernels import decode_attention, quest_select, tuning
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
     rows = []
@@ -131,10 +133,11 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip((*torch_meta, *sel, *torch_meta),
                                                                            (*triton_meta, *fused), strict=True))
             # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
-            # side, so neither side is held back by a default chosen blind; the all-defaults step is timed too
+            # side, so neither side is held back by a default chosen blind, each timed by its whole step (the sparse
+            # attention alone can favour knobs that lose inside the step); the all-defaults step is timed too
             cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
             chosen = {}
-            for side, fn in (("dense", s.dense_step), ("sparse", s.sparse_attention)):
+            for side, fn in (("dense", s.dense_step), ("sparse", s.sparse_step)):
                 times = {}
                 for name, cand in cands.items():
                     s.knobs[side] = dict(cand)
@@ -158,6 +161,13 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                      "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
                      "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
                      "sparse attention": timer.cold([s.sparse_attention])}
+            # the bs=1 redesign's one-launch retrieval and merge in the split kernel, beside what the step runs
+            with tuning(quest_select.TUNING, max_rows=bs):
+                parts["retrieve + page table, one launch (selection as the scoring's tail; not used)"] = timer.cold(
+                    [s.retrieve_table])
+            with tuning(decode_attention.TUNING, merge_tail=True):
+                parts["sparse attention, merge in the split kernel (not used by default)"] = timer.cold(
+                    [s.sparse_attention])
             scoring_sweep = {}
             if bs == 1 and not on_cpu:  # bs=1 scoring is latency bound: a few launch shapes beside the default
                 for bp, bhd, nw in ((2, 2048, 4), (4, 1024, 4), (8, 512, 4), (1, 4096, 4), (2, 4096, 8), (4, 2048, 8),

@@ -15,7 +15,6 @@ from sparse_ref.kernels import (
     page_table,
     quest,
     quest_bounds,
-    quest_select,
     swap_in,
 )
 from sparse_ref.kernels import topk as topk_pkg
@@ -139,19 +138,6 @@ QUEST = [
     for block_p in (16, 4)
 ]
 
-# the one-launch retrieval (bs=1 decode step): 32K (2048 pages, direct) and 128K (8192, delegates), bf16 bounds
-QUEST_SELECT = [
-    (quest_select._quest_select_kernel,
-     {"q_ptr": "*fp32", "page_min_ptr": "*bf16", "page_max_ptr": "*bf16", "valid_ptr": "*u8", "arrivals": "*i32",
-      **{k: v for k, v in _TABLE_SIG.items() if k not in ("sizes", "rules")}, "sizes": ("i32",) * 6,
-      "rules": ("i32",) * 4, "num_pages": "i32", "HD": "i32", "head_dim": "i32",
-      **{name: "constexpr" for name in ("GROUP", "MEAN", "BLOCK_P", "BLOCK_HD", "N_PAD", "G", "SLOTS", "PAIR",
-                                        "BLOCK_OUT", "BLOCK_T", "DIRECT", "PDL")}},
-     {"GROUP": 1, "MEAN": True, "BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p, "N_PAD": n_pad, "G": 256,
-      "SLOTS": 512, "PAIR": pr, "BLOCK_OUT": 256, "BLOCK_T": 1024, "DIRECT": d, "PDL": True}, {"num_warps": 8})
-    for n_pad, pr, d, block_p in ((2048, page_select.PAGE_PAIR, 1, 4), (8192, 128, 0, 16))
-]
-
 
 # ----------------------------------------------------------------------------- Quest bounds update
 QUEST_BOUNDS = [  # page 16, D = 128 (the engine step's shape), decode and prefill, each bounds dtype and K dtype
@@ -261,5 +247,5 @@ SWAP_IN += [aot_variant(swap_in._copy_in_kernel, dict(HD=hd, ROWS=swap_in.COPY_R
                         {"num_warps": 4}, copies="*i32", table="*i32", host_k=f"*{dt}", host_v=f"*{dt}",
                         hot_k=f"*{dt}", hot_v=f"*{dt}") for hd, dt in ((1024, "bf16"), (64, "fp32"))]
 
-VARIANTS = (TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_SELECT + QUEST_BOUNDS + DECODE_ATTENTION + DSA
+VARIANTS = (TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_BOUNDS + DECODE_ATTENTION + DSA
             + SWAP_IN)

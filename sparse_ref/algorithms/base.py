@@ -99,12 +99,6 @@ class SparseAlgorithm:
             "or use a registered algorithm such as 'quest'."
         )
 
-    def score_pages_to_table(self, queries, layer_id, req_pool_indices, sparse_mask, forward_batch, req_to_token,
-                             out=None):
-        """The decode step's retrieval and page table in one launch where the algorithm has one (Quest on
-        CUDA, small batches): ``retrieve_attention_metadata``'s 5-tuple; None where it has none."""
-        return None
-
     # ---------------------------------------------------------------- retrieval
     def uses_triton_selection(self, on_cuda: bool, pages: int) -> bool:
         """Whether the selection runs the fused Triton kernel: per ``selection_backend``, and rows of ``pages``
@@ -191,10 +185,6 @@ def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_
     check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, {"forward_batch": forward_batch})
     checks.check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=queries.device,
                         fix="pass the req_to_token table of the ReqToTokenPool.")
-    one_launch = algo.score_pages_to_table(queries, layer_id, req_pool_indices, sparse_mask, forward_batch,
-                                           req_to_token, out)
-    if one_launch is not None:
-        return one_launch
     scores = algo.score_pages(queries, layer_id, req_pool_indices, forward_batch)
     return select_pages_to_table(scores, forward_batch.seq_lens.to(scores.device), sparse_mask.to(scores.device),
                                  algo.page_size, algo.config, forward_batch.req_pool_indices.to(scores.device),

@@ -250,27 +250,6 @@ class QuestAlgorithm(SparseAlgorithm):
                   self.physical_pages(req_pool_indices))
         return _page_scores(q_pos, q_neg, *bounds)  # pages checked by check_score_pages
 
-    def score_pages_to_table(self, queries, layer_id, req_pool_indices, sparse_mask, forward_batch, req_to_token,
-                             out=None):
-        """``retrieve_attention_metadata``'s 5-tuple in ONE launch (``kernels.quest_select``: the scoring launch
-        with the selection and page table as its tail) at batches of at most ``quest_select.TUNING["max_rows"]``
-        rows, with Triton scoring and selection; None otherwise, and when ``score_pages`` is wrapped (tensor
-        parallel: the scores are summed over ranks between the two launches)."""
-        if (not self.uses_triton_scoring() or "score_pages" in vars(self)
-                or req_to_token is not self.req_to_token_pool.req_to_token):
-            return None
-        from sparse_ref.kernels import quest_select  # kernels import only when used
-
-        if queries.shape[0] > quest_select.TUNING["max_rows"]:
-            return None
-        check_score_pages(self, queries, layer_id, forward_batch)
-        device = self.device
-        return quest_select.quest_select_to_table(
-            queries.to(device), self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
-            req_to_token, req_pool_indices.to(device), self.page_size, self.max_pages, self.config.gqa_mode,
-            forward_batch.seq_lens.to(device), sparse_mask.to(device), self.config, out=out,
-            check_values=not checks.skip_value_checks())[1:]
-
 
 # ------------------------------ argument checks (each entry point above calls one first)
 def check_quest_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages) -> None:

@@ -75,7 +75,7 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
     """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
     (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
     from sparse_ref.attention import sparse_decode_attention
-    from sparse_ref.kernels import decode_attention, quest_select, tuning
+    from sparse_ref.kernels import decode_attention, tuning
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
     rows = []
@@ -161,11 +161,7 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                      "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
                      "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
                      "sparse attention": timer.cold([s.sparse_attention])}
-            # the bs=1 redesign's one-launch retrieval and merge in the split kernel, beside what the step runs
-            with tuning(quest_select.TUNING, max_rows=bs):
-                parts["retrieve + page table, one launch (selection as the scoring's tail; not used)"] = timer.cold(
-                    [s.retrieve_table])
-            with tuning(decode_attention.TUNING, merge_tail=True):
+            with tuning(decode_attention.TUNING, merge_tail=True):  # (the best step's knob at bs=1 32K)
                 parts["sparse attention, merge in the split kernel (not used by default)"] = timer.cold(
                     [s.sparse_attention])
             scoring_sweep = {}

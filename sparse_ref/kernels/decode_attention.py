@@ -176,24 +176,25 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
             tl.store(arrivals + pid, 0)  # reset for the next call
             for h in range(GROUP):
                 _merge_head(part_out_ptr, part_lse_ptr, out_ptr, (row * num_q_heads + kvh * GROUP + h).to(tl.int64),
-                            num_splits, HEAD_DIM, BLOCK_S, BLOCK_D)
+                            num_splits, HEAD_DIM, BLOCK_S, BLOCK_D, True)
 
 
 @triton.jit
 def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, bh, num_splits,
-                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merges the splits' partial outputs of one (request, query head) ``bh`` by their log-sum-exps (read
-    past L1: other programs wrote them)."""
+                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IN_SPLIT: tl.constexpr):
+    """Merges the splits' partial outputs of one (request, query head) ``bh`` by their log-sum-exps. IN_SPLIT: in
+    the split kernel, where other programs of the same launch wrote them (read past L1)."""
+    CACHE: tl.constexpr = ".cg" if IN_SPLIT else ""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     in_s = s < num_splits
     in_d = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"), cache_modifier=CACHE)
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
     o = tl.load(part_out_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                mask=in_s[:, None] & in_d[None, :], other=0.0, cache_modifier=".cg")
+                mask=in_s[:, None] & in_d[None, :], other=0.0, cache_modifier=CACHE)
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
     tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
@@ -205,7 +206,7 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     """One program = one (request, query head): ``_merge_head``."""
     after_previous_launch(PDL)
     _merge_head(part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), num_splits, HEAD_DIM, BLOCK_S,
-                BLOCK_D)
+                BLOCK_D, False)
 
 
 # ------------------------------------------------------------------------------------------

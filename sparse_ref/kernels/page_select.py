@@ -136,14 +136,21 @@ def _page_select_kernel(scores, selected, lengths,  # the scores in; the selecti
 
 
 @triton.jit
-def select_to_table_row(r, num_rows, scores, selected, lengths, seq_lens, sparse_mask, budget, scratch,
-                        rows, req_to_token, page_table, kv_lens, cu_kv_lens, sizes, rules,
-                        N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                        BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr, DIRECT: tl.constexpr):
-    """Row r of ``num_rows``: ``_select_row``, then the row's page table and KV length (``page_table.py``'s rule)
-    from the row it just wrote; the last row to finish writes ``cu_kv_lens`` (the counter after the budget
-    table, which it resets, so CUDA-graph replays start from zero again)."""
+def _select_to_table_kernel(scores, selected, lengths,  # the scores in; the selection out
+                            seq_lens, sparse_mask, budget, scratch,  # the batch; the budget table; scratch
+                            rows, req_to_token, page_table, kv_lens, cu_kv_lens,  # the page table's in and out
+                            sizes,  # (stride of scores, N, W, table width, req_to_token rows, req_to_token width)
+                            rules,  # (page size, recent pages, sink pages, min sparse length)
+                            N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                            BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr, DIRECT: tl.constexpr,
+                            PDL: tl.constexpr):
+    """One program = one request row: ``_page_select_kernel``, then the row's page table and KV length
+    (``page_table.py``'s rule) from the row it just wrote; the last program to finish writes
+    ``cu_kv_lens`` (the counter after the budget table, which it resets, so CUDA-graph replays start from
+    zero again). PDL: placed while the scoring launch before it finishes (the decode step's launches)."""
+    after_previous_launch(PDL)
     N, W, out_width, r2t_rows, r2t_width, page_size = sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], rules[0]
+    r = tl.program_id(0)
     row = tl.minimum(tl.maximum(tl.load(rows + r).to(tl.int64), 0), r2t_rows - 1)  # loaded before the selection
     on = tl.load(sparse_mask + r).to(tl.int32) != 0
     seq_raw = tl.load(seq_lens + r).to(tl.int64)
@@ -153,32 +160,15 @@ def select_to_table_row(r, num_rows, scores, selected, lengths, seq_lens, sparse
     kv_len = write_table_row(out_row, filled, W, seq_raw, on, req_to_token + row * r2t_width, r2t_width, page_size,
                              page_table + r.to(tl.int64) * out_width, out_width, BLOCK_T)
     tl.store(kv_lens + r, kv_len.to(tl.int32))
-    if num_rows == 1:  # bs=1: no other row to wait for
+    if tl.num_programs(0) == 1:  # bs=1: no other row to wait for
         tl.store(cu_kv_lens, 0)
         tl.store(cu_kv_lens + 1, kv_len.to(tl.int32))
     else:
-        counter = budget + N + 1  # the "last row" counter, after the table's N + 1 budgets
+        counter = budget + N + 1  # the "last program" counter, after the table's N + 1 budgets
         tl.debug_barrier()  # every thread's stores happen before the counter says "done"
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_rows - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.store(counter, 0)  # reset for the next call
-            write_cu_kv_lens(kv_lens, cu_kv_lens, num_rows, 1024)
-
-
-@triton.jit
-def _select_to_table_kernel(scores, selected, lengths,  # the scores in; the selection out
-                            seq_lens, sparse_mask, budget, scratch,  # the batch; the budget table; scratch
-                            rows, req_to_token, page_table, kv_lens, cu_kv_lens,  # the page table's in and out
-                            sizes,  # (stride of scores, N, W, table width, req_to_token rows, req_to_token width)
-                            rules,  # (page size, recent pages, sink pages, min sparse length)
-                            N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                            BLOCK_OUT: tl.constexpr, BLOCK_T: tl.constexpr, DIRECT: tl.constexpr,
-                            PDL: tl.constexpr):
-    """One program = one request row: ``select_to_table_row``. PDL: placed while the scoring launch before it
-    finishes (the decode step's launches)."""
-    after_previous_launch(PDL)
-    select_to_table_row(tl.program_id(0), tl.num_programs(0), scores, selected, lengths, seq_lens, sparse_mask,
-                        budget, scratch, rows, req_to_token, page_table, kv_lens, cu_kv_lens, sizes, rules,
-                        N_PAD, G, SLOTS, PAIR, BLOCK_OUT, BLOCK_T, DIRECT)
+            write_cu_kv_lens(kv_lens, cu_kv_lens, tl.num_programs(0), 1024)
 
 
 _TABLES: dict = {}
@@ -259,6 +249,7 @@ def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_m
         scores, seq_lens, sparse_mask, page_size, config, req_pool_indices, req_to_token, out, check_values,
         MAX_REGISTER_PAGES)
     bs, max_pages = scores.shape
+    r2t_rows, r2t_width = req_to_token.shape
     device = scores.device
     if out is None:
         out = tuple(torch.empty(shape, dtype=torch.int32, device=device) for shape in shapes)
@@ -273,23 +264,15 @@ def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_m
         return selected, lengths, *page_table_from_selection(selected, lengths, sparse_mask, seq_lens,
                                                              req_pool_indices, req_to_token, page_size, out=out,
                                                              check_values=False)
-    tensors, sizes, rules, ce = table_launch_args(scores, selected, lengths, seq_lens, sparse_mask, page_size, config,
-                                                  req_pool_indices, req_to_token, out, W, out_width)
+    batch, rules, ce = _launch_args(scores, seq_lens, sparse_mask, page_size, config, W)
+    sizes = (scores.stride(0), max_pages, W, out_width, r2t_rows, r2t_width)
     pdl = pdl_options(device, TUNING["pdl"])
     if "launch_pdl" in pdl and bs > PDL_WAIT_MAX_ROWS:
         pdl["launch_pdl"] = False  # (it still lets the attention launch after it start early)
-    _select_to_table_kernel[(bs,)](*tensors, sizes, rules, **ce, **pdl)
+    _select_to_table_kernel[(bs,)](scores, selected, lengths, *batch, req_pool_indices.contiguous(), req_to_token,
+                                   *out, sizes, rules, BLOCK_T=min(1024, max(16, triton.next_power_of_2(out_width))),
+                                   **ce, **pdl)
     return selected, lengths, out[0], out[1], out[2]
-
-
-def table_launch_args(scores, selected, lengths, seq_lens, sparse_mask, page_size, config, req_pool_indices,
-                      req_to_token, out, W, out_width):
-    """``select_to_table_row``'s arguments for checked inputs: ``(tensors, sizes, rules, constexprs)``; the
-    constexprs carry ``num_warps`` (the selection's)."""
-    batch, rules, ce = _launch_args(scores, seq_lens, sparse_mask, page_size, config, W)
-    sizes = (scores.stride(0), scores.shape[1], W, out_width, *req_to_token.shape)
-    tensors = (scores, selected, lengths, *batch, req_pool_indices.contiguous(), req_to_token, *out)
-    return tensors, sizes, rules, dict(ce, BLOCK_T=min(1024, max(16, triton.next_power_of_2(out_width))))
 
 
 # ------------------------------ argument checks (each entry point above calls one first)

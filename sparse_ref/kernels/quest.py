@@ -90,14 +90,22 @@ def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid
 
 
 @triton.jit
-def score_pages_from_queries(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr, out_ptr,
-                             r, block, max_pages, num_pages, HD, head_dim, r2t_rows, r2t_width, page_size,
-                             GROUP: tl.constexpr, MEAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """Scores of pages ``[block * BLOCK_P, (block + 1) * BLOCK_P)`` of request row ``r`` (int64), stored in
-    ``out[r]``: the body of ``_quest_scores_from_queries_kernel`` (and of the scoring half of ``quest_select``)."""
+def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr,
+                                      out_ptr, max_pages, num_pages, HD, head_dim, r2t_rows, r2t_width, page_size,
+                                      GROUP: tl.constexpr, MEAN: tl.constexpr,
+                                      BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr):
+    """``_quest_scores_kernel`` with the two torch steps before it folded in (one launch instead of about ten).
+
+    The physical page of logical page ``j`` is read from ``req_to_token[row, j * P] // P``
+    (``QuestAlgorithm.physical_pages``) and the signed query from the raw queries
+    ``[bs, H_q, D]`` (``split_query_sign``: the GQA group's mean, or its per-head sum, split by sign).
+    PDL: placed while the launch before it finishes; the selection launch after it likewise.
+    """
+    after_previous_launch(PDL)
+    r = tl.program_id(1).to(tl.int64)
     req = tl.load(rows_ptr + r).to(tl.int64)
     req = tl.minimum(tl.maximum(req, 0), r2t_rows - 1)
-    j = block * BLOCK_P + tl.arange(0, BLOCK_P)
+    j = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     in_row = j < max_pages
     first_token = tl.minimum(j.to(tl.int64) * page_size, r2t_width - 1)
     slot = tl.load(req_to_token_ptr + req * r2t_width + first_token, mask=in_row, other=0).to(tl.int64)
@@ -131,24 +139,6 @@ def score_pages_from_queries(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_t
     tl.store(out_ptr + r * max_pages + j, score, mask=in_row)
 
 
-@triton.jit
-def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr,
-                                      out_ptr, max_pages, num_pages, HD, head_dim, r2t_rows, r2t_width, page_size,
-                                      GROUP: tl.constexpr, MEAN: tl.constexpr,
-                                      BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr):
-    """``_quest_scores_kernel`` with the two torch steps before it folded in (one launch instead of about ten).
-
-    The physical page of logical page ``j`` is read from ``req_to_token[row, j * P] // P``
-    (``QuestAlgorithm.physical_pages``) and the signed query from the raw queries
-    ``[bs, H_q, D]`` (``split_query_sign``: the GQA group's mean, or its per-head sum, split by sign).
-    PDL: placed while the launch before it finishes; the selection launch after it likewise.
-    """
-    after_previous_launch(PDL)
-    score_pages_from_queries(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr, out_ptr,
-                             tl.program_id(1).to(tl.int64), tl.program_id(0), max_pages, num_pages, HD, head_dim,
-                             r2t_rows, r2t_width, page_size, GROUP, MEAN, BLOCK_P, BLOCK_HD)
-
-
 PROGRAMS_PER_SM = 2  # the default blocks aim for at least this many programs per SM (memory latency hiding)
 # Launch knobs (powers of two; None: the defaults of default_blocks). Vary them with sparse_ref.kernels.tuning.
 TUNING = Knobs("quest", {  # pdl: programmatic dependent launch
@@ -175,7 +165,7 @@ def default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tu
     return block_p, min(tile // block_p, triton.next_power_of_2(max(hd, 16)))
 
 
-def block_sizes(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int, int]:
+def _block_sizes(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCK_P, BLOCK_HD, num_warps)``: the ``TUNING`` knobs where set, else the defaults."""
     block_p, block_hd, num_warps = TUNING["block_p"], TUNING["block_hd"], TUNING["num_warps"]
     default_p, default_hd = default_blocks(hd, bs, max_pages, device)
@@ -198,7 +188,7 @@ def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.
     num_pages, hd = check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out)
     bs, max_pages = pages.shape
     device = page_min.device
-    block_p, block_hd, num_warps = block_sizes(hd, bs, max_pages, device)
+    block_p, block_hd, num_warps = _block_sizes(hd, bs, max_pages, device)
     if out is None:
         out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
     if bs == 0 or max_pages == 0:
@@ -231,7 +221,7 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
     bs = req_pool_indices.shape[0]
     r2t_rows, r2t_width = req_to_token.shape
     device = page_min.device
-    block_p, block_hd, num_warps = block_sizes(hd, bs, max_pages, device)
+    block_p, block_hd, num_warps = _block_sizes(hd, bs, max_pages, device)
     if out is None:
         out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
     if bs == 0 or max_pages == 0:

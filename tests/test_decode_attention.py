@@ -213,6 +213,7 @@ def _args():
     (lambda a: a.update(page_size=0), "page_size: expected an int in"),
     (lambda a: a.update(page_size=4.0), "page_size: expected an int"),
     (lambda a: a.update(num_splits=0), r"num_splits.\]: expected an int in"),
+    (lambda a: a.update(num_splits=65), r"num_splits.\]: expected an int in \[1, 64\]"),
     (lambda a: a.update(block_n=24), r"block_n.\]: expected a power of two"),
     (lambda a: a.update(scale=float("nan")), "scale: expected a finite number"),
     (lambda a: a.update(out=torch.empty(2, 4, 7, device=DEVICE)), "out: expected shape"),

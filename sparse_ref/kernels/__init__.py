@@ -63,6 +63,7 @@ def arrival_counters(family: str, device: torch.device, n: int) -> torch.Tensor:
         _COUNTERS[key] = counters
     return _COUNTERS[key]
 
+
 class Knob:
     """The declared range of one launch knob: an int in ``[low, high]`` (a power of two with ``pow2``; 0 also
     allowed with ``zero``: "off"), or a flag (True / False); ``none``: None also allowed ("the default")."""

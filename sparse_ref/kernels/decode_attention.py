@@ -17,7 +17,8 @@ Two launches:
    rescaled accumulator). It writes the slice's normalized output and its log-sum-exp.
 2. **merge kernel**, grid ``(bs * H_q,)``: ``out = sum_s w_s o_s / sum_s w_s`` with
    ``w_s = exp(lse_s - max lse)``. With one split the split kernel writes ``out`` directly and
-   the merge is skipped.
+   the merge is skipped. With ``TUNING["merge_tail"]`` (off by default) the last split program of each
+   (request, KV head) to finish merges the group itself (``arrival_counters``): no second launch.
 
 Two ways to form ``q . k`` and ``p . v`` (``USE_DOT``):
 
@@ -60,7 +61,7 @@ from sparse_ref.checks import (
     fail,
 )
 from sparse_ref.device import triton_interpreted
-from sparse_ref.errors import ConfigError, ShapeError
+from sparse_ref.errors import ShapeError
 from sparse_ref.kernels import Knob, Knobs, after_previous_launch, arrival_counters, pdl_options
 
 LOG2E = 1.4426950408889634
@@ -182,8 +183,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
 @triton.jit
 def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, bh, num_splits,
                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IN_SPLIT: tl.constexpr):
-    """Merges the splits' partial outputs of one (request, query head) ``bh`` by their log-sum-exps. IN_SPLIT: in
-    the split kernel, where other programs of the same launch wrote them (read past L1)."""
+    """Merges the partial outputs of (request, query head) ``bh`` by their log-sum-exps (IN_SPLIT: in the split
+    kernel, where other programs of the launch wrote them: read past L1)."""
     CACHE: tl.constexpr = ".cg" if IN_SPLIT else ""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -218,15 +219,14 @@ MAX_SPLITS = 64
 # warps; pipeline stages; tl.dot (tensor cores) or broadcast products; two-term 16-bit dots; programmatic
 # dependent launch of both launches (their programs are placed while the launch before them finishes).
 TUNING = Knobs("decode_attention", {
-    "num_splits": Knob(1, 4096, none=True), "block_n": Knob(16, 1024, pow2=True, none=True),
+    "num_splits": Knob(1, MAX_SPLITS, none=True), "block_n": Knob(16, 1024, pow2=True, none=True),
     "num_warps": Knob(1, 32, pow2=True, none=True), "num_stages": Knob(1, 8, none=True),
     "use_dot": Knob(flag=True, none=True), "precise": Knob(flag=True), "pdl": Knob(flag=True),
     "merge_tail": Knob(flag=True),
 }, num_splits=None, block_n=None, num_warps=None, num_stages=None, use_dot=None, precise=True, pdl=True,
     merge_tail=False)
-# merge_tail: the last split of each (request, KV head) merges, no merge launch. Off by default: on an H200 (the bs=1
-# sparse step, 32 heads, 2048 tokens, 33 splits) the attention took 26.0 us with it and 25.3 without; with 16 splits
-# the whole step was the fastest measured (46.9 us against 49.3 with the defaults; docs/performance.md)
+# merge_tail (off): the last split merges, no merge launch; H200 bs=1 sparse step (2048 tokens): attention 26.0 us
+# with it and 25.3 without at 33 splits, but with 16 splits the fastest step measured (46.9 against 49.3 us)
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
 PACK_HALVES = True  # both 16-bit parts in one dot where the group fits half the rows (H200 bs=64 32K: 2261 -> 2061 us)
 # KV tokens per split from which 16-bit tensor-core launches take the long-split tile: GQA 128 tokens a step and 2
@@ -318,7 +318,6 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     """
     page_size, scale, num_pages = check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens,
                                                                 page_size, scale, out)
-    knobs = check_decode_knobs(TUNING, MAX_SPLITS)
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads, width = k_buffer.shape[1], page_table.shape[1]
     interpreted = triton_interpreted()
@@ -327,20 +326,20 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     if bs == 0:
         return out
     group = num_q_heads // num_kv_heads
-    config = functools.partial(launch_config, group, head_dim, k_buffer.dtype, interpreted, knobs["use_dot"],
-                               knobs["block_n"], knobs["num_warps"], knobs["precise"], knobs["num_stages"])
-    num_splits = knobs["num_splits"]
+    config = functools.partial(launch_config, group, head_dim, k_buffer.dtype, interpreted, TUNING["use_dot"],
+                               TUNING["block_n"], TUNING["num_warps"], TUNING["precise"], TUNING["num_stages"])
+    num_splits = TUNING["num_splits"]
     if num_splits is None:  # (from the short-split tile; only a cap of one split per tile of tokens depends on it)
         num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, config()["constexprs"]["BLOCK_N"],
                                        q.device)
     cfg = config(split_len=triton.cdiv(width * page_size, num_splits))
     ce = cfg["constexprs"]
     q = q.contiguous()
-    pdl = pdl_options(q.device, knobs["pdl"])
+    pdl = pdl_options(q.device, TUNING["pdl"])
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                                    device=q.device)
-    merge = num_splits > 1 and knobs["merge_tail"]
+    merge = num_splits > 1 and TUNING["merge_tail"]
     block_s = triton.next_power_of_2(num_splits)
     arrivals = arrival_counters("decode_attention", q.device, bs * num_kv_heads) if merge else kv_lens  # (unused)
     _decode_split_kernel[(bs * num_kv_heads, num_splits)](
@@ -353,33 +352,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     return out
 
 
-
 # ------------------------------ argument checks (each entry point above calls one first)
-def _check_knob(name: str, value, low: int) -> None:
-    if value is None:
-        return
-    check_int(name, value, low=low, high=1024, fix=f"leave {name}=None for the default.")
-    if value & (value - 1):
-        fail(name, "a power of two", repr(value), f"leave {name}=None for the default.", ConfigError)
-
-
-def check_decode_knobs(knobs: dict, max_splits: int) -> dict:
-    """The decode attention launch knobs (``TUNING``), checked: splits, powers of two, the dot path's switches."""
-    if knobs["num_splits"] is not None:
-        check_int("num_splits", knobs["num_splits"], low=1, high=max_splits, fix="leave num_splits=None.")
-    _check_knob("block_n", knobs["block_n"], 16)
-    _check_knob("num_warps", knobs["num_warps"], 1)
-    if knobs["num_stages"] is not None:
-        check_int("num_stages", knobs["num_stages"], low=1, high=8, fix="leave num_stages=None for the default.")
-    if knobs["use_dot"] not in (None, True, False) or knobs["precise"] not in (True, False):
-        fail("use_dot / precise", "None, True or False (use_dot) and True or False (precise)",
-             f"{knobs['use_dot']!r} / {knobs['precise']!r}", "leave the defaults.", ConfigError)
-    if knobs["pdl"] not in (True, False):
-        fail("pdl", "True or False", repr(knobs["pdl"]), "leave pdl=True (it is off by itself off Hopper).",
-             ConfigError)
-    return knobs
-
-
 def check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale, out):
     """``(page_size, scale, num_pages)`` of ``paged_decode_attention``."""
     fn = "paged_decode_attention"

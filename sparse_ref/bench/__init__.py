@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -91,19 +92,31 @@ def main(argv=None) -> dict:
         )
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False))  # NaN -> null: valid JSON
-    print(f"\n{'op':<15}{'shape':<24}{'k':>6} {'dist':<10}{'L2':<5}{'torch us':>10}{'ours us':>10}{'x':>7}"
-          f"{'TB/s':>7}{'%copy':>7}")
-    def cell(value, digits=2):
-        return "n/a" if value is None else f"{value:.{digits}f}"
-
-    for r in rows:
-        print(f"{r['op']:<15}{r['shape']:<24}{r['k'] if r['k'] is not None else '-':>6} {r['distribution']:<10}"
-              f"{r['l2']:<5}{r['torch_us']:>10.1f}{r['ours_us']:>10.1f}{cell(r['speedup']):>7}{cell(r['tbps']):>7}"
-              f"{cell(r['pct_copy_bw'], 1):>7}")
+    print("\n" + summary_table(rows))
     if on_cpu:
         print("(a CPU run through Triton's interpreter: bandwidth is n/a on CPU, and these are not GPU numbers)")
     print(f"wrote {out}")
     return result
+
+
+
+def summary_table(rows: list[dict]) -> str:
+    """The run's rows as a table whose columns are as wide as their longest cell (a name never runs into the next
+    column); a number that is missing or not finite prints as ``-``."""
+    def cell(value, digits):
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return "-"
+        return f"{value:.{digits}f}" if isinstance(value, (int, float)) else str(value)
+
+    columns = (("op", "op", None), ("shape", "shape", None), ("k", "k", None), ("dist", "distribution", None),
+               ("L2", "l2", None), ("torch us", "torch_us", 1), ("ours us", "ours_us", 1), ("x", "speedup", 2),
+               ("TB/s", "tbps", 2), ("%copy", "pct_copy_bw", 1))
+    table = [[head for head, _, _ in columns]]
+    table += [[cell(r.get(key), digits or 0) for _, key, digits in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(text.ljust(w) if i < 5 else text.rjust(w)  # names flush left, numbers flush right
+                       for i, (text, w) in enumerate(zip(line, widths, strict=True))) for line in table]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 

@@ -76,8 +76,8 @@ demo: setup
 test: setup
 	@mkdir -p $(dir $(LAUNCHES)) && rm -f $(LAUNCHES)
 	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest -n $(JOBS) tests --nbmake notebooks \
-	  --nbmake-timeout=900 -q --ignore=tests/test_aot_compile.py
-	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest tests/test_aot_compile.py -q
+	  --nbmake-timeout=900 -q
+	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest tests/test_aot_compile.py -k recorded -q
 
 tritons: setup
 	@test -d $(BUILD)/tritons/$(TRITON_OTHER)/triton || $(BIN)/python -m pip install --quiet --no-deps \

@@ -28,6 +28,7 @@ LAB_DIR ?= notebooks
 # Test workers (pytest-xdist): one per core. The launches that the interpreter runs are recorded into one file
 # (every worker appends), which the sm_90 compile check reads after the other tests (it compiles what they ran).
 JOBS ?= auto
+NPROC := $(shell nproc 2>/dev/null || echo 2)
 LAUNCHES := $(abspath $(BUILD))/aot/launches.jsonl
 # Notebook kernels start quietly: no warning about unencrypted local TCP in every notebook's log.
 QUIET_KERNEL := "--ExecutePreprocessor.extra_arguments=['--IPKernelApp.log_level=ERROR']"
@@ -59,11 +60,10 @@ endif
 
 tutorial: setup demo
 	@mkdir -p $(BUILD)/notebooks $(BUILD)/html
-	@for nb in $(NOTEBOOKS); do \
-	  echo "== executing $$nb"; \
-	  $(NBCONVERT) --to notebook --execute --ExecutePreprocessor.timeout=1800 $(QUIET_KERNEL) \
-	    --ExecutePreprocessor.kernel_name=python3 --output-dir $(BUILD)/notebooks "$$nb" || exit 1; \
-	done
+	@# one notebook per core at a time (each in its own kernel); any failure fails the target
+	@printf '%s\n' $(NOTEBOOKS) | xargs -P $(NPROC) -n 1 $(NBCONVERT) --to notebook --execute \
+	  --ExecutePreprocessor.timeout=1800 $(QUIET_KERNEL) --ExecutePreprocessor.kernel_name=python3 \
+	  --output-dir $(BUILD)/notebooks
 	$(NBCONVERT) --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
 	@echo ""
 	@echo "Executed notebooks (with plots): $(abspath $(BUILD)/notebooks)"

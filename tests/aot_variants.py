@@ -151,7 +151,7 @@ _TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 def _split_signature(q_dtype, kv_dtype, constexprs):
     sig = {"q_ptr": _TRITON_TYPES[q_dtype], "k_ptr": _TRITON_TYPES[kv_dtype], "v_ptr": _TRITON_TYPES[kv_dtype],
            "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-           "out_ptr": "*fp32", "arrivals": "*i32", "sm_scale": "fp32", "dims": ("i32",) * 5}
+           "sm_scale": "fp32", "dims": ("i32",) * 5}
     sig.update({name: "constexpr" for name in constexprs})
     return sig
 
@@ -166,20 +166,17 @@ def _decode_attention_variants():
         (torch.float16, torch.float16, 1, 64),
     ]:
         for precise in (True, False) if kv_dtype == torch.bfloat16 and group == 4 else (True,):
-            # short splits and long ones (the long-split tile); the merge in the split kernel at the bs=1 step's
-            # shapes (short splits, bf16 K/V, fp32 queries, D = 128)
-            merge_too = precise and q_dtype == torch.float32 and kv_dtype == torch.bfloat16 and head_dim == 128
-            for split_len, merge in ((0, False), (1 << 15, False), *(((0, True),) if merge_too else ())):
+            for split_len in (0, 1 << 15):  # short splits and long ones (the long-split tile)
                 cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise,
                                                      split_len=split_len)
-                ce = {**cfg["constexprs"], "MERGE": merge, "BLOCK_S": 64 if merge else 1, "PDL": True}
+                ce = {**cfg["constexprs"], "PDL": True}
                 variant = (decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
                            cfg["options"])
                 if variant not in variants:
                     variants.append(variant)
     for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
         cfg = decode_attention.launch_config(group, 128, torch.bfloat16, False, use_dot=False)
-        ce = {**cfg["constexprs"], "MERGE": False, "BLOCK_S": 1, "PDL": False}  # (PDL off: the plain launch)
+        ce = {**cfg["constexprs"], "PDL": False}  # (PDL off: the plain launch)
         variants.append((decode_attention._decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce),
                          ce, {"num_warps": 4}))
     for head_dim, block_s in ((128, 2), (128, 4), (128, 8), (128, 16), (128, 32), (128, 64), (64, 32)):

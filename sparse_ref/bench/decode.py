@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from sparse_ref.bench.decode_setup import decode_step_setup, scoring_default
+from sparse_ref.bench.decode_setup import decode_step_setup
 from sparse_ref.bench.timing import eager_cold, row
 
 
@@ -65,17 +65,10 @@ def sdpa_baseline(timer, bs, h_q, h_kv, d, ctx, device) -> dict:
     return dict(sdpa_us=None, sdpa_backend=None, sdpa_not_run=tried)
 
 
-ATTENTION_CANDIDATES = [dict(num_splits=16), dict(num_splits=64), dict(block_n=16), dict(block_n=32),
-                        dict(block_n=64), dict(num_warps=8), dict(num_splits=32, block_n=64), dict(num_splits=8),
-                        dict(merge_tail=True), dict(num_splits=16, merge_tail=True)]
-
-
-
 def bench_decode(device, timer, copy_bw, quick, on_cpu):
     """(a) the dense decode attention kernel against the copy bandwidth and the torch reference;
     (b) the sparse decode step (one CUDA graph) against the dense step, with fp32 and bf16 Quest bounds."""
     from sparse_ref.attention import sparse_decode_attention
-    from sparse_ref.kernels import decode_attention, tuning
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
     rows = []
@@ -132,53 +125,15 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             fused = s.retrieve_table()  # the step's own path (selection + table in one launch on CUDA)
             page_table_exact = all(bool(torch.equal(a, b)) for a, b in zip((*torch_meta, *sel, *torch_meta),
                                                                            (*triton_meta, *fused), strict=True))
-            # the attention launch knobs of both steps: the best of the same short list (defaults included) on each
-            # side, so neither side is held back by a default chosen blind, each timed by its whole step (the sparse
-            # attention alone can favour knobs that lose inside the step); the all-defaults step is timed too
-            cands = {"default": {}, **({} if on_cpu else {str(c): c for c in ATTENTION_CANDIDATES})}
-            chosen = {}
-            for side, fn in (("dense", s.dense_step), ("sparse", s.sparse_step)):
-                times = {}
-                for name, cand in cands.items():
-                    s.knobs[side] = dict(cand)
-                    try:
-                        times[name] = timer.cold([fn])
-                    except Exception as e:  # e.g. out of resources: not a candidate
-                        times[name] = f"failed: {type(e).__name__}"
-                best = min((t, name) for name, t in times.items() if isinstance(t, float))[1]
-                s.knobs[side] = dict(cands[best])
-                chosen[side] = {"knobs": best, "sweep_us": {k_: round(v_, 2) if isinstance(v_, float) else v_
-                                                             for k_, v_ in times.items()}}
-            t_dense = timer.cold([s.dense_step])
+            t_dense = timer.cold([s.dense_step])  # both steps at the default launch knobs
             m_dense = timer.mode
             t_sparse = timer.cold([s.sparse_step])
             m_sparse = timer.mode
             parts = {"retrieve + page table (the step's; fused on CUDA)": timer.cold([s.retrieve_table]),
                      "retrieve (scores + selection)": timer.cold([s.retrieve]),
                      "retrieve: scores (one launch)": timer.cold([s.scores]),
-                     "retrieve: scores unfused (torch q split + page map + kernel, not used)":
-                         timer.cold([s.scores_unfused]),
                      "page table (one launch on CUDA)": timer.cold([partial(s.adaptor, *sel)]),
-                     "page table (torch adaptor, not used)": timer.cold([partial(s.adaptor, *sel, backend="torch")]),
                      "sparse attention": timer.cold([s.sparse_attention])}
-            with tuning(decode_attention.TUNING, merge_tail=True):  # (the best step's knob at bs=1 32K)
-                parts["sparse attention, merge in the split kernel (not used by default)"] = timer.cold(
-                    [s.sparse_attention])
-            scoring_sweep = {}
-            if bs == 1 and not on_cpu:  # bs=1 scoring is latency bound: a few launch shapes beside the default
-                for bp, bhd, nw in ((2, 2048, 4), (4, 1024, 4), (8, 512, 4), (1, 4096, 4), (2, 4096, 8), (4, 2048, 8),
-                                    (16, 256, 4)):
-                    try:
-                        t_ = timer.cold([partial(s.scores_with, block_p=bp, block_hd=bhd, num_warps=nw)])
-                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = round(t_, 2)
-                    except Exception as e:  # e.g. out of resources
-                        scoring_sweep[f"p{bp}_hd{bhd}_w{nw}"] = f"failed: {type(e).__name__}"
-                print(f"    scoring launch sweep (us; default {scoring_default(s)}): {scoring_sweep}", flush=True)
-            tuned_sparse = s.knobs["sparse"]
-            s.knobs["sparse"] = {}
-            t_sparse_default = timer.cold([s.sparse_step])  # both steps with default knobs, for comparison
-            s.knobs["sparse"] = tuned_sparse
-            t_dense_default = chosen["dense"]["sweep_us"]["default"]
             s.sparse_step()  # leave the step's own outputs in meta / out_sparse
             ceiling = s.dense_bytes / s.sparse_bytes
             shape = f"bs={bs} Hq={h_q} Hkv={h_kv} ctx={ctx} budget={budget} {str(bounds_dtype)[6:]} bounds"
@@ -187,19 +142,10 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
                             torch_timing=m_dense, ours_timing=m_sparse, dense_bytes=int(s.dense_bytes),
                             byte_limit_speedup=round(ceiling, 2), target_speedup=target,
                             parts_us={k_: round(v_, 2) for k_, v_ in parts.items()}, kept_tokens=kept_tokens,
-                            scoring_sweep_us=scoring_sweep,
                             max_abs_err_vs_reference=max_abs_err, page_table_equals_torch=page_table_exact,
-                            attention_knobs=chosen, dense_default_knobs_us=t_dense_default,
-                            sparse_step_default_knobs_us=round(t_sparse_default, 2),
-                            speedup_default_knobs=round(t_dense_default / t_sparse_default, 2),
-                            knobs_note="each side's attention runs with the best of the same candidate list "
-                                        "(default included); *_default_* fields: both sides with default knobs",
                             bytes_note="sparse: min+max bounds of every page + K/V of the kept tokens; "
                                         "dense: K/V of every token", **sdpa,
                             speedup_vs_sdpa=round(sdpa["sdpa_us"] / t_sparse, 2) if sdpa["sdpa_us"] else None))
-            print(f"    attention knobs: dense {chosen['dense']['knobs']}, sparse {chosen['sparse']['knobs']}; with "
-                  f"default knobs x{t_dense_default / t_sparse_default:.2f}; sparse attention sweep (us) "
-                  f"{chosen['sparse']['sweep_us']}", flush=True)
             print(f"    torch SDPA ({sdpa['sdpa_backend']}, contiguous K/V): {sdpa['sdpa_us']} us; "
                   f"byte-limit speedup {ceiling:.2f}x, target {target}x; page table == torch: {page_table_exact}; "
                   "parts " + ", ".join(f"{k_} {v_:.1f} us" for k_, v_ in parts.items()), flush=True)

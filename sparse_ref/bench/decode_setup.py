@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import torch
 
-from sparse_ref.bench.timing import tuned
 from sparse_ref.config import SparseConfig
 
 
@@ -20,8 +19,7 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     """
     from sparse_ref.adaptor import page_table_width, to_attention_metadata
     from sparse_ref.algorithms.base import retrieve_attention_metadata
-    from sparse_ref.algorithms.quest import QuestAlgorithm, split_query_sign
-    from sparse_ref.kernels import decode_attention, quest
+    from sparse_ref.algorithms.quest import QuestAlgorithm
     from sparse_ref.kernels.decode_attention import paged_decode_attention
     from sparse_ref.selection import selection_width
     from sparse_ref.workloads import make_planted_workload
@@ -56,25 +54,11 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def scores():  # the first half of retrieve: query sign split + physical pages + the Quest scoring kernel
         return algo.score_pages(q, 0, rows, fb)
 
-    def scores_unfused():  # what score_pages ran before the fused kernel: torch sign split + page map + kernel
-        from sparse_ref.kernels.quest import quest_page_scores
-
-        q_pos, q_neg = split_query_sign(q, algo.num_kv_heads, algo.head_dim, config.gqa_mode)
-        return quest_page_scores(q_pos, q_neg, algo.page_min[0], algo.page_max[0], algo.page_valid[0],
-                                 algo.physical_pages(rows))
-
-    def scores_with(**knobs):  # the fused scoring launch with explicit launch knobs (the decode bench sweeps them)
-        return tuned(quest.TUNING, knobs, quest.quest_page_scores_from_queries, q, algo.page_min[0], algo.page_max[0],
-                     algo.page_valid[0], r2t, rows, page_size, algo.max_pages, config.gqa_mode, check_values=False)
-
     def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
         return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
 
-    knobs = {"sparse": {}, "dense": {}}  # attention launch knobs of each step (the bench may tune both)
-
     def sparse_attention():
-        return tuned(decode_attention.TUNING, knobs["sparse"], paged_decode_attention, q, k, v, meta[0], meta[1],
-                     page_size, out=out_sparse)
+        return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
 
     def retrieve_table():  # retrieve + adaptor; on CUDA the selection kernel writes the page table (one launch)
         return retrieve_attention_metadata(algo, q, 0, rows, mask, fb, r2t, out=meta)
@@ -84,24 +68,14 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
         return sparse_attention()
 
     def dense_step():
-        return tuned(decode_attention.TUNING, knobs["dense"], paged_decode_attention, q, k, v, dense_table,
-                     dense_lens, page_size, out=out_dense)
+        return paged_decode_attention(q, k, v, dense_table, dense_lens, page_size, out=out_dense)
 
     ns.retrieve, ns.adaptor, ns.sparse_attention = retrieve, adaptor, sparse_attention
     ns.retrieve_table = retrieve_table
-    ns.scores, ns.scores_unfused, ns.knobs, ns.scores_with = scores, scores_unfused, knobs, scores_with
+    ns.scores = scores
     ns.sparse_step, ns.dense_step = sparse_step, dense_step
     kv_bytes = 2 * k.element_size() * h_kv * d  # K + V of one token
     ns.dense_bytes = bs * ctx * kv_bytes
     bounds_bytes = 2 * torch.tensor([], dtype=bounds_dtype).element_size() * h_kv * d  # min + max of one page
     ns.sparse_bytes = bs * pages * bounds_bytes + bs * min(budget_tokens, ctx) * kv_bytes
     return ns
-
-
-def scoring_default(s) -> str:
-    """The Quest scoring launch's default (block_p, block_hd) for a decode-step setup, as the sweep names it."""
-    from sparse_ref.kernels.quest import default_blocks
-
-    hd = s.algo.num_kv_heads * s.algo.head_dim
-    bp, bhd = default_blocks(hd, s.q.shape[0], s.algo.max_pages, s.q.device)
-    return f"p{bp}_hd{bhd}_w4"

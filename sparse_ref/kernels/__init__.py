@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.checks import capturing, fail
+from sparse_ref.checks import fail
 from sparse_ref.device import triton_interpreted
 from sparse_ref.errors import ConfigError
 
@@ -43,24 +43,6 @@ def pdl_options(device: torch.device, on: bool = True) -> dict:
     on = (bool(on) and device.type == "cuda" and not triton_interpreted()
           and torch.cuda.get_device_capability(device)[0] >= 9)
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
-
-
-_COUNTERS: dict = {}
-
-
-def arrival_counters(family: str, device: torch.device, n: int) -> torch.Tensor:
-    """``n`` zeroed int32 counters for "the last program of a group finishes the work" launches: each program
-    adds 1 to its group's counter and the last one resets it, so the counters are zero between launches (and
-    between CUDA-graph replays). Cached per (kernel family, device, n); a kernel in flight on another stream
-    would share them (not supported); never cached from inside a graph capture (the graph's pool would own
-    them)."""
-    key = (family, str(device), n)
-    if key not in _COUNTERS:
-        counters = torch.zeros(n, dtype=torch.int32, device=device)
-        if capturing():
-            return counters
-        _COUNTERS[key] = counters
-    return _COUNTERS[key]
 
 
 class Knob:

@@ -17,8 +17,7 @@ Two launches:
    rescaled accumulator). It writes the slice's normalized output and its log-sum-exp.
 2. **merge kernel**, grid ``(bs * H_q,)``: ``out = sum_s w_s o_s / sum_s w_s`` with
    ``w_s = exp(lse_s - max lse)``. With one split the split kernel writes ``out`` directly and
-   the merge is skipped. With ``TUNING["merge_tail"]`` (off by default) the last split program of each
-   (request, KV head) to finish merges the group itself (``arrival_counters``): no second launch.
+   the merge is skipped.
 
 Two ways to form ``q . k`` and ``p . v`` (``USE_DOT``):
 
@@ -62,7 +61,7 @@ from sparse_ref.checks import (
 )
 from sparse_ref.device import triton_interpreted
 from sparse_ref.errors import ShapeError
-from sparse_ref.kernels import Knob, Knobs, after_previous_launch, arrival_counters, pdl_options
+from sparse_ref.kernels import Knob, Knobs, after_previous_launch, pdl_options
 
 LOG2E = 1.4426950408889634
 
@@ -71,16 +70,13 @@ LOG2E = 1.4426950408889634
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer's K and V [slots, H_kv, D]
                          page_table_ptr, kv_lens_ptr,  # pages and KV length per request
                          part_out_ptr, part_lse_ptr,  # per split: outputs and log-sum-exps (the merge's inputs)
-                         out_ptr, arrivals,  # MERGE: the merged output; one arrival counter per (request, KV head)
                          sm_scale,  # the softmax scale
                          dims,  # (KV heads, table width W, page size, pages in the pool, splits per row)
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PACKED: tl.constexpr,
-                         MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
-    writes the group's partial outputs and log-sum-exps for the merge. MERGE: the last split of a (request,
-    KV head) to finish merges the group's heads itself (``_merge_head``), and there is no merge launch."""
+    writes the group's partial outputs and log-sum-exps for the merge."""
     after_previous_launch(PDL)  # (the page table and lengths come from the launch before)
     num_kv_heads, width, page_size, num_pages, num_splits = dims[0], dims[1], dims[2], dims[3], dims[4]
     pid = tl.program_id(0)
@@ -171,43 +167,27 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
     base = (row * num_q_heads + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=in_g[:, None] & in_d[None, :])
     tl.store(part_lse_ptr + base, lse, mask=in_g)
-    if MERGE:
-        tl.debug_barrier()  # every thread's partial results are stored before the counter says "done"
-        if tl.atomic_add(arrivals + pid, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(arrivals + pid, 0)  # reset for the next call
-            for h in range(GROUP):
-                _merge_head(part_out_ptr, part_lse_ptr, out_ptr, (row * num_q_heads + kvh * GROUP + h).to(tl.int64),
-                            num_splits, HEAD_DIM, BLOCK_S, BLOCK_D, True)
-
-
-@triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, bh, num_splits,
-                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IN_SPLIT: tl.constexpr):
-    """Merges the partial outputs of (request, query head) ``bh`` by their log-sum-exps (IN_SPLIT: in the split
-    kernel, where other programs of the launch wrote them: read past L1)."""
-    CACHE: tl.constexpr = ".cg" if IN_SPLIT else ""
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    in_s = s < num_splits
-    in_d = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"), cache_modifier=CACHE)
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
-    o = tl.load(part_out_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                mask=in_s[:, None] & in_d[None, :], other=0.0, cache_modifier=CACHE)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
-    tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
 
 
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """One program = one (request, query head): ``_merge_head``."""
+    """One program = one (request, query head): its partial outputs merged by their log-sum-exps."""
     after_previous_launch(PDL)
-    _merge_head(part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), num_splits, HEAD_DIM, BLOCK_S,
-                BLOCK_D, False)
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    in_s = s < num_splits
+    in_d = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + bh * num_splits + s, mask=in_s, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every slice empty: any finite shift will do
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # empty slices weigh 0; NaN stays NaN
+    o = tl.load(part_out_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=in_s[:, None] & in_d[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)  # all empty (kv_len 0): zeros
+    tl.store(out_ptr + bh * HEAD_DIM + d, out, mask=in_d)
 
 
 # ------------------------------------------------------------------------------------------
@@ -222,11 +202,7 @@ TUNING = Knobs("decode_attention", {
     "num_splits": Knob(1, MAX_SPLITS, none=True), "block_n": Knob(16, 1024, pow2=True, none=True),
     "num_warps": Knob(1, 32, pow2=True, none=True), "num_stages": Knob(1, 8, none=True),
     "use_dot": Knob(flag=True, none=True), "precise": Knob(flag=True), "pdl": Knob(flag=True),
-    "merge_tail": Knob(flag=True),
-}, num_splits=None, block_n=None, num_warps=None, num_stages=None, use_dot=None, precise=True, pdl=True,
-    merge_tail=False)
-# merge_tail (off): the last split merges, no merge launch; H200 bs=1 sparse step (2048 tokens): attention 26.0 us
-# with it and 25.3 without at 33 splits, but with 16 splits the fastest step measured (46.9 against 49.3 us)
+}, num_splits=None, block_n=None, num_warps=None, num_stages=None, use_dot=None, precise=True, pdl=True)
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
 PACK_HALVES = True  # both 16-bit parts in one dot where the group fits half the rows (H200 bs=64 32K: 2261 -> 2061 us)
 # KV tokens per split from which 16-bit tensor-core launches take the long-split tile: GQA 128 tokens a step and 2
@@ -339,15 +315,12 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                                    device=q.device)
-    merge = num_splits > 1 and TUNING["merge_tail"]
-    block_s = triton.next_power_of_2(num_splits)
-    arrivals = arrival_counters("decode_attention", q.device, bs * num_kv_heads) if merge else kv_lens  # (unused)
-    _decode_split_kernel[(bs * num_kv_heads, num_splits)](  # (BLOCK_S 1 without the merge: one compiled variant)
-        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, out, arrivals, scale,
-        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, MERGE=merge, BLOCK_S=block_s if merge else 1,
-        **cfg["options"], **pdl)
-    if num_splits > 1 and not merge:
-        _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim, BLOCK_S=block_s,
+    _decode_split_kernel[(bs * num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, scale,
+        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, **cfg["options"], **pdl)
+    if num_splits > 1:
+        _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim,
+                                                  BLOCK_S=triton.next_power_of_2(num_splits),
                                                   BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl)
     return out
 

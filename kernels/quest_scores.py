@@ -3,8 +3,9 @@
 The sign split (``q+ . max + q- . min``, summed over every KV head and dim) over one tile holding a whole
 ``H_kv * D`` row of bounds per page; a page without bounds scores ``-inf``, and a page id is clamped into
 the pool, so even a bad page list reads nothing outside it. The package's
-``sparse_ref.kernels.quest.quest_page_scores`` walks the row in chunks and takes 16-bit bounds;
-``tests/test_lessons.py`` holds the two equal.
+``sparse_ref.kernels.quest.quest_page_scores_from_queries`` (what ``QuestAlgorithm`` runs) also does the
+sign split and the page mapping in the same launch, walks the row in chunks and takes 16-bit bounds;
+``tests/test_lessons.py`` holds the two equal through ``split_query_sign``.
 """
 
 import torch

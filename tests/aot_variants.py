@@ -112,13 +112,6 @@ PAGE_TABLE = _page_table_variants()
 
 # ----------------------------------------------------------------------------- Quest scores: the default blocks
 QUEST = [
-    (quest._quest_scores_kernel,
-     {"q_pos_ptr": "*fp32", "q_neg_ptr": "*fp32", "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8",
-      "pages_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32",
-      "BLOCK_P": "constexpr", "BLOCK_HD": "constexpr"},
-     {"BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p}, {"num_warps": 4})
-    for dtype in ("*fp32", "*bf16") for block_p in (16, 8, 4, 2)
-] + [
     (quest._quest_scores_from_queries_kernel,
      {"q_ptr": q_dtype, "page_min_ptr": dtype, "page_max_ptr": dtype, "valid_ptr": "*u8", "req_to_token_ptr": "*i32",
       "rows_ptr": "*i64", "out_ptr": "*fp32", "max_pages": "i32", "num_pages": "i32", "HD": "i32", "head_dim": "i32",
@@ -127,7 +120,7 @@ QUEST = [
      {"GROUP": group, "MEAN": mean, "BLOCK_P": block_p, "BLOCK_HD": 4096 // block_p, "PDL": True}, {"num_warps": 4})
     for q_dtype in ("*fp32", "*bf16") for dtype in ("*fp32", "*bf16") for group, mean in ((1, True), (4, True),
                                                                                      (4, False))
-    for block_p in (16, 4)
+    for block_p in ((16, 8, 4, 2) if (q_dtype, dtype, group) == ("*fp32", "*bf16", 1) else (16, 4))  # (bs=1: all)
 ]
 
 

@@ -32,7 +32,7 @@ from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
 from sparse_ref.hadamard import hadamard_matrix, hadamard_transform
 from sparse_ref.kernels import quest as quest_kernels
 from sparse_ref.kernels import tuning
-from sparse_ref.kernels.quest import quest_page_scores
+from sparse_ref.kernels.quest import quest_page_scores_from_queries
 from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
 from sparse_ref.rope import apply_rope
 from sparse_ref.selection import select_pages, select_pages_row, topk_reference
@@ -60,9 +60,9 @@ def make_env() -> Env:
     probs = dense_decode_attention(q, pool.k_buffer[0], pool.v_buffer[0], m.req_to_token_pool.req_to_token,
                                    dec.req_pool_indices, dec.seq_lens, return_probs=True)[1]
     mass = page_attention_mass(probs, P)
-    q_pos, q_neg = torch.randn(2, 1, D), torch.randn(2, 1, D)
-    kernel_args = dict(q_pos=q_pos, q_neg=q_neg, page_min=algo.page_min[0], page_max=algo.page_max[0],
-                       page_valid=algo.page_valid[0], pages=algo.physical_pages(dec.req_pool_indices))
+    kernel_args = dict(queries=q, page_min=algo.page_min[0], page_max=algo.page_max[0],
+                       page_valid=algo.page_valid[0], req_to_token=m.req_to_token_pool.req_to_token,
+                       req_pool_indices=dec.req_pool_indices)
     kernel_args = {k: v.to(sparse_ref.default_device()) for k, v in kernel_args.items()}  # the launcher's device
     return Env(m=m, reqs=reqs, algo=algo, ext=ext, dec=dec, pool=pool, r2t=m.req_to_token_pool.req_to_token, q=q,
                mask=mask, sel=sel, lens=lens, mass=mass, scores=torch.randn(2, 8), kargs=kernel_args)
@@ -122,7 +122,7 @@ def sparse(e, **change):
 def kernel(e, **change):
     knobs = {name: change.pop(name) for name in list(change) if name in quest_kernels.TUNING}  # launch knobs
     with tuning(quest_kernels.TUNING, **knobs):
-        return quest_page_scores(**{**e.kargs, **change})
+        return quest_page_scores_from_queries(**{**e.kargs, "page_size": P, "max_pages": e.algo.max_pages, **change})
 
 
 def decode_fields(e, **change):
@@ -394,16 +394,19 @@ CASES = [
     ("quest-invalidate-range", lambda e: e.algo.invalidate_pages(torch.tensor([20])), "invalidate_pages(pages)"),
     ("quest-invalidate-float", lambda e: e.algo.invalidate_pages([1.5]), "invalidate_pages(pages)"),
     # ------------------------------------------------------------ the Quest kernel launcher
-    ("kernel-pages-none", lambda e: kernel(e, pages=None), "pages"),
-    ("kernel-pages-float", lambda e: kernel(e, pages=e.kargs["pages"].float()), "pages"),
-    ("kernel-pages-meta", lambda e: kernel(e, pages=to_meta(e.kargs["pages"])), "pages"),
-    ("kernel-pages-neg", lambda e: kernel(e, pages=e.kargs["pages"] - 100), "pages"),
-    ("kernel-qpos-meta", lambda e: kernel(e, q_pos=to_meta(e.kargs["q_pos"])), "q_pos"),
-    ("kernel-qneg-int", lambda e: kernel(e, q_neg=e.kargs["q_neg"].long()), "q_neg"),
+    ("kernel-rows-none", lambda e: kernel(e, req_pool_indices=None), "req_pool_indices"),
+    ("kernel-rows-float", lambda e: kernel(e, req_pool_indices=e.kargs["req_pool_indices"].float()),
+     "req_pool_indices"),
+    ("kernel-rows-meta", lambda e: kernel(e, req_pool_indices=to_meta(e.kargs["req_pool_indices"])),
+     "req_pool_indices"),
+    ("kernel-rows-neg", lambda e: kernel(e, req_pool_indices=e.kargs["req_pool_indices"] - 100), "req_pool_indices"),
+    ("kernel-queries-meta", lambda e: kernel(e, queries=to_meta(e.kargs["queries"])), "queries"),
+    ("kernel-queries-int", lambda e: kernel(e, queries=e.kargs["queries"].long()), "queries"),
     ("kernel-min-none", lambda e: kernel(e, page_min=None), "page_min"),
     ("kernel-max-shape", lambda e: kernel(e, page_max=e.kargs["page_max"][:-1]), "page_max"),
     ("kernel-valid-int", lambda e: kernel(e, page_valid=e.kargs["page_valid"].int()), "page_valid"),
-    ("kernel-out-shape", lambda e: kernel(e, out=torch.empty(1, 1, device=e.kargs["pages"].device)), "out"),
+    ("kernel-out-shape", lambda e: kernel(e, out=torch.empty(1, 1, device=e.kargs["queries"].device)), "out"),
+    ("kernel-page-size-0", lambda e: kernel(e, page_size=0), "page_size"),
     ("kernel-block-p", lambda e: kernel(e, block_p=3), "block_p"),
 ]
 

@@ -27,14 +27,14 @@ import select_to_table  # noqa: E402
 import swap_in as swap_in_lesson  # noqa: E402
 
 from sparse_ref.algorithms.dsa import indexer_logits, paged_indexer_logits_reference  # noqa: E402
-from sparse_ref.algorithms.quest import quest_page_scores_reference  # noqa: E402
+from sparse_ref.algorithms.quest import quest_page_scores_reference, split_query_sign  # noqa: E402
 from sparse_ref.attention import sparse_decode_attention  # noqa: E402
 from sparse_ref.config import SparseConfig  # noqa: E402
 from sparse_ref.fp8 import quantize_fp8  # noqa: E402
 from sparse_ref.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from sparse_ref.kernels.dsa import paged_indexer_logits  # noqa: E402
 from sparse_ref.kernels.page_select import select_pages_to_table  # noqa: E402
-from sparse_ref.kernels.quest import quest_page_scores  # noqa: E402
+from sparse_ref.kernels.quest import quest_page_scores_from_queries  # noqa: E402
 from sparse_ref.kernels.topk import topk  # noqa: E402
 from sparse_ref.offload import HostKVPool, HotBuffer  # noqa: E402
 from sparse_ref.selection import select_pages, topk_reference  # noqa: E402
@@ -110,20 +110,27 @@ def test_delegates_and_bitmask(n, g):
 
 
 # ---------------------------------------------------------------- notebook 06: Quest scores, DSA logits
-@pytest.mark.parametrize("bs,max_pages,hkv,d,seed", [(3, 11, 2, 24, 0), (1, 1, 1, 8, 1), (4, 37, 3, 16, 2)])
-def test_quest_scores_equal_package_and_reference(bs, max_pages, hkv, d, seed):
+@pytest.mark.parametrize("bs,max_pages,hkv,group,d,P,seed", [(3, 11, 2, 2, 24, 4, 0), (1, 1, 1, 1, 8, 1, 1),
+                                                           (4, 37, 3, 4, 16, 16, 2)])
+def test_quest_scores_equal_package_and_reference(bs, max_pages, hkv, group, d, P, seed):
+    """The lesson scores split queries over a page list; the package's kernel (what QuestAlgorithm runs) does the
+    split and the page mapping itself: equal through ``split_query_sign`` and the physical pages, to fp32 rounding."""
     g = torch.Generator().manual_seed(seed)
     num_pages = bs * max_pages + 3
     a, b = torch.randn(num_pages, hkv, d, generator=g), torch.randn(num_pages, hkv, d, generator=g)
     page_min, page_max = torch.minimum(a, b), torch.maximum(a, b)
     page_valid = torch.rand(num_pages, generator=g) > 0.2
     page_valid[0] = False  # padding page
-    pages = torch.randint(0, num_pages, (bs, max_pages), generator=g, dtype=torch.int32)
-    q = torch.randn(bs, hkv, d, generator=g)
-    q_pos, q_neg = q.clamp(min=0), q.clamp(max=0)
-    inputs = tuple(t.to(DEVICE).contiguous() for t in (q_pos, q_neg, page_min, page_max, page_valid, pages))
-    ours = quest_scores.teaching_quest_scores(*inputs).cpu()
-    for want in (quest_page_scores(*inputs).cpu(), quest_page_scores_reference(*inputs).cpu()):
+    rows = torch.randperm(bs + 1, generator=g)[:bs]
+    r2t = torch.randint(0, num_pages * P, (bs + 1, max_pages * P), generator=g, dtype=torch.int32)
+    pages = (r2t[rows[:, None], torch.arange(max_pages) * P] // P).to(torch.int32)  # physical_pages
+    q = torch.randn(bs, hkv * group, d, generator=g)
+    q_pos, q_neg = split_query_sign(q, hkv, d, "mean")
+    on = [t.to(DEVICE).contiguous() for t in (q_pos, q_neg, page_min, page_max, page_valid, pages)]
+    ours = quest_scores.teaching_quest_scores(*on).cpu()
+    package = quest_page_scores_from_queries(*[t.to(DEVICE) for t in (q, page_min, page_max, page_valid, r2t, rows)],
+                                             P, max_pages).cpu()
+    for want in (package, quest_page_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages)):
         assert torch.equal(torch.isneginf(ours), torch.isneginf(want))
         finite = torch.isfinite(want)
         torch.testing.assert_close(ours[finite], want[finite], rtol=1e-5, atol=1e-4)

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from sparse_ref.bench.timing import Timer, eager_cold, knob_text, row, tuned, wall_clock_us
+from sparse_ref.bench.timing import Timer, eager_cold, row, wall_clock_us
 
 
 # --------------------------------------------------------------------------- dsa (indexer logits)
@@ -64,7 +64,6 @@ def _reference_then_topk(inp, k):
 def bench_dsa(device, timer, copy_bw, quick, on_cpu):
     """Paged FP8 indexer logits (and + top-2048) against the batched torch reference; the batched indexer."""
     from sparse_ref.algorithms.dsa import paged_indexer_logits_reference
-    from sparse_ref.kernels import dsa as dsa_kernels
     from sparse_ref.kernels.dsa import paged_indexer_logits, plan_tiles
 
     if on_cpu:
@@ -102,51 +101,16 @@ def bench_dsa(device, timer, copy_bw, quick, on_cpu):
                         "dsa_logits+topk", baseline="torch reference + torch.topk", torch_timing=base_timer.mode,
                         ours_timing=m_ours_k))
         del inp, out, want, got
-    rows += _bench_dsa_knobs(device, timer, copy_bw, on_cpu, heads, dim)
     T, ctx = prefill  # a causal last chunk: T query tokens of one request over ctx keys
     inp = make_dsa_logits_inputs(1, ctx, device, heads=heads, dim=dim, tokens_per_req=T)
     out = torch.empty(T, ctx, dtype=torch.float32, device=device)
     flops = 2 * heads * dim * (T * ctx - T * (T - 1) // 2)
-    for knobs in ({}, {"queries_per_program": 1}):  # default: 4 query tokens per program
-        t_ours = timer.cold([partial(tuned, dsa_kernels.TUNING, knobs, paged_indexer_logits, **inp, fill_tail=False,
-                                     out=out)])
-        rows.append(row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
-                        ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
-                        knobs=knob_text(knobs), baseline="none (the torch reference would take seconds)",
-                        tflops=round(flops / t_ours / 1e6, 1)))
+    t_ours = timer.cold([partial(paged_indexer_logits, **inp, fill_tail=False, out=out)])
+    rows.append(row(f"prefill T={T} ctx={ctx}", None, "randn", "cold", float("nan"), t_ours,
+                    ctx * (dim + 4) + T * ctx * 4, copy_bw, "dsa_prefill", ours_timing=timer.mode,
+                    baseline="none (the torch reference would take seconds)", tflops=round(flops / t_ours / 1e6, 1)))
     del inp, out
     rows += _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu)
-    return rows
-
-
-
-def _bench_dsa_knobs(device, timer, copy_bw, on_cpu, heads, dim):
-    """The default launch against a few other knob settings at the target shapes (logits only)."""
-    from sparse_ref.kernels import dsa as dsa_kernels
-    from sparse_ref.kernels.dsa import paged_indexer_logits, plan_tiles
-
-    if on_cpu:
-        grid = {(2, 256): [{}, {"tiles": 1}]}
-    else:
-        grid = {(64, 65536): [{"tiles": 8}, {"tiles": 32}],
-                (64, 16384): [{"tiles": 8}, {"tiles": 16}],
-                (8, 65536): [{"tiles": 2}, {"tiles": 8}]}
-    rows = []
-    for (bs, ctx), settings in grid.items():
-        inp = make_dsa_logits_inputs(bs, ctx, device, heads=heads, dim=dim)
-        out = torch.empty(bs, ctx, dtype=torch.float32, device=device)
-        for knobs in settings:
-            try:
-                t = timer.cold([partial(tuned, dsa_kernels.TUNING, knobs, paged_indexer_logits, **inp, fill_tail=False,
-                                        out=out)])
-            except Exception as e:  # e.g. out of resources: report, keep going
-                print(f"  dsa_knobs bs={bs} ctx={ctx} {knobs}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            rows.append(row(f"bs={bs} ctx={ctx}", None, "randn", "cold", float("nan"), t,
-                            bs * ctx * (dim + 4) + bs * ctx * 4, copy_bw, "dsa_logits_knobs", ours_timing=timer.mode,
-                            knobs=knob_text(knobs), default_tiles=plan_tiles(bs, ctx, device),
-                            baseline="none (compare with the dsa_logits row of the same shape: default knobs)"))
-        del inp, out
     return rows
 
 

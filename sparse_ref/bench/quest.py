@@ -1,10 +1,10 @@
 """Suites ``quest`` and ``retrieve``: Quest page scores, and the batched ``retrieve_topk`` against its loop.
 
-* **quest**: the Triton kernel (``sparse_ref.kernels.quest.quest_page_scores``) against the torch
-  reference (``quest_page_scores_reference``: gather + bmm), at bs=1, 32 KV heads, D=128, page 16,
-  128K context and at bs=64, 8 KV heads, 32K; bytes = the bounds of every scored page read once +
-  the scores written. fp32 bounds (as ``QuestAlgorithm`` keeps them by default) and a bf16 row;
-  the full run sweeps the launch knobs around the default.
+* **quest**: the Triton scoring the engine runs (``sparse_ref.kernels.quest.quest_page_scores_from_queries``:
+  sign split, page mapping and scores in one launch) against the torch path (``split_query_sign``,
+  ``physical_pages``, ``quest_page_scores_reference``: gather + bmm), at bs=1, 32 query / 32 KV heads, D=128,
+  page 16, 128K context and at bs=64, 32 query / 8 KV heads, 32K; bytes = the bounds of every scored page
+  read once + the scores written. fp32 bounds (``QuestAlgorithm``'s default) and bf16 bounds.
   Then the Quest bounds update after a decode step (``bench_bounds_update``): the Triton kernel
   against the torch update, bs=64, 8 KV heads, D=128, page 16, every request completing a page.
 * **retrieve**: the batched ``retrieve_topk`` of Quest (Triton scoring and selection on CUDA)
@@ -18,70 +18,58 @@ from functools import partial
 
 import torch
 
-from sparse_ref.bench.timing import Timer, row, tuned, wall_clock_us
+from sparse_ref.bench.timing import row, wall_clock_us
+
+
+def torch_quest_scores(q, page_min, page_max, page_valid, pages):
+    """The torch path of the Quest scores: the sign split of the GQA mean, then gather + bmm over the pages."""
+    from sparse_ref.algorithms.quest import quest_page_scores_reference, split_query_sign
+
+    q_pos, q_neg = split_query_sign(q, page_min.shape[1], page_min.shape[2], "mean")
+    return quest_page_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages)
 
 
 def bench_quest(device, timer, copy_bw, quick, on_cpu):
-    from sparse_ref.algorithms.quest import quest_page_scores_reference
-    from sparse_ref.kernels import quest as quest_kernels
-    from sparse_ref.kernels.quest import quest_page_scores
+    from sparse_ref.kernels.quest import quest_page_scores_from_queries
 
     if on_cpu:
-        shapes = [(1, 2, 8, 64, 16, torch.float32), (2, 2, 8, 32, 16, torch.float32)]
+        shapes = [(1, 2, 2, 8, 64, 16, torch.float32), (2, 4, 2, 8, 32, 16, torch.bfloat16)]
     else:
-        shapes = [(1, 32, 128, 131072, 16, torch.float32), (64, 8, 128, 32768, 16, torch.float32)]
-        if not quick:
-            shapes.append((1, 32, 128, 131072, 16, torch.bfloat16))
+        shapes = [(1, 32, 32, 128, 131072, 16, torch.float32), (64, 32, 8, 128, 32768, 16, torch.float32),
+                  (1, 32, 32, 128, 131072, 16, torch.bfloat16)]
     rows = []
-    sweep_timer = None if quick or on_cpu else Timer(device, reps=30)
-    for bs, h_kv, d, ctx, page_size, bound_dtype in shapes:
+    for bs, h_q, h_kv, d, ctx, page_size, bound_dtype in shapes:
         max_pages = -(-ctx // page_size)
         num_pages = bs * max_pages + 1  # page 0 is padding; every request's pages are distinct, shuffled
         g = torch.Generator(device="cpu").manual_seed(0)
         pages = (torch.randperm(num_pages - 1, generator=g)[:bs * max_pages] + 1).reshape(bs, max_pages).to(device)
+        r2t = (pages.repeat_interleave(page_size, dim=1) * page_size
+               + torch.arange(page_size, device=device).repeat(max_pages)).to(torch.int32)  # req_to_token rows
+        rows_ = torch.arange(bs, device=device)
         a = torch.randn(num_pages, h_kv, d, device=device)
         b = torch.randn(num_pages, h_kv, d, device=device)
         page_min, page_max = torch.minimum(a, b).to(bound_dtype), torch.maximum(a, b).to(bound_dtype)
         del a, b
         page_valid = torch.ones(num_pages, dtype=torch.bool, device=device)
         page_valid[0] = False
-        q_pos = torch.randn(bs, h_kv, d, device=device).clamp(min=0)
-        q_neg = torch.randn(bs, h_kv, d, device=device).clamp(max=0)
-        inputs = (q_pos, q_neg, page_min, page_max, page_valid, pages)
-        want = quest_page_scores_reference(*inputs)
-        got = quest_page_scores(*inputs)
+        q = torch.randn(bs, h_q, d, device=device)
+        args = (q, page_min, page_max, page_valid, r2t, rows_, page_size, max_pages)
+        torch_path = partial(torch_quest_scores, q, page_min, page_max, page_valid, pages)
+        want, got = torch_path(), quest_page_scores_from_queries(*args)
         max_rel_err = float(((got - want).abs() / want.abs().clamp(min=1e-3)).max())
         out = torch.empty(bs, max_pages, device=device)
         nbytes = 2 * bs * max_pages * h_kv * d * page_min.element_size() + bs * max_pages * 4
-        t_torch = timer.cold([partial(quest_page_scores_reference, *inputs)])
+        t_torch = timer.cold([torch_path])
         m_torch = timer.mode
-        t_ours = timer.cold([partial(quest_page_scores, *inputs, out=out)])
+        t_ours = timer.cold([partial(quest_page_scores_from_queries, *args, out=out)])
         floor_us = nbytes / (copy_bw * 1e12) * 1e6 if math.isfinite(copy_bw) else None
-        sweep = {}
-        if not quick and not on_cpu and bound_dtype == torch.float32:  # launch knobs around the default
-            for block_p in (4, 8, 16, 32):
-                for block_hd in (128, 256, 512):
-                    for warps in (4, 8):
-                        knobs = dict(block_p=block_p, block_hd=block_hd, num_warps=warps)
-                        try:
-                            t = sweep_timer.cold([partial(tuned, quest_kernels.TUNING, knobs, quest_page_scores,
-                                                          *inputs, out=out)])
-                        except Exception as e:  # e.g. out of registers / shared memory: say so
-                            t = f"failed: {type(e).__name__}"
-                        sweep[f"p{block_p}_hd{block_hd}_w{warps}"] = round(t, 2) if isinstance(t, float) else t
-            timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
-            if timed:
-                best = min(timed, key=timed.get)
-                print(f"  launch sweep: best {best} {timed[best]:.1f} us (default p16_hd256_w4 "
-                      f"{timed.get('p16_hd256_w4')})", flush=True)
-        rows.append(row(f"bs={bs} Hkv={h_kv} D={d} ctx={ctx} P={page_size} {str(bound_dtype)[6:]}", None,
+        rows.append(row(f"bs={bs} Hq={h_q} Hkv={h_kv} D={d} ctx={ctx} P={page_size} {str(bound_dtype)[6:]}", None,
                         "randn", "cold", t_torch, t_ours, nbytes, copy_bw, "quest_scores",
-                        baseline="quest_page_scores_reference (torch gather + bmm)", torch_timing=m_torch,
-                        ours_timing=timer.mode, max_rel_err=max_rel_err,
+                        baseline="split_query_sign + quest_page_scores_reference (torch gather + bmm)",
+                        torch_timing=m_torch, ours_timing=timer.mode, max_rel_err=max_rel_err,
                         floor_us_at_copy_bw=None if floor_us is None else round(floor_us, 2),
-                        bytes_note="bounds (min+max) of every scored page read once + fp32 scores written",
-                        **({"launch_sweep_us": sweep} if sweep else {})))
-        del inputs, page_min, page_max, want, got
+                        bytes_note="bounds (min+max) of every scored page read once + fp32 scores written"))
+        del args, torch_path, page_min, page_max, want, got
     return rows + bench_bounds_update(device, timer, copy_bw, on_cpu)
 
 

@@ -16,8 +16,6 @@ from functools import partial
 
 import torch
 
-from sparse_ref.kernels import tuning
-
 FLUSH_BYTES = 1 << 30
 
 
@@ -178,17 +176,6 @@ def row(shape, k, dist, l2, torch_us, ours_us, bytes_moved, copy_bw, op, **extra
     print(f"  {op:<14} {shape:<22} k={k_txt:<5} {dist:<10} L2 {l2:<4} torch {torch_us:9.1f} us | ours "
           f"{ours_us:9.1f} us | {'x  n/a' if speedup is None else f'x{speedup:6.2f}'} | {rate}", flush=True)
     return row
-
-
-def tuned(table: dict, knobs: dict, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with ``knobs`` set in a kernel family's ``TUNING`` table (for the call, and its
-    capture into a CUDA graph)."""
-    with tuning(table, **knobs):
-        return fn(*args, **kwargs)
-
-
-def knob_text(knobs: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
 
 
 def wall_clock_us(fn, reps: int, device: torch.device) -> float:

@@ -1,36 +1,29 @@
-"""Quest page scores in one streaming pass: ``score[r, j] = q+ . max[p] + q- . min[p]``, -inf where invalid.
+"""Quest page scores in one launch, straight from the decode queries: ``score[r, j] = q+ . max[p] + q- . min[p]``.
 
-The torch path (``sparse_ref.algorithms.quest.quest_page_scores_reference``) gathers every
-request's page bounds into new ``[bs, max_pages, H_kv*D]`` tensors and then runs ``bmm``: at
-bs=64 and 32K context that writes and re-reads about 1 GB. This kernel reads each page's bounds
-once, straight from the pool, and writes one fp32 score per page: it is memory bound, and its
-byte floor is "the bounds of every scored page, read once".
+The torch path (``sparse_ref.algorithms.quest``: ``split_query_sign``, ``physical_pages``,
+``quest_page_scores_reference``) gathers every request's page bounds into new ``[bs, max_pages, H_kv*D]``
+tensors and then runs ``bmm``: at bs=64 and 32K context that writes and re-reads about 1 GB, in about ten
+launches. This kernel (``quest_page_scores_from_queries``, what ``QuestAlgorithm`` runs) reads each page's
+bounds once, straight from the pool, and writes one fp32 score per page: it is memory bound, and its byte
+floor is "the bounds of every scored page, read once". The steps before it are folded in:
 
-Inputs (the launcher checks them all before the launch):
+* the signed query: the GQA group's mean (or, ``per_kv_head``, its per-head sum) split by sign, from the raw
+  queries ``[bs, H_q, D]`` (tiny, but each torch op is a launch of a few microseconds, which at bs=1 costs
+  as much as the scoring itself);
+* the physical page of logical page ``j``: ``req_to_token[row, j * P] // P``, clamped into the pool.
 
-* ``q_pos``, ``q_neg``: fp32 ``[bs, H_kv, D]`` (or ``[bs, H_kv*D]``), from ``split_query_sign``:
-  the GQA mean / per-KV-head sum and the sign split, in torch. They are tiny, but each torch op
-  is a launch of a few microseconds, which at bs=1 costs as much as the scoring itself; so
-  ``quest_page_scores_from_queries`` (what ``QuestAlgorithm`` runs) folds them, and the page
-  mapping below, into the same kernel: one launch from the raw queries and ``req_to_token``.
-* ``page_min``, ``page_max``: ``[num_pages, H_kv, D]`` fp32 (or fp16/bf16: loaded and widened to
-  fp32; accumulation is always fp32), indexed by PHYSICAL page.
-* ``page_valid``: bool ``[num_pages]``. An invalid page scores exactly ``-inf``, and its bounds
-  are not read at all (masked loads).
-* ``pages``: int32/int64 ``[bs, max_pages]``, the physical page of logical page ``j`` of row ``r``
-  (what ``QuestAlgorithm.physical_pages`` returns). Taking the page table rather than
-  ``req_to_token`` keeps the kernel independent of how pages are mapped; reading it costs 8 bytes
-  per page against ``2 * H_kv * D * 4`` for the bounds (0.1% at H_kv=8, D=128).
+``page_min`` / ``page_max``: ``[num_pages, H_kv, D]`` fp32 (or fp16/bf16: widened to fp32; accumulation is
+always fp32), by physical page. ``page_valid``: bool ``[num_pages]``; an invalid page scores exactly
+``-inf`` and its bounds are not read (masked loads).
 
-Safety: page ids are checked eagerly (one host sync, skipped while a CUDA graph is being
-captured) and also clamped into ``[0, num_pages)`` inside the kernel, so a bad id can never read
-outside the pool. Nothing is read back to the host otherwise: the launch is graph capturable.
+Safety: the rows are checked eagerly (one host sync, skipped while a CUDA graph captures) and every index is
+also clamped inside the kernel, so a bad value never reads outside the pools. Nothing else is read back to
+the host: the launch is graph capturable.
 
-Layout: one program scores ``BLOCK_P`` consecutive logical pages of one request; it walks the
-``H_kv*D`` bound vector in ``BLOCK_HD`` chunks (masked, so any ``H_kv*D`` works, powers of two or
-not), keeps a ``[BLOCK_P, BLOCK_HD]`` fp32 accumulator and reduces it once at the end. ``H_kv*D``
-is a runtime argument (Triton specializes it on divisibility by 16, so pool rows stay 16-byte
-aligned for vector loads) rather than a constexpr: one compiled kernel serves every model shape.
+Layout: one program scores ``BLOCK_P`` consecutive logical pages of one request; it walks the ``H_kv*D``
+bound vector in ``BLOCK_HD`` chunks (masked, so any ``H_kv*D`` works), keeps a ``[BLOCK_P, BLOCK_HD]`` fp32
+accumulator and reduces it once at the end. ``H_kv*D`` is a runtime argument, not a constexpr: one compiled
+kernel serves every model shape.
 """
 
 from __future__ import annotations
@@ -65,36 +58,11 @@ def _bound_terms(page_min_ptr, page_max_ptr, base, d, read, in_hd, qp, qn):
 
 
 @triton.jit
-def _quest_scores_kernel(q_pos_ptr, q_neg_ptr, page_min_ptr, page_max_ptr, valid_ptr, pages_ptr, out_ptr,
-                         max_pages, num_pages, HD,
-                         BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """One program = BLOCK_P pages of one request: streams their min/max bounds once, BLOCK_HD values a step."""
-    row = tl.program_id(1).to(tl.int64)
-    j = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    in_row = j < max_pages
-    page = tl.load(pages_ptr + row * max_pages + j, mask=in_row, other=0).to(tl.int64)
-    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # never read outside the pool
-    valid = tl.load(valid_ptr + page, mask=in_row, other=0) != 0
-    read = in_row & valid  # an invalid page's bounds are not read: its score is -inf anyway
-    base = page * HD
-    acc = tl.zeros([BLOCK_P, BLOCK_HD], dtype=tl.float32)
-    for start in range(0, HD, BLOCK_HD):
-        d = start + tl.arange(0, BLOCK_HD)
-        in_hd = d < HD
-        qp = tl.load(q_pos_ptr + row * HD + d, mask=in_hd, other=0.0)
-        qn = tl.load(q_neg_ptr + row * HD + d, mask=in_hd, other=0.0)
-        acc += _bound_terms(page_min_ptr, page_max_ptr, base, d, read, in_hd, qp, qn)
-    score = tl.sum(acc, axis=1)
-    score = tl.where(valid, score, float("-inf"))
-    tl.store(out_ptr + row * max_pages + j, score, mask=in_row)
-
-
-@triton.jit
 def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_ptr, req_to_token_ptr, rows_ptr,
                                       out_ptr, max_pages, num_pages, HD, head_dim, r2t_rows, r2t_width, page_size,
                                       GROUP: tl.constexpr, MEAN: tl.constexpr,
                                       BLOCK_P: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr):
-    """``_quest_scores_kernel`` with the two torch steps before it folded in (one launch instead of about ten).
+    """One program = BLOCK_P pages of one request: streams their min/max bounds once, BLOCK_HD values a step.
 
     The physical page of logical page ``j`` is read from ``req_to_token[row, j * P] // P``
     (``QuestAlgorithm.physical_pages``) and the signed query from the raw queries
@@ -166,38 +134,10 @@ def default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tu
 
 
 def _block_sizes(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_P, BLOCK_HD, num_warps)``: the ``TUNING`` knobs where set, else the defaults."""
-    block_p, block_hd, num_warps = TUNING["block_p"], TUNING["block_hd"], TUNING["num_warps"]
+    """``(BLOCK_P, BLOCK_HD, num_warps)``: the ``TUNING`` knobs where set (ranged there), else the defaults."""
     default_p, default_hd = default_blocks(hd, bs, max_pages, device)
-    block_hd = default_hd if block_hd is None else block_hd
-    block_p = default_p if block_p is None else block_p
-    num_warps = 4 if num_warps is None else num_warps
-    for name, v, lo in (("block_p", block_p, 2), ("block_hd", block_hd, 8), ("num_warps", num_warps, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
-            fail(name, f"a power of two >= {lo}", repr(v), f"leave {name}=None for the default.", SparseRefError)
-    return block_p, block_hd, num_warps
-
-
-def quest_page_scores(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
-                      page_valid: torch.Tensor, pages: torch.Tensor, *,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``[bs, max_pages]`` Quest page scores; equals ``quest_page_scores_reference`` (see module docstring).
-
-    ``out`` (fp32 ``[bs, max_pages]``, contiguous) receives the scores if given.
-    """
-    num_pages, hd = check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out)
-    bs, max_pages = pages.shape
-    device = page_min.device
-    block_p, block_hd, num_warps = _block_sizes(hd, bs, max_pages, device)
-    if out is None:
-        out = torch.empty((bs, max_pages), dtype=torch.float32, device=device)
-    if bs == 0 or max_pages == 0:
-        return out
-    grid = (triton.cdiv(max_pages, block_p), bs)  # requests on axis 1 (<= 65535 of them)
-    _quest_scores_kernel[grid](q_pos, q_neg, page_min, page_max, page_valid.view(torch.uint8), pages, out,
-                               max_pages, num_pages, hd, BLOCK_P=block_p, BLOCK_HD=block_hd,
-                               num_warps=num_warps)
-    return out
+    pick = [TUNING[name] for name in ("block_p", "block_hd", "num_warps")]
+    return tuple(d if v is None else v for v, d in zip(pick, (default_p, default_hd, 4), strict=True))
 
 
 def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
@@ -207,10 +147,10 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
                                    check_values: bool = True) -> torch.Tensor:
     """fp32 ``[bs, max_pages]`` Quest scores straight from the raw queries and ``req_to_token``, in one launch.
 
-    Equals ``quest_page_scores(*split_query_sign(queries, H_kv, D, gqa_mode), page_min, page_max,
+    Equals ``quest_page_scores_reference(*split_query_sign(queries, H_kv, D, gqa_mode), page_min, page_max,
     page_valid, pages)`` with ``pages = req_to_token[req_pool_indices, j * P] // P`` clamped into
-    the pool (``QuestAlgorithm.physical_pages``); scores may differ in the last bits (the group
-    sum is taken in another order). ``queries``: ``[bs, H_q, D]`` or ``[bs, H_q * D]``, fp32/bf16/fp16;
+    the pool (``QuestAlgorithm.physical_pages``), up to fp32 rounding (the sums run in another order).
+    ``queries``: ``[bs, H_q, D]`` or ``[bs, H_q * D]``, fp32/bf16/fp16;
     ``gqa_mode``: "mean" or "per_kv_head".
     ``check_values=False`` skips the host-side range checks of index values when the caller has made
     them (one host sync per call, not two); the kernel still clamps every index it reads.
@@ -237,35 +177,6 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
 
 # ------------------------------ argument checks (each entry point above calls one first)
 _QUEST_QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_quest_scores(q_pos, q_neg, page_min, page_max, page_valid, pages, out) -> tuple[int, int]:
-    """``(num_pages, H_kv * D)`` of ``quest_page_scores``."""
-    fn = "quest_page_scores"
-    num_pages, num_kv_heads, head_dim = check_quest_bounds_pool(page_min, page_max, page_valid)
-    hd = num_kv_heads * head_dim
-    check_tensor("pages", pages, dtype=(torch.int32, torch.int64), dims=2, contiguous=True,
-                 fix="pass QuestAlgorithm.physical_pages(req_pool_indices), [bs, max_pages] physical page ids.")
-    bs, max_pages = pages.shape
-    for name, q in (("q_pos", q_pos), ("q_neg", q_neg)):
-        shape = (bs, num_kv_heads, head_dim) if isinstance(q, torch.Tensor) and q.dim() == 3 else (bs, hd)
-        check_tensor(name, q, dtype=torch.float32, shape=shape, contiguous=True,
-                     fix=f"pass {name} from split_query_sign: fp32 [bs={bs}, H_kv={num_kv_heads}, D={head_dim}].")
-    if out is not None:
-        check_tensor("out", out, dtype=torch.float32, shape=(bs, max_pages), contiguous=True,
-                     fix="pass torch.empty(bs, max_pages) in fp32.")
-    check_kernel_device(f"{fn}: page_min", page_min, "move the pools and queries to the GPU, or use the torch "
-                        "scoring backend.")
-    check_same_device(fn, "page_min", {"page_min": page_min, "q_pos": q_pos, "q_neg": q_neg, "page_max": page_max,
-                                       "page_valid": page_valid, "pages": pages, "out": out})
-    if pages.numel() and num_pages == 0:
-        fail("page_min", "a pool with pages", f"shape {tuple(page_min.shape)} for {pages.numel()} pages to score",
-             "allocate the Quest pools before scoring.")
-    check_range("pages", pages, 0, num_pages - 1, "build pages with QuestAlgorithm.physical_pages (which clamps), "
-                "from a req_to_token filled through KVCacheManager.")
-    if bs > 65535:
-        fail("pages", "at most 65535 requests (rows) per launch", f"bs={bs}", "score the batch in chunks.")
-    return num_pages, hd
 
 
 def check_quest_scores_from_queries(queries, page_min, page_max, page_valid, req_to_token, req_pool_indices,

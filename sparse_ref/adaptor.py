@@ -9,6 +9,8 @@ runs retrieval and this adaptor as one call.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sparse_ref import checks
@@ -26,6 +28,18 @@ from sparse_ref.checks import (
 )
 from sparse_ref.errors import ShapeError, SparseRefError
 from sparse_ref.selection import ceil_div
+
+
+@dataclass
+class Metadata:
+    """What attention reads: physical pages (slots at page size 1), KV lengths, and the page size."""
+
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    page_size: int
+    selected: torch.Tensor | None = None  # logical pages (Quest) or positions (DSA), ascending, -1 padded
+    lengths: torch.Tensor | None = None  # kept entries per row; 0 = the row stays dense
+    sparse_mask: torch.Tensor | None = None
 
 
 def lengths_from_selection(selected: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
+from sparse_ref.adaptor import Metadata, lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
 from sparse_ref.algorithms.base import retrieve_attention_metadata
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
@@ -28,24 +28,9 @@ from sparse_ref.checks import capturing, check_choice, check_device, check_int, 
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import BatchError, ConfigError, PoolError
 from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request, check_request
-from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
-from sparse_ref.offload import HostKVPool, HotBuffer, check_offload, positions_read
-from sparse_ref.workloads import PlantedEngineWorkload
 
 ALGORITHMS = (None, "quest", "deepseek_dsa")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
-@dataclass
-class Metadata:
-    """What attention reads: physical pages (slots at page size 1), KV lengths, and the page size."""
-
-    page_table: torch.Tensor
-    kv_lens: torch.Tensor
-    page_size: int
-    selected: torch.Tensor | None = None  # logical pages (Quest) or positions (DSA), ascending, -1 padded
-    lengths: torch.Tensor | None = None  # kept entries per row; 0 = the row stays dense
-    sparse_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -78,7 +63,7 @@ class SparseCoordinator:
     """SGLang's coordinator hooks over per-layer algorithms (see the module docstring)."""
 
     def __init__(self, manager: KVCacheManager, algorithms: Sequence[str | None], configs: Sequence[SparseConfig],
-                 workload: PlantedEngineWorkload, dsa_topk: int, device, bounds_dtype=torch.float32):
+                 workload, dsa_topk: int, device, bounds_dtype=torch.float32):
         self.manager, self.configs, self.device = manager, list(configs), torch.device(device)
         pool, req_pool = manager.token_to_kv_pool, manager.req_to_token_pool
         self.algorithms, self.indexers, self.prompt_lens = [], {}, {}
@@ -156,7 +141,7 @@ class SparseCoordinator:
 class DecodeEngine:
     """Admit and prefill requests, decode steps through the coordinator, compare with dense attention."""
 
-    def __init__(self, workload: PlantedEngineWorkload, algorithms: Sequence[str | None] = ("quest",),
+    def __init__(self, workload, algorithms: Sequence[str | None] = ("quest",),
                  config: SparseConfig | Sequence[SparseConfig] | None = None, *, dsa_topk: int = 256,
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
                  attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
@@ -170,41 +155,32 @@ class DecodeEngine:
         auto = "triton" if self.device.type == "cuda" and kernel else "torch"
         self.attention_backend = auto if attention_backend == "auto" else attention_backend
         # offload mode (sparse_ref.offload): every sparse layer's K/V in host memory, read through a hot buffer
-        self.offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
-        check_offload_backend(self.offloaded, self.device, self.attention_backend)
+        offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
         self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
                                              num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
                                              num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
-                                             dtype=dtype, device=self.device, host_layers=self.offloaded)
+                                             dtype=dtype, device=self.device, host_layers=offloaded)
         self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device,
                                              bounds_dtype)
         self.live: list[Request] = []
         self.plans = {}  # rid -> PlantedRequest
         self.written: dict[int, int] = {}  # rid -> tokens whose K/V this engine wrote (all of them, between steps)
-        self.host_kv = self.hot = None
-        if self.offloaded:
-            size = check_offload(offload_buffer, self._most_tokens_read(dsa_topk, page_size),
-                                 [algorithms[i] for i in self.offloaded])
-            pool = self.manager.token_to_kv_pool
-            self.host_kv = HostKVPool.of_pool(pool)  # the pool's host layers: written by set_kv and the kernel
-            self.hot = HotBuffer(pool.num_layers, max_requests, size, pool.num_kv_heads, pool.head_dim,
-                                 max_context_len, dtype, self.device, layers=self.offloaded)
+        self.offload = None
+        if offloaded:
+            from sparse_ref import offload  # lazy: only an offloading engine needs it
 
-    def _most_tokens_read(self, dsa_topk: int, page_size: int) -> int:
-        """The most tokens one request reads in a step, in any sparse layer (the hot buffer must hold them)."""
-        coord, most = self.coordinator, 0
-        for layer in self.offloaded:
-            algo, cfg = coord.algorithms[layer], coord.configs[layer]
-            reads = dsa_topk if algo.name == "deepseek_dsa" else cfg.selection_width(algo.max_pages) * page_size
-            most = max(most, reads, cfg.min_sparse_seq_len - 1)  # a row below min_sparse_seq_len reads it all
-        return most
+            offload.check_offload_backend(offloaded, self.device, self.attention_backend)
+            coord = self.coordinator
+            size = offload.check_offload(offload_buffer, offload.most_tokens_read(
+                coord.algorithms, coord.configs, offloaded, dsa_topk, page_size), [algorithms[i] for i in offloaded])
+            self.offload = offload.OffloadedKV(self.manager.token_to_kv_pool, offloaded, max_requests, size,
+                                               max_context_len, self.attention_backend, self.device)
 
-    def attend(self, q: torch.Tensor, layer: int, md: Metadata, offloaded: bool = False) -> torch.Tensor:
-        """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]`` (``offloaded``:
-        over the layer's hot buffer)."""
+    def attend(self, q: torch.Tensor, layer: int, md: Metadata, kv=None) -> torch.Tensor:
+        """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]``, over the
+        layer's K/V buffers (or ``kv``: an offloaded layer's hot buffers)."""
         pool = self.manager.token_to_kv_pool
-        kv = (self.hot.k[layer], self.hot.v[layer]) if offloaded else (pool.get_key_buffer(layer),
-                                                                       pool.get_value_buffer(layer))
+        kv = kv or (pool.get_key_buffer(layer), pool.get_value_buffer(layer))
         args = (q, *kv, md.page_table, md.kv_lens, md.page_size)
         if self.attention_backend == "triton":
             from sparse_ref.kernels.decode_attention import paged_decode_attention  # lazy: optional kernel module
@@ -251,8 +227,8 @@ class DecodeEngine:
         self.live = [r for r in self.live if r is not req]
         del self.plans[req.rid], self.written[req.rid]
         self.manager.release(req)
-        if self.hot is not None:
-            self.hot.forget(req.req_pool_idx)  # the row's next request starts with an empty hot buffer
+        if self.offload is not None:
+            self.offload.forget(req.req_pool_idx)  # the row's next request starts with an empty hot buffer
 
     # ---------------------------------------------------------------- one decode step
     def decode_inputs(self, layer: int):
@@ -281,43 +257,17 @@ class DecodeEngine:
             coord.forward_begin(batch)
             dense = coord.dense
             for layer, (q, k, v, x, q_lora) in enumerate(inputs):
-                if layer not in self.offloaded or self.attention_backend != "triton":  # (the kernel writes it)
+                off = self.offload if self.offload is not None and layer in self.offload.layers else None
+                if off is None or not off.writes_new_token(layer):  # (the swap-in kernel writes it itself)
                     pool.set_kv(layer, batch.out_cache_loc, k, v)
                 md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
-                if layer in self.offloaded:
-                    hot = self._swap_in(layer, batch, md, k, v)
-                    traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, hot, True),
-                                             offload=hot))
-                else:
-                    traces.append(LayerTrace(layer, coord.name(layer), md, self.attend(q, layer, md)))
+                hot = off.read(layer, batch, md, k, v, self.manager.req_to_token_pool.req_to_token) if off else None
+                out = self.attend(q, layer, hot, off.buffers(layer)) if off else self.attend(q, layer, md)
+                traces.append(LayerTrace(layer, coord.name(layer), md, out, offload=hot))
                 coord.attention_end(layer, batch)
             coord.forward_end(batch)
         self.mark_written()
         return traces, dense
-
-    def _swap_in(self, layer: int, batch: ForwardBatch, md: Metadata, k: torch.Tensor, v: torch.Tensor) -> Metadata:
-        """Offload mode: the new token into the host pool and its row's reserved slot, then the tokens attention
-        reads into the hot buffer; the metadata over the hot buffer (page size 1, the same tokens in order). The
-        Triton backend runs the swap-in kernel (two launches, no host sync: a CUDA graph holds it); the torch
-        backend runs the reference, which reads the selection back."""
-        assert md.selected is not None, "offloaded layers are sparse"
-        width = md.page_table.shape[1] * md.page_size  # the all-on-device table's width in tokens
-        hot, host, rows = self.hot, self.host_kv, batch.req_pool_indices
-        r2t = self.manager.req_to_token_pool.req_to_token
-        if self.attention_backend == "triton":  # the kernel lists the positions itself (positions_read)
-            from sparse_ref.kernels.swap_in import swap_in  # lazy: optional kernel module
-
-            table, counts = swap_in(md.selected, md.lengths, md.sparse_mask, md.page_size, width, batch.seq_lens,
-                                    rows, r2t, host.k[layer], host.v[layer], hot.k[layer], hot.v[layer],
-                                    k.contiguous(), v.contiguous(), batch.out_cache_loc, hot.token[layer],
-                                    hot.last_used[layer], hot.slot_of[layer], hot.lru[layer],
-                                    hot.clock[layer: layer + 1], hot.stats, hot.size)
-        else:  # (set_kv wrote the new token into the host pool)
-            positions, counts = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens,
-                                               md.page_size, width)
-            hot.write_newest(layer, rows, k, v)
-            table = hot.swap_in(layer, rows, positions, counts, batch.seq_lens, host, r2t)
-        return Metadata(table, counts, 1, md.selected, md.lengths, md.sparse_mask)
 
     def mark_written(self) -> None:
         """Every live request's K/V is written up to its length (``forward`` and a graph replay call this)."""
@@ -329,13 +279,14 @@ class DecodeEngine:
         check_engine_step(self)  # every live request as the engine left it, before anything grows
         batch = decode_step(self.manager, self.live)  # each request grows by a token (a fresh page when one fills)
         inputs = [self.decode_inputs(layer) for layer in range(self.manager.token_to_kv_pool.num_layers)]
-        hits, misses = (self.hot.hits, self.hot.misses) if self.hot is not None else (0, 0)
+        hot = self.offload.hot if self.offload is not None else None
+        hits, misses = (hot.hits, hot.misses) if hot is not None else (0, 0)
         t0 = self._sync()
         traces, dense = self.forward(batch, inputs)
         t1 = self._sync()
         result = StepResult([r.rid for r in self.live], batch.seq_lens.clone(), traces, sparse_time_s=t1 - t0)
-        if self.hot is not None:
-            result.offload_hits, result.offload_misses = self.hot.hits - hits, self.hot.misses - misses
+        if hot is not None:
+            result.offload_hits, result.offload_misses = hot.hits - hits, hot.misses - misses
         if self.compare_dense:
             for trace, (q, *_) in zip(traces, inputs, strict=True):  # dense timing: the device-resident layers
                 if trace.layer not in self.manager.token_to_kv_pool.host_layers or self.device.type == "cpu":
@@ -347,6 +298,8 @@ class DecodeEngine:
 
     def _compare(self, trace: LayerTrace, q: torch.Tensor, batch: ForwardBatch) -> None:
         """Dense attention (the oracle) beside the layer's output: recall, mass kept, output error."""
+        from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
+
         pool, md = self.manager.token_to_kv_pool, trace.metadata
         k_buf, v_buf = pool.get_key_buffer(trace.layer), pool.get_value_buffer(trace.layer)
         on = k_buf.device  # an offloaded layer's K/V is in host memory: the oracle runs there
@@ -369,7 +322,7 @@ def check_engine(workload, algorithms, config, attention_backend, page_size, max
     """``(algorithms, configs, num_pages, device)`` of a ``DecodeEngine``: one algorithm and config per workload
     layer; ``num_pages`` None is enough pages for every request at ``max_context_len``."""
     needs = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "request", "prefill", "decode", "indexer")
-    if not isinstance(workload, PlantedEngineWorkload) and not all(hasattr(workload, n) for n in needs):
+    if not all(hasattr(workload, n) for n in needs):
         fail("workload", "a PlantedEngineWorkload (or an object with its attributes, as "
              "tensor_parallel.RankWorkload)", describe(workload), error=ConfigError)
 
@@ -392,14 +345,6 @@ def check_engine(workload, algorithms, config, attention_backend, page_size, max
     if not isinstance(compare_dense, bool):
         fail("compare_dense", "True or False", describe(compare_dense), error=ConfigError)
     return algorithms, configs, num_pages, check_device("device", device)
-
-
-def check_offload_backend(offloaded, device, backend) -> None:
-    """Offload on a GPU needs the Triton backend: the host layers are read by kernels through unified addressing
-    (the torch reference indexes host tensors with device indices: CPU only)."""
-    if offloaded and device.type == "cuda" and backend != "triton":
-        fail("attention_backend", "'triton' (or 'auto') with offload_buffer on a GPU", repr(backend),
-             "build the engine with attention_backend='auto', or run the torch reference on CPU.", ConfigError)
 
 
 def check_finish(engine, req) -> None:

@@ -117,7 +117,7 @@ class GraphedDecodeStep:
 def check_graphed_engine(engine) -> None:
     if not isinstance(engine, DecodeEngine):
         fail("engine", "a sparse_ref.engine.DecodeEngine", describe(engine), error=ConfigError)
-    if engine.offloaded and engine.attention_backend != "triton":
+    if engine.offload is not None and engine.attention_backend != "triton":
         fail("engine", "an offload engine with attention_backend 'triton' (its swap-in kernel needs no host sync; "
              "the torch reference reads each selection on the host: not capturable)",
              f"attention_backend={engine.attention_backend!r}", "build the engine with attention_backend='triton' "

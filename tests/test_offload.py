@@ -14,10 +14,10 @@ import torch
 
 import sparse_ref
 from sparse_ref.config import IndexerConfig, SparseConfig
-from sparse_ref.engine import DecodeEngine, check_offload_backend
+from sparse_ref.engine import DecodeEngine
 from sparse_ref.engine_graph import GraphedDecodeStep
 from sparse_ref.errors import ConfigError, SparseRefError
-from sparse_ref.offload import HostKVPool, HotBuffer, positions_read
+from sparse_ref.offload import HostKVPool, HotBuffer, check_offload_backend, positions_read
 from sparse_ref.workloads import PlantedEngineWorkload
 
 DEVICE = sparse_ref.default_device()
@@ -52,8 +52,8 @@ def gathered(engine, trace, md, buffers):
 
 def assert_hot_matches_host(e):
     """Every slot the hot buffer holds a token in has exactly that token's K/V of the host pool."""
-    hot, r2t = e.hot, e.manager.req_to_token_pool.req_to_token
-    for layer in e.offloaded:
+    hot, r2t = e.offload.hot, e.manager.req_to_token_pool.req_to_token
+    for layer in e.offload.layers:
         for req in e.live:
             tokens = hot.token[layer, req.req_pool_idx]
             held = (tokens >= 0).nonzero().squeeze(1)
@@ -61,8 +61,8 @@ def assert_hot_matches_host(e):
                 continue
             slots = hot.base(req.req_pool_idx) + held
             src = r2t[req.req_pool_idx, tokens[held]].long().cpu()
-            assert torch.equal(hot.k[layer][slots].cpu(), e.host_kv.k[layer][src])
-            assert torch.equal(hot.v[layer][slots].cpu(), e.host_kv.v[layer][src])
+            assert torch.equal(hot.k[layer][slots].cpu(), e.offload.host.k[layer][src])
+            assert torch.equal(hot.v[layer][slots].cpu(), e.offload.host.v[layer][src])
 
 
 def run(script, pair):
@@ -85,7 +85,7 @@ def run(script, pair):
                     continue
                 assert torch.equal(ta.metadata.selected, tb.metadata.selected)
                 want = gathered(base, ta, ta.metadata, (pool.get_key_buffer(ta.layer), pool.get_value_buffer(ta.layer)))
-                got = gathered(off, tb, tb.offload, (off.hot.k[tb.layer], off.hot.v[tb.layer]))
+                got = gathered(off, tb, tb.offload, (off.offload.hot.k[tb.layer], off.offload.hot.v[tb.layer]))
                 for (ka, va), (kb, vb) in zip(want, got, strict=True):
                     assert torch.equal(ka, kb) and torch.equal(va, vb), (steps, ta.layer)
             assert_hot_matches_host(off)
@@ -97,7 +97,7 @@ def test_offload_engine_equals_the_all_on_device_engine_through_joins_and_leaves
     """torch: the reference swap-in; triton: the swap-in kernel (one launch per layer, no host sync)."""
     pair = engines(backend=backend, device=DEVICE if backend == "triton" else "cpu")
     assert run(SCRIPT, pair) == 9
-    hot = pair[1].hot
+    hot = pair[1].offload.hot
     assert hot.hits > 0 and hot.misses > 0 and hot.bytes_in == hot.misses * 2 * 2 * 8 * 4
 
 
@@ -106,12 +106,12 @@ def test_the_kernel_with_the_smallest_buffer_spans_only_what_a_row_reads():
     entries (no row reads more), yet the table attention reads keeps the device table's width, zeros past
     the row's tokens, and the engine still equals the all-on-device one."""
     base, off = pair = engines(offload_buffer=16, backend="triton", device=DEVICE)
-    assert run(SCRIPT, pair) == 9 and off.hot.misses > 0
+    assert run(SCRIPT, pair) == 9 and off.offload.hot.misses > 0
     a, b = base.step(), off.step()  # one more step, on the script's live requests
     md, hot_md = b.layers[0].metadata, b.layers[0].offload
-    assert hot_md.page_table.shape[1] == md.page_table.shape[1] * P > off.hot.size + 1
-    assert int(hot_md.kv_lens.max()) <= off.hot.size + 1
-    assert bool((hot_md.page_table[:, off.hot.size + 1:] == 0).all())
+    assert hot_md.page_table.shape[1] == md.page_table.shape[1] * P > off.offload.hot.size + 1
+    assert int(hot_md.kv_lens.max()) <= off.offload.hot.size + 1
+    assert bool((hot_md.page_table[:, off.offload.hot.size + 1:] == 0).all())
     assert torch.equal(a.layers[0].out, b.layers[0].out)
 
 
@@ -121,8 +121,8 @@ def test_gpu_offload_engine_equals_the_all_on_device_engine():
     """On a GPU: K/V of the sparse layers only in pinned host memory, read by the kernels through unified
     addressing (the swap-in, the Quest bounds); equal to the all-on-device engine at every step."""
     pair = engines(backend="triton", device="cuda")
-    assert all(pair[1].manager.token_to_kv_pool.k_buffer[layer].is_pinned() for layer in pair[1].offloaded)
-    assert run(SCRIPT, pair) == 9 and pair[1].hot.misses > 0
+    assert all(pair[1].manager.token_to_kv_pool.k_buffer[layer].is_pinned() for layer in pair[1].offload.layers)
+    assert run(SCRIPT, pair) == 9 and pair[1].offload.hot.misses > 0
 
 
 def test_offloaded_layers_keep_their_kv_in_host_memory_only():
@@ -130,10 +130,10 @@ def test_offloaded_layers_keep_their_kv_in_host_memory_only():
     GPU engine with the torch reference is refused (it would index host tensors with device indices)."""
     _, off = engines()
     pool = off.manager.token_to_kv_pool
-    assert pool.host_layers == {0, 1} and off.offloaded == [0, 1]
-    assert all(pool.k_buffer[i] is off.host_kv.k[i] and pool.v_buffer[i] is off.host_kv.v[i] for i in (0, 1))
-    assert off.host_kv.k[2] is None and pool.k_buffer[2].device == off.device
-    assert off.hot.k[2] is None and off.hot.k[0] is not None  # hot slots only for the offloaded layers
+    assert pool.host_layers == {0, 1} and off.offload.layers == [0, 1]
+    assert all(pool.k_buffer[i] is off.offload.host.k[i] and pool.v_buffer[i] is off.offload.host.v[i] for i in (0, 1))
+    assert off.offload.host.k[2] is None and pool.k_buffer[2].device == off.device
+    assert off.offload.hot.k[2] is None and off.offload.hot.k[0] is not None  # hot slots only for the offloaded layers
     with pytest.raises(ConfigError, match="attention_backend: expected 'triton'"):
         check_offload_backend([0], torch.device("cuda"), "torch")
     check_offload_backend([], torch.device("cuda"), "torch")  # no offload: any backend
@@ -155,10 +155,10 @@ def test_the_kernel_and_the_reference_leave_the_same_hot_buffer_state():
                        zip(a.layers, b.layers, strict=True) if x.offload is not None)
             assert (a.offload_hits, a.offload_misses) == (b.offload_hits, b.offload_misses)
         for name in ("token", "last_used", "slot_of", "clock", "stats"):
-            assert torch.equal(getattr(ref.hot, name), getattr(kern.hot, name).cpu()), (op, name)
-        for layer in ref.offloaded:
-            assert torch.equal(ref.hot.k[layer], kern.hot.k[layer].cpu()) and torch.equal(ref.host_kv.v[layer],
-                                                                                           kern.host_kv.v[layer])
+            assert torch.equal(getattr(ref.offload.hot, name), getattr(kern.offload.hot, name).cpu()), (op, name)
+        for layer in ref.offload.layers:
+            assert torch.equal(ref.offload.hot.k[layer], kern.offload.hot.k[layer].cpu())
+            assert torch.equal(ref.offload.host.v[layer], kern.offload.host.v[layer])
 
 
 def test_a_buffer_smaller_than_what_a_step_reads_is_refused_before_anything_is_built():
@@ -166,11 +166,11 @@ def test_a_buffer_smaller_than_what_a_step_reads_is_refused_before_anything_is_b
     # min_sparse_seq_len (12) reads all its 11 tokens: 16 token slots
     with pytest.raises(ConfigError, match=r"offload_buffer: expected at least 16 token slots"):
         engines(offload_buffer=15)
-    assert engines(offload_buffer=16)[1].hot.size == 16
+    assert engines(offload_buffer=16)[1].offload.hot.size == 16
     with pytest.raises(ConfigError, match="offload_buffer"):
         engines(offload_buffer=0)
     pair = engines(offload_buffer=16)  # the smallest buffer still equals the all-on-device engine
-    assert run(SCRIPT, pair) == 9 and pair[1].hot.misses > 0
+    assert run(SCRIPT, pair) == 9 and pair[1].offload.hot.misses > 0
 
 
 def test_a_graphed_step_runs_the_offload_kernel_and_refuses_the_reference():
@@ -186,7 +186,7 @@ def test_a_graphed_step_runs_the_offload_kernel_and_refuses_the_reference():
     for _ in range(3):
         a, b = (g.step() for g in graphed)
         assert all(torch.equal(x.out, y.out) for x, y in zip(a, b, strict=True))
-    assert off.hot.hits > 0
+    assert off.offload.hot.hits > 0
 
 
 def test_a_finished_requests_row_starts_empty_for_the_next_request():
@@ -196,16 +196,16 @@ def test_a_finished_requests_row_starts_empty_for_the_next_request():
         e.step()
         e.step()
     row = off.live[0].req_pool_idx
-    assert bool((off.hot.token[:, row] >= 0).any())
+    assert bool((off.offload.hot.token[:, row] >= 0).any())
     for e in (base, off):
         e.finish(e.live[0])
-    assert bool((off.hot.token[:, row] == -1).all())
-    misses = off.hot.misses
+    assert bool((off.offload.hot.token[:, row] == -1).all())
+    misses = off.offload.hot.misses
     for e in (base, off):
         e.add_request(40)  # same row, same length, reused pages: nothing stale may be read
     a, b = base.step(), off.step()
     assert all(torch.equal(x.out, y.out) for x, y in zip(a.layers, b.layers, strict=True))
-    assert off.hot.misses > misses  # everything it read came in from the host
+    assert off.offload.hot.misses > misses  # everything it read came in from the host
 
 
 # ---------------------------------------------------------------- the hot buffer alone
@@ -313,4 +313,4 @@ def test_gpu_graphed_offload_step_equals_the_eager_one():
     for _ in range(4):
         a, b = eager.step(), step.step()
         assert all(torch.equal(x.out, y.out) for x, y in zip(a.layers, b, strict=True))
-    assert step.graph is not None and graphed.hot.hits > 0
+    assert step.graph is not None and graphed.offload.hot.hits > 0

@@ -7,6 +7,8 @@ the tables, the slots each token ends up in, and every K/V byte of the buffer mu
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -18,12 +20,16 @@ from sparse_ref.offload import HostKVPool, HotBuffer, lru_order, positions_read
 DEVICE = sparse_ref.default_device()
 
 
+def decode_batch(rows, seq_lens, new_loc):
+    """What the swap-in reads of a decode batch."""
+    return SimpleNamespace(req_pool_indices=rows, seq_lens=seq_lens, out_cache_loc=new_loc)
+
+
 def kernel_swap_in(hot, host, r2t, rows, positions, counts, seq_lens, new_k, new_v, new_loc):
     """The kernel on ``hot``'s layer-0 state (the same layout the reference keeps), given the positions read
     (a selection of single tokens: page size 1, every row sparse)."""
-    table, n = swap_in(positions, counts, torch.ones_like(counts, dtype=torch.bool), 1, positions.shape[1], seq_lens,
-                       rows, r2t, host.k[0], host.v[0], hot.k[0], hot.v[0], new_k, new_v, new_loc, hot.token[0],
-                       hot.last_used[0], hot.slot_of[0], hot.lru[0], hot.clock[0:1], hot.stats, hot.size)
+    selection = (positions, counts, torch.ones_like(counts, dtype=torch.bool), 1, positions.shape[1])
+    table, n = swap_in(hot, 0, selection, decode_batch(rows, seq_lens, new_loc), (new_k, new_v), host, r2t)
     assert torch.equal(n, counts)
     return table
 
@@ -118,10 +124,9 @@ def test_kernel_lists_pages_and_dense_rows_as_positions_read_does():
         host_ref.k[0][new_loc], host_ref.v[0][new_loc] = new_k, new_v
         ref.write_newest(0, rows_t, new_k, new_v)
         want = ref.swap_in(0, rows_t, positions, counts, seq, host_ref, r2t)
-        table, n = swap_in(selected.to(**on), lengths.to(**on), mask.to(**on), page, width, seq.to(**on),
-                           rows_t.to(**on), r2t.to(**on), host_kern.k[0], host_kern.v[0], kern.k[0], kern.v[0],
-                           new_k.to(**on), new_v.to(**on), new_loc.to(**on), kern.token[0], kern.last_used[0],
-                           kern.slot_of[0], kern.lru[0], kern.clock[0:1], kern.stats, kern.size)
+        table, n = swap_in(kern, 0, (selected.to(**on), lengths.to(**on), mask.to(**on), page, width),
+                           decode_batch(rows_t.to(**on), seq.to(**on), new_loc.to(**on)),
+                           (new_k.to(**on), new_v.to(**on)), host_kern, r2t.to(**on))
         assert n.tolist() == counts.tolist() and counts.tolist()[1:] == [10 + it, width]
         assert torch.equal(table.cpu(), want.cpu())
         for name in ("token", "last_used", "slot_of", "lru", "stats"):
@@ -145,21 +150,30 @@ def test_refuses_bad_state_before_launch():
     hot = HotBuffer(1, 2, 4, 1, 2, 16, device=DEVICE)
     host = HostKVPool(33, 1, 1, 2)
     on = {"device": DEVICE}
-    good = dict(selected=torch.zeros(2, 5, dtype=torch.int32, **on), lengths=torch.ones(2, dtype=torch.int32, **on),
-                sparse_mask=torch.ones(2, dtype=torch.bool, **on), page_size=1, width=5,
-                seq_lens=torch.ones(2, dtype=torch.int64, **on), rows=torch.arange(2, **on),
-                req_to_token=torch.zeros(2, 16, dtype=torch.int32, **on), host_k=host.k[0], host_v=host.v[0],
-                hot_k=hot.k[0], hot_v=hot.v[0], new_k=torch.zeros(2, 1, 2, **on), new_v=torch.zeros(2, 1, 2, **on),
-                new_loc=torch.ones(2, dtype=torch.int64, **on), token=hot.token[0], last_used=hot.last_used[0],
-                slot_of=hot.slot_of[0], lru=hot.lru[0], clock=hot.clock[0:1], stats=hot.stats, size=4)
-    for name, bad in (("selected", good["selected"].long()), ("lengths", good["lengths"][:1]),
-                      ("sparse_mask", good["lengths"]), ("page_size", 0), ("lru", hot.lru[0][:, :3]),
-                      ("new_k", good["new_k"][:1]), ("clock", torch.zeros(1, dtype=torch.int64, **on)),
-                      ("stats", torch.zeros(2, dtype=torch.int32, **on)), ("size", 0)):
+    selection = dict(selected=torch.zeros(2, 5, dtype=torch.int32, **on),
+                     lengths=torch.ones(2, dtype=torch.int32, **on),
+                     sparse_mask=torch.ones(2, dtype=torch.bool, **on), page_size=1, width=5)
+    batch = decode_batch(torch.arange(2, **on), torch.ones(2, dtype=torch.int64, **on),
+                         torch.ones(2, dtype=torch.int64, **on))
+    new_kv = (torch.zeros(2, 1, 2, **on), torch.zeros(2, 1, 2, **on))
+    r2t = torch.zeros(2, 16, dtype=torch.int32, **on)
+
+    def call(hot=hot, new_kv=new_kv, **change):
+        return swap_in(hot, 0, tuple({**selection, **change}.values()), batch, new_kv, host, r2t)
+
+    for name, bad in (("selected", selection["selected"].long()), ("lengths", selection["lengths"][:1]),
+                      ("sparse_mask", selection["lengths"]), ("page_size", 0)):
         with pytest.raises(SparseRefError, match=name):
-            swap_in(**{**good, name: bad})
+            call(**{name: bad})
+    with pytest.raises(SparseRefError, match="new_k"):
+        call(new_kv=(new_kv[0][:1], new_kv[1]))
+    for name, bad in (("lru", hot.lru[:, :, :3].contiguous()), ("clock", torch.zeros(1, dtype=torch.int64, **on)),
+                      ("stats", torch.zeros(2, dtype=torch.int32, **on)), ("size", 0)):
+        broken = SimpleNamespace(**{**vars(hot), name: bad})
+        with pytest.raises(SparseRefError, match=name):
+            call(hot=broken)
     assert int(hot.clock[0]) == 0 and hot.hits == hot.misses == 0
-    swap_in(**good)  # the same arguments, all good: it runs
+    call()  # the same arguments, all good: it runs
     assert int(hot.clock[0]) == 1 and hot.hits == 2  # each row reads its newest token (position 0): a hit
 
 

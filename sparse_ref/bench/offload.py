@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 
@@ -63,10 +64,10 @@ def hit_rates(device, timer, copy_bw, quick, on_cpu):
             for _ in range(steps):
                 r = engine.step()
                 per_step.append(r.offload_hits / max(r.offload_hits + r.offload_misses, 1))
-                bytes_moved.append(r.offload_misses * engine.hot.token_bytes)
+                bytes_moved.append(r.offload_misses * engine.offload.hot.token_bytes)
                 read.append(r.offload_hits + r.offload_misses)
             steady = statistics.mean(per_step[1:])
-            formula = [(1 - h) * n * engine.hot.token_bytes for h, n in zip(per_step, read, strict=True)]
+            formula = [(1 - h) * n * engine.offload.hot.token_bytes for h, n in zip(per_step, read, strict=True)]
             name = "planted" if drift == 0 else f"drift {drift} rad/step"
             print(f"  hit rate {algo:<13} {name:<20} first step {per_step[0]:.3f}, steady {steady:.4f} "
                   f"(min {min(per_step[1:]):.4f}); {statistics.mean(bytes_moved[1:]) / 1e6:.2f} MB/step", flush=True)
@@ -98,10 +99,11 @@ def swap_in_bandwidth(device, timer, copy_bw, quick, on_cpu):
     moved = bs * n * hot.token_bytes
     sparse = torch.ones(bs, dtype=torch.bool, **on)
 
+    batch = SimpleNamespace(req_pool_indices=torch.arange(bs, **on), seq_lens=seq_lens, out_cache_loc=r2t[:, -1].long())
+
     def call(positions, host_k, host_v):  # the positions as a selection of single tokens (page size 1)
-        return swap_in(positions, counts, sparse, 1, n + 1, seq_lens, torch.arange(bs, **on), r2t, host_k, host_v,
-                       hot.k[0], hot.v[0], new, new, r2t[:, -1].long(), hot.token[0], hot.last_used[0],
-                       hot.slot_of[0], hot.lru[0], hot.clock[0:1], hot.stats, size)
+        return swap_in(hot, 0, (positions, counts, sparse, 1, n + 1), batch, (new, new),
+                       SimpleNamespace(k=[host_k], v=[host_v]), r2t)
 
     pin = torch.cuda.is_available()
     for where in ("pinned host", "device"):
@@ -129,7 +131,7 @@ def swap_in_bandwidth(device, timer, copy_bw, quick, on_cpu):
 def _restore_to(engine, miss: float, gen):
     """A function that puts the hot buffers back into their state after the captured step, less a ``miss`` share
     of the tokens each row holds (emptied slots, first in the LRU list: the next replay misses exactly those)."""
-    hot = engine.hot
+    hot = engine.offload.hot
     token, last_used, slot_of = hot.token.clone(), hot.last_used.clone(), hot.slot_of.clone()
     drop = (torch.rand(token.shape, generator=gen, device=token.device) < miss) & (token >= 0)
     layer, row, _ = drop.nonzero(as_tuple=True)
@@ -159,8 +161,9 @@ def _parts_us(engine, step, timer, restore, reps) -> dict:
         parts["attention (page-16 table)"] = partial(paged_decode_attention, q, pool.k_buffer[0], pool.v_buffer[0],
                                                      md.page_table, md.kv_lens, md.page_size)
     else:
-        parts["swap-in (both launches)"] = partial(engine._swap_in, 0, batch, md, k, v)
-        parts["attention (page-1 hot table)"] = partial(paged_decode_attention, q, engine.hot.k[0], engine.hot.v[0],
+        parts["swap-in (both launches)"] = partial(engine.offload.read, 0, batch, md, k, v,
+                                                   engine.manager.req_to_token_pool.req_to_token)
+        parts["attention (page-1 hot table)"] = partial(paged_decode_attention, q, *engine.offload.buffers(0),
                                                         hot_md.page_table, hot_md.kv_lens, 1)
     out = {}
     for name, fn in parts.items():

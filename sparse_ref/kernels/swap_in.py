@@ -123,24 +123,25 @@ def _copy_in_kernel(copies, table, host_k, host_v, hot_k, hot_v, W, SPAN, HD: tl
                  mask=cols)
 
 
-def swap_in(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, page_size: int, width: int,
-            seq_lens: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tensor, host_k: torch.Tensor,
-            host_v: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-            new_loc: torch.Tensor, token: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor,
-            lru: torch.Tensor, clock: torch.Tensor, stats: torch.Tensor,
-            size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(table, counts)``: int32 ``[bs, width]``, the hot slots of the tokens each row reads, in order
-    (``positions_read`` of ``selected`` int32 ``[bs, S]``, ``lengths``, ``sparse_mask`` and ``page_size``), 0
-    past them, and int32 ``[bs]``, how many each row reads; the new tokens ``new_k`` / ``new_v`` ``[bs, H_kv, D]``
-    written to their reserved slots and to ``host_*[new_loc]``; misses copied in from ``host_k`` / ``host_v``;
-    ``token``, ``last_used``, ``lru`` (int32 ``[rows, size]``), ``slot_of`` (int32 ``[rows, max_ctx]``),
-    ``clock`` (int32 ``[1]``, advanced by one) and ``stats`` (int64 ``[2]``: hits, misses) updated in place.
+def swap_in(hot, layer: int, selection: tuple, batch, new_kv: tuple, host, req_to_token: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table, counts)``: int32 ``[bs, width]``, the hot slots of the tokens each row reads, in order, 0 past
+    them, and int32 ``[bs]``, how many each row reads. ``hot``: the hot buffers' state (``HotBuffer``: ``k``,
+    ``v``, ``token``, ``last_used``, ``slot_of``, ``lru``, ``clock``, ``stats``, ``size``), updated in place for
+    ``layer``; ``selection``: ``(selected int32 [bs, S], lengths, sparse_mask, page_size, width)``, read as
+    ``positions_read`` reads it; ``batch``: the decode batch (``req_pool_indices``, ``seq_lens``,
+    ``out_cache_loc``); ``new_kv``: the new tokens' ``(k, v)`` ``[bs, H_kv, D]``, written to their reserved slots
+    and to ``host.k[layer]`` / ``host.v[layer]`` at ``out_cache_loc``; misses copied in from the host pool.
     No host sync: graph-capturable. The table is ``width`` wide (the all-on-device table's, which attention
     reads), but a program only lists its first ``size + 1`` entries: no row reads more than its buffer and
     its newest token (``check_offload`` sizes the buffer so), and a 128K-wide row in one program cost the
     swap-in 1.9 ms at bs=8 on the H200."""
-    check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, slot_of, lru, clock, stats,
-                  size)
+    selected, lengths, sparse_mask, page_size, width = selection
+    new_k, new_v = (t.contiguous() for t in new_kv)
+    token, last_used, slot_of, lru = (getattr(hot, name)[layer] for name in ("token", "last_used", "slot_of", "lru"))
+    clock, size, hot_k, hot_v = hot.clock[layer: layer + 1], hot.size, hot.k[layer], hot.v[layer]
+    check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, slot_of, lru, clock,
+                  hot.stats, size)
     clock += 1
     bs = selected.shape[0]
     hd = hot_k.shape[1] * hot_k.shape[2]
@@ -152,11 +153,12 @@ def swap_in(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Te
     b_pad, w_pad = triton.next_power_of_2(size), triton.next_power_of_2(max(span, 1))
     scratch = torch.empty(bs, 2 * b_pad, dtype=torch.int32, device=selected.device)
     copies = torch.empty(bs, span, dtype=torch.int32, device=selected.device)
-    _swap_in_kernel[(bs,)](selected, lengths, sparse_mask, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v,
-                           new_k, new_v, new_loc, token, last_used, slot_of, lru, scratch, table, counts, copies, clock,
-                           stats, width, span, selected.shape[1], req_to_token.shape[1], slot_of.shape[1],
-                           P=page_size, B=size, HD=hd, W_PAD=w_pad, B_PAD=b_pad,
-                           BLOCK_D=min(triton.next_power_of_2(hd), 1024), num_warps=BOOK_WARPS)
+    host_k, host_v = host.k[layer], host.v[layer]
+    _swap_in_kernel[(bs,)](selected, lengths, sparse_mask, batch.seq_lens, batch.req_pool_indices, req_to_token,
+                           host_k, host_v, hot_k, hot_v, new_k, new_v, batch.out_cache_loc, token, last_used, slot_of,
+                           lru, scratch, table, counts, copies, clock, hot.stats, width, span, selected.shape[1],
+                           req_to_token.shape[1], slot_of.shape[1], P=page_size, B=size, HD=hd, W_PAD=w_pad,
+                           B_PAD=b_pad, BLOCK_D=min(triton.next_power_of_2(hd), 1024), num_warps=BOOK_WARPS)
     rows_per, block_d = COPY_ROWS, min(triton.next_power_of_2(hd), 512)
     _copy_in_kernel[(bs, triton.cdiv(span, rows_per))](copies, table, host_k, host_v, hot_k, hot_v, width, span,
                                                        HD=hd, ROWS=rows_per, BLOCK_D=block_d, num_warps=4)

@@ -46,7 +46,7 @@ class Row:
 
 
 def run_one(workload: PlantedEngineWorkload, algorithm: str, gqa_mode: str, budget: int, *, context: int,
-            batch: int, steps: int, page_size: int = 16, device="cpu", attention_backend: str = "auto") -> Row:
+            batch: int, steps: int, page_size: int = 16, device="cpu", backend: str = "auto") -> Row:
     """Decode ``steps`` tokens for ``batch`` requests of ``context`` tokens; average over steps, layers, rows."""
     recent = 2
     config = SparseConfig(page_budget=max(budget // page_size - recent, 1), num_recent_pages=recent,
@@ -54,7 +54,7 @@ def run_one(workload: PlantedEngineWorkload, algorithm: str, gqa_mode: str, budg
     engine = DecodeEngine(workload, [algorithm] * workload.num_layers, config,
                           dsa_topk=min(budget, context + steps + 1),  # (a budget past the context keeps everything)
                           page_size=page_size, max_requests=batch, max_context_len=context + steps + 1,
-                          attention_backend=attention_backend, device=device)
+                          backend=backend, device=device)
     for i in range(batch):
         engine.add_request(context - 7 * i, key=i)  # slightly different lengths, each with its own needles
     engine.step()  # warm-up (first-call costs), not counted

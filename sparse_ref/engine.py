@@ -12,7 +12,6 @@ graph. ``SparseCoordinator`` is the glue, with the hook names and order of SGLan
 """
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,13 +23,13 @@ from sparse_ref.algorithms import create_sparse_algorithm
 from sparse_ref.algorithms.base import retrieve_attention_metadata
 from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, check_batch_slots, decode_step
-from sparse_ref.checks import capturing, check_choice, check_device, check_int, describe, fail, values_checked
+from sparse_ref.checks import capturing, check_device, check_int, describe, fail, values_checked
 from sparse_ref.config import SparseConfig
+from sparse_ref.device import resolve_backend
 from sparse_ref.errors import BatchError, ConfigError, PoolError
 from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request, check_request
 
 ALGORITHMS = (None, "quest", "deepseek_dsa")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -63,7 +62,7 @@ class SparseCoordinator:
     """SGLang's coordinator hooks over per-layer algorithms (see the module docstring)."""
 
     def __init__(self, manager: KVCacheManager, algorithms: Sequence[str | None], configs: Sequence[SparseConfig],
-                 workload, dsa_topk: int, device, bounds_dtype=torch.float32):
+                 workload, dsa_topk: int, device, bounds_dtype=torch.float32, backend: str = "auto"):
         self.manager, self.configs, self.device = manager, list(configs), torch.device(device)
         pool, req_pool = manager.token_to_kv_pool, manager.req_to_token_pool
         self.algorithms, self.indexers, self.prompt_lens = [], {}, {}
@@ -71,12 +70,12 @@ class SparseCoordinator:
         index_cache = None
         for layer, (name, cfg) in enumerate(zip(algorithms, self.configs, strict=True)):
             kw = {"bounds_dtype": bounds_dtype} if name == "quest" else {}
-            algo = None if name is None else create_sparse_algorithm(name, cfg, self.device, **kw)
+            algo = None if name is None else create_sparse_algorithm(name, cfg, self.device, backend=backend, **kw)
             if name == "quest":  # freed pages drop their bounds (no stale bounds for the next owner)
                 algo.initialize_representation_pool(layer, layer + 1, pool, req_pool, page_allocator=manager.allocator)
             elif name == "deepseek_dsa":
                 algo.initialize_representation_pool(layer, layer + 1, pool, req_pool)
-                self.indexers[layer] = workload.indexer(layer, dsa_topk, self.device)
+                self.indexers[layer] = workload.indexer(layer, dsa_topk, self.device, backend)
                 if index_cache is None:  # one cache for every DSA layer; it forgets the keys of freed pages
                     index_cache = IndexerKeyCache.for_manager(manager, self.indexers[layer].config)
                 self.indexers[layer].attach_cache(index_cache)
@@ -144,16 +143,13 @@ class DecodeEngine:
     def __init__(self, workload, algorithms: Sequence[str | None] = ("quest",),
                  config: SparseConfig | Sequence[SparseConfig] | None = None, *, dsa_topk: int = 256,
                  page_size: int = 16, max_requests: int = 8, max_context_len: int = 4096, num_pages: int | None = None,
-                 attention_backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
+                 backend: str = "auto", compare_dense: bool = True, dtype=torch.float32,
                  bounds_dtype=torch.float32, offload_buffer: int | None = None, device="cpu"):
         algorithms, configs, num_pages, self.device = check_engine(
-            workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len, num_pages,
-            compare_dense, dsa_topk, device, ALGORITHMS, ATTENTION_BACKENDS)
+            workload, algorithms, config, page_size, max_requests, max_context_len, num_pages, compare_dense,
+            dsa_topk, device, ALGORITHMS)
         self.workload, self.compare_dense = workload, compare_dense
-        find = importlib.util.find_spec  # "auto": the Triton kernel on CUDA, when the kernels are installed
-        kernel = find("sparse_ref.kernels") and find("sparse_ref.kernels.decode_attention")
-        auto = "triton" if self.device.type == "cuda" and kernel else "torch"
-        self.attention_backend = auto if attention_backend == "auto" else attention_backend
+        self.backend = resolve_backend(backend, self.device)  # once, for every layer and stage
         # offload mode (sparse_ref.offload): every sparse layer's K/V in host memory, read through a hot buffer
         offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
         self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
@@ -161,7 +157,7 @@ class DecodeEngine:
                                              num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,
                                              dtype=dtype, device=self.device, host_layers=offloaded)
         self.coordinator = SparseCoordinator(self.manager, algorithms, configs, workload, dsa_topk, self.device,
-                                             bounds_dtype)
+                                             bounds_dtype, self.backend)
         self.live: list[Request] = []
         self.plans = {}  # rid -> PlantedRequest
         self.written: dict[int, int] = {}  # rid -> tokens whose K/V this engine wrote (all of them, between steps)
@@ -169,12 +165,12 @@ class DecodeEngine:
         if offloaded:
             from sparse_ref import offload  # lazy: only an offloading engine needs it
 
-            offload.check_offload_backend(offloaded, self.device, self.attention_backend)
+            offload.check_offload_backend(offloaded, self.device, self.backend)
             coord = self.coordinator
             size = offload.check_offload(offload_buffer, offload.most_tokens_read(
                 coord.algorithms, coord.configs, offloaded, dsa_topk, page_size), [algorithms[i] for i in offloaded])
             self.offload = offload.OffloadedKV(self.manager.token_to_kv_pool, offloaded, max_requests, size,
-                                               max_context_len, self.attention_backend, self.device)
+                                               max_context_len, self.backend, self.device)
 
     def attend(self, q: torch.Tensor, layer: int, md: Metadata, kv=None) -> torch.Tensor:
         """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]``, over the
@@ -182,7 +178,7 @@ class DecodeEngine:
         pool = self.manager.token_to_kv_pool
         kv = kv or (pool.get_key_buffer(layer), pool.get_value_buffer(layer))
         args = (q, *kv, md.page_table, md.kv_lens, md.page_size)
-        if self.attention_backend == "triton":
+        if self.backend == "triton":
             from sparse_ref.kernels.decode_attention import paged_decode_attention  # lazy: optional kernel module
 
             return paged_decode_attention(*args)
@@ -317,8 +313,8 @@ class DecodeEngine:
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
-def check_engine(workload, algorithms, config, attention_backend, page_size, max_requests, max_context_len,
-                 num_pages, compare_dense, dsa_topk, device, known_algorithms, backends):
+def check_engine(workload, algorithms, config, page_size, max_requests, max_context_len, num_pages, compare_dense,
+                 dsa_topk, device, known_algorithms):
     """``(algorithms, configs, num_pages, device)`` of a ``DecodeEngine``: one algorithm and config per workload
     layer; ``num_pages`` None is enough pages for every request at ``max_context_len``."""
     needs = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "request", "prefill", "decode", "indexer")
@@ -330,7 +326,6 @@ def check_engine(workload, algorithms, config, attention_backend, page_size, max
     if len(algorithms) != workload.num_layers or any(name not in known_algorithms for name in algorithms):
         raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), each entry "
                           f"must be one of {known_algorithms}; got {algorithms}. Fix: e.g. ['quest', None, ...].")
-    check_choice("attention_backend", attention_backend, backends)
     configs = list(config) if isinstance(config, (list, tuple)) else [config or SparseConfig()] * len(algorithms)
     if len(configs) != len(algorithms):
         raise ConfigError(f"config: expected one SparseConfig, or one per layer ({len(algorithms)}), got "

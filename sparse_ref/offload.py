@@ -230,8 +230,8 @@ def check_offload_backend(offloaded, device, backend) -> None:
     """Offload on a GPU needs the Triton backend: the host layers are read by kernels through unified addressing
     (the torch reference indexes host tensors with device indices: CPU only)."""
     if offloaded and device.type == "cuda" and backend != "triton":
-        fail("attention_backend", "'triton' (or 'auto') with offload_buffer on a GPU", repr(backend),
-             "build the engine with attention_backend='auto', or run the torch reference on CPU.", ConfigError)
+        fail("backend", "'triton' (or 'auto') with offload_buffer on a GPU", repr(backend),
+             "build the engine with backend='auto', or run the torch reference on CPU.", ConfigError)
 
 
 def check_offload(size, needed: int, layer_names: list[str]) -> int:

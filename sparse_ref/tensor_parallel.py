@@ -62,8 +62,8 @@ class RankWorkload:
     def request(self, key, prompt_len, needle_depths=None):
         return self.full.request(key, prompt_len, needle_depths)
 
-    def indexer(self, layer, index_topk=None, device="cpu"):
-        return self.full.indexer(layer, index_topk, device)  # replicated: the same weights on every rank
+    def indexer(self, layer, index_topk=None, device="cpu", backend="auto"):
+        return self.full.indexer(layer, index_topk, device, backend)  # replicated: the same weights on every rank
 
     def prefill(self, req, layer, with_hidden=True):
         k, v, x = self.full.prefill(req, layer, with_hidden)

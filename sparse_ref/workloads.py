@@ -161,12 +161,12 @@ class QuestDecodeSetup:
 def make_quest_decode_setup(bs: int = 64, ctx: int = 32768, page_size: int = 16, num_q_heads: int = 32,
                             num_kv_heads: int = 8, head_dim: int = 128, config: SparseConfig | None = None,
                             device="cpu", dtype=torch.float32, seed: int = 0,
-                            selection_backend: str = "auto", scoring_backend: str = "auto") -> QuestDecodeSetup:
+                            backend: str = "auto") -> QuestDecodeSetup:
     """A Quest decode step at ``bs`` requests of ``ctx`` tokens (the benchmark recipe).
 
     Example (H200): ``s = make_quest_decode_setup(64, 32768, 16, device="cuda")``, then time
-    ``s.retrieve()`` against ``s.retrieve(loop=True)``. ``selection_backend`` and ``scoring_backend``
-    go to ``QuestAlgorithm`` ("auto": Triton on CUDA, torch otherwise).
+    ``s.retrieve()`` against ``s.retrieve(loop=True)``. ``backend`` goes to ``QuestAlgorithm`` ("auto": Triton on
+    CUDA, torch otherwise).
     """
     from sparse_ref.algorithms.quest import QuestAlgorithm  # workloads must not need algorithms to import
 
@@ -174,8 +174,7 @@ def make_quest_decode_setup(bs: int = 64, ctx: int = 32768, page_size: int = 16,
     workload = make_planted_workload([ctx] * bs, page_size=page_size, num_q_heads=num_q_heads,
                                      num_kv_heads=num_kv_heads, head_dim=head_dim,
                                      interleave_pages=max(1, pages // 32), dtype=dtype, device=device, seed=seed)
-    algorithm = QuestAlgorithm(config, device, selection_backend=selection_backend,
-                               scoring_backend=scoring_backend)
+    algorithm = QuestAlgorithm(config, device, backend=backend)
     workload.attach(algorithm)
     fb = workload.forward_batch
     sparse_mask = torch.ones(bs, dtype=torch.bool, device=fb.seq_lens.device)
@@ -360,7 +359,7 @@ class PlantedEngineWorkload:
         return boost
 
     # ------------------------------------------------------------------ the DSA indexer's inputs
-    def indexer(self, layer: int, index_topk: int | None = None, device="cpu"):
+    def indexer(self, layer: int, index_topk: int | None = None, device="cpu", backend: str = "auto"):
         """The layer's ``LightningIndexer`` (same weights for every call), keeping ``index_topk`` tokens."""
         import dataclasses
 
@@ -369,7 +368,7 @@ class PlantedEngineWorkload:
         cfg = self.indexer_config
         if index_topk is not None:
             cfg = dataclasses.replace(cfg, index_topk=index_topk)
-        return LightningIndexer(cfg, seed=_mixed_seed(self.seed, layer, 5) % (1 << 31), device=device)
+        return LightningIndexer(cfg, seed=_mixed_seed(self.seed, layer, 5) % (1 << 31), device=device, backend=backend)
 
     def _solvers(self, layer: int):
         """Pseudo-inverses of ``[wk; weights_proj]`` and ``wq_b`` of the layer's indexer (cached)."""

@@ -356,14 +356,14 @@ CASES = [
     ("registry-name", lambda e: create_sparse_algorithm("nope"), "nope"),
     ("registry-config", lambda e: create_sparse_algorithm("quest", "cfg"), "config"),
     ("registry-device-meta", lambda e: create_sparse_algorithm("quest", None, "meta"), "device"),
-    ("registry-backend", lambda e: create_sparse_algorithm("quest", None, "cpu", selection_backend="gpu"),
-     "selection_backend"),
+    ("registry-backend", lambda e: create_sparse_algorithm("quest", None, "cpu", backend="gpu"),
+     "backend"),
     ("registry-kwarg", lambda e: create_sparse_algorithm("quest", None, "cpu", scoring="torch"), "kwargs"),
     ("register-name", lambda e: __import__("sparse_ref.algorithms").algorithms.register_sparse_algorithm(
         None, QuestAlgorithm), "name"),
     ("register-cls", lambda e: __import__("sparse_ref.algorithms").algorithms.register_sparse_algorithm(
         "x", object), "cls"),
-    ("quest-scoring-backend", lambda e: QuestAlgorithm(scoring_backend=None), "scoring_backend"),
+    ("quest-scoring-backend", lambda e: QuestAlgorithm(backend=None), "backend"),
     ("quest-init-start-float", lambda e: QuestAlgorithm().initialize_representation_pool(
         0.5, 1, e.pool, e.m.req_to_token_pool), "start_layer"),
     ("quest-init-end-range", lambda e: QuestAlgorithm().initialize_representation_pool(

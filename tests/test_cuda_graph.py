@@ -29,7 +29,7 @@ def test_quest_retrieve_topk_replays_like_eager(backend):
     bs, ctx, P = 8, 2000, 16
     cfg = SparseConfig(page_budget=12, num_recent_pages=2, num_sink_pages=1)
     setup = make_quest_decode_setup(bs, ctx, P, num_q_heads=8, num_kv_heads=2, head_dim=64, config=cfg,
-                                    device="cuda", selection_backend=backend)
+                                    device="cuda", backend=backend)
     algo, r2t = setup.algorithm, setup.workload.req_to_token
     static_q = setup.queries.clone()
     static_rows = setup.req_pool_indices.clone()
@@ -79,6 +79,6 @@ def test_quest_retrieve_topk_replays_like_eager(backend):
 
 def test_quest_loop_equals_batched_on_gpu():
     setup = make_quest_decode_setup(6, 1500, 16, num_q_heads=8, num_kv_heads=2, head_dim=64,
-                                    config=SparseConfig(keep_ratio=0.1), device="cuda", selection_backend="torch")
+                                    config=SparseConfig(keep_ratio=0.1), device="cuda", backend="torch")
     a, b = setup.retrieve(), setup.retrieve(loop=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -222,7 +222,7 @@ CFG = IndexerConfig(hidden_size=40, q_lora_rank=24, n_heads=8, head_dim=32, rope
 
 def setup(page_size, backend, cfg=CFG, seed=0):
     mgr = KVCacheManager.create(max_requests=4, max_context_len=160, num_pages=40, page_size=page_size, device=DEV)
-    idx = LightningIndexer(cfg, seed=seed, scoring_backend=backend, device=DEV)
+    idx = LightningIndexer(cfg, seed=seed, backend=backend, device=DEV)
     return mgr, idx.attach_cache(IndexerKeyCache.for_manager(mgr, cfg))
 
 
@@ -345,10 +345,10 @@ def test_kernel_path_matches_the_full_precision_formula():
 
 
 def test_scoring_backend_is_checked():
-    with pytest.raises(SparseRefError, match="scoring_backend"):
-        LightningIndexer(CFG, scoring_backend="cuda")
-    assert not LightningIndexer(CFG).uses_triton_scoring() or torch.cuda.is_available()
-    assert LightningIndexer(CFG, scoring_backend="triton").uses_triton_scoring()
+    with pytest.raises(SparseRefError, match="backend"):
+        LightningIndexer(CFG, backend="cuda")
+    assert not LightningIndexer(CFG).backend == "triton" or torch.cuda.is_available()
+    assert LightningIndexer(CFG, backend="triton").backend == "triton"
 
 
 # ----------------------------------------------------------------------------- CUDA-graph capture of decode

@@ -41,7 +41,7 @@ def workload(num_layers=3):
 
 def make_engine(config, dsa_topk, num_pages=30, max_requests=4, backend="torch", device="cpu"):
     return DecodeEngine(workload(), LAYERS, config, dsa_topk=dsa_topk, page_size=PAGE, max_requests=max_requests,
-                        max_context_len=MAX_CTX, num_pages=num_pages, attention_backend=backend, device=device)
+                        max_context_len=MAX_CTX, num_pages=num_pages, backend=backend, device=device)
 
 
 def attention_over(engine, layer, q, req, positions):
@@ -257,8 +257,8 @@ def test_workload_is_independent_of_the_batch():
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ConfigError, match="one entry per workload layer"):
         DecodeEngine(workload(), ["quest"])
-    with pytest.raises(ConfigError, match="attention_backend"):
-        DecodeEngine(workload(), LAYERS, attention_backend="cuda")
+    with pytest.raises(ConfigError, match="backend"):
+        DecodeEngine(workload(), LAYERS, backend="cuda")
     with pytest.raises(ConfigError, match="each entry must be one of"):
         DecodeEngine(workload(), ["quest", "snapkv", None])
     with pytest.raises(ConfigError, match="prompt_len"):
@@ -287,7 +287,7 @@ def test_cuda_engine_matches_cpu_engine():
     wl = PlantedEngineWorkload(num_layers=3, num_q_heads=8, num_kv_heads=2, head_dim=64, num_needles=4,
                                num_head_needles=2, seed=5)
     engines = [DecodeEngine(wl, LAYERS, config, dsa_topk=96, max_requests=3, max_context_len=1200, device=d,
-                            attention_backend="auto") for d in ("cpu", "cuda")]
+                            backend="auto") for d in ("cpu", "cuda")]
     for e in engines:
         for n in (1000, 333, 17):
             e.add_request(n)
@@ -316,7 +316,7 @@ def test_the_coordinator_goes_sparse_at_exactly_min_sparse_seq_len(layers):
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=3)
     cfg = SparseConfig(page_budget=1, num_recent_pages=1, min_sparse_seq_len=21)
     e = DecodeEngine(wl, layers, cfg, dsa_topk=4, page_size=PAGE, max_requests=2, max_context_len=MAX_CTX,
-                     num_pages=30, attention_backend="torch")
+                     num_pages=30, backend="torch")
     e.add_request(20), e.add_request(19)  # the step decodes token 21 and token 20
     md = e.step().layers[0].metadata
     assert md.sparse_mask.tolist() == [True, False]

@@ -33,7 +33,7 @@ def make_engine(device="cpu", backend="torch", layers=LAYERS, max_context_len=48
                                num_needles=2, num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=3)
     config = SparseConfig(page_budget=2, num_recent_pages=1, min_sparse_seq_len=9, gqa_mode=gqa)
     engine = DecodeEngine(wl, layers, config, dsa_topk=6, page_size=PAGE, max_requests=4,
-                          max_context_len=max_context_len, num_pages=num_pages, attention_backend=backend,
+                          max_context_len=max_context_len, num_pages=num_pages, backend=backend,
                           compare_dense=False, dtype=dtype, device=device)
     for n in (22, 5, 13):  # 5 < min_sparse_seq_len: that row stays dense until it grows past 9
         engine.add_request(n)
@@ -92,8 +92,8 @@ def test_device_half_makes_no_host_sync_while_capturing(backend, device, monkeyp
         pytest.skip("on CUDA the graph takes the Triton kernel (it refuses the torch reference)")
     engine = make_engine(device=device, backend=backend, head_dim=16)
     if backend == "triton":  # the Quest and DSA kernels too (on CPU "auto" picks torch), through the interpreter
-        engine.coordinator.algorithms[0].scoring_backend = engine.coordinator.algorithms[0].selection_backend = "triton"
-        engine.coordinator.indexers[1].scoring_backend = "triton"
+        engine.coordinator.algorithms[0].backend = "triton"
+        engine.coordinator.indexers[1].backend = "triton"
         monkeypatch.setattr(engine_module, "to_attention_metadata", partial(to_attention_metadata, backend="triton"))
     step = GraphedDecodeStep(engine)
     step.step()  # the host half, and an eager first run
@@ -139,8 +139,8 @@ def test_refuses_no_requests_and_the_torch_kernel_on_cuda():
         engine.finish(r)
     with pytest.raises(BatchError, match="engine.live"):
         GraphedDecodeStep(engine)
-    fake = SimpleNamespace(live=[object()], device=torch.device("cuda"), attention_backend="torch")
-    with pytest.raises(ConfigError, match="attention_backend"):
+    fake = SimpleNamespace(live=[object()], device=torch.device("cuda"), backend="torch")
+    with pytest.raises(ConfigError, match="backend"):
         GraphedDecodeStep(fake)
 
 
@@ -193,7 +193,7 @@ def test_bench_engine_suite_runs_on_cpu(tmp_path):
     result = bench.main(["engine", "--quick", "--allow-cpu", "--out", str(tmp_path / "engine.json")])
     (row,) = result["rows"]
     assert row["op"] == "engine_step" and result["cpu_only"]
-    assert set(row["parts_us"]) == {"K/V append", "scores", "selection + page table", "attention",
-                                    "representation update", "dense metadata (once per step)"}
+    assert set(row["parts_us"]) == {"K/V append", "retrieval + page table", "attention", "representation update",
+                                    "dense metadata (once per step)"}
     assert row["ours_us"] > 0 and row["torch_us"] > 0 and row["sum_of_parts_per_layer_us"] > 0
     assert "eager" in row["ours_timing"]

@@ -31,7 +31,7 @@ def engine():
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=11)
     return DecodeEngine(wl, ["quest", "deepseek_dsa"], SparseConfig(page_budget=2, min_sparse_seq_len=8),
                         dsa_topk=8, page_size=P, max_requests=3, max_context_len=40, num_pages=26,
-                        attention_backend="torch", compare_dense=False)
+                        backend="torch", compare_dense=False)
 
 
 class EngineIsolation(RuleBasedStateMachine):

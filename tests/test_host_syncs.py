@@ -28,7 +28,7 @@ def engine(layers=("quest", "deepseek_dsa", None), device="cpu", backend="torch"
     wl = PlantedEngineWorkload(num_layers=len(layers), num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=7)
     e = DecodeEngine(wl, list(layers), CONFIG, dsa_topk=8, page_size=4, max_requests=4, max_context_len=96,
-                     attention_backend=backend, compare_dense=False, device=device)
+                     backend=backend, compare_dense=False, device=device)
     for n in prompts:
         e.add_request(n)
     return e
@@ -134,13 +134,13 @@ def test_engine_runs_the_fused_retrieval_the_bench_times(monkeypatch):
     e = engine(("quest", None, "quest"), device=device, prompts=(40, 61))
     for algo in e.coordinator.algorithms:
         if algo is not None:
-            algo.selection_backend = "triton"  # what "auto" picks on CUDA
+            algo.backend = "triton"  # what "auto" picks on CUDA
     e.step()
     dense_metadata = ["page_table_from_selection"] if device.type == "cuda" else []  # forward_begin, once a step
     assert calls == dense_metadata + ["select_pages_to_table"] * 2, calls
     calls.clear()
     s = decode_step_setup(2, 4, 2, 16, 200, 16, 128, torch.float32, device, kv_dtype=torch.float32)
-    s.algo.selection_backend = "triton"
+    s.algo.backend = "triton"
     calls.clear()  # (the set-up built the dense step's table: on CUDA one page-table launch)
     s.sparse_step()
     assert calls == ["select_pages_to_table"], calls

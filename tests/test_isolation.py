@@ -46,7 +46,7 @@ def engine(layers=("quest", None), **kw):
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=3)
     cfg = SparseConfig(page_budget=2, num_recent_pages=1, min_sparse_seq_len=8)
     settings = {"dsa_topk": 8, "page_size": PAGE, "max_requests": 3, "max_context_len": 48, "num_pages": 30,
-                "attention_backend": "torch", **kw}
+                "backend": "torch", **kw}
     return DecodeEngine(wl, list(layers), cfg, **settings)
 
 

@@ -33,7 +33,7 @@ def engines(offload_buffer=64, backend="torch", device="cpu"):
     wl = PlantedEngineWorkload(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=13)
     cfg = SparseConfig(page_budget=2, num_recent_pages=1, num_sink_pages=1, min_sparse_seq_len=12)
-    kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, attention_backend=backend,
+    kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, backend=backend,
               device=device)
     return DecodeEngine(wl, LAYERS, cfg, **kw), DecodeEngine(wl, LAYERS, cfg, offload_buffer=offload_buffer, **kw)
 
@@ -134,7 +134,7 @@ def test_offloaded_layers_keep_their_kv_in_host_memory_only():
     assert all(pool.k_buffer[i] is off.offload.host.k[i] and pool.v_buffer[i] is off.offload.host.v[i] for i in (0, 1))
     assert off.offload.host.k[2] is None and pool.k_buffer[2].device == off.device
     assert off.offload.hot.k[2] is None and off.offload.hot.k[0] is not None  # hot slots only for the offloaded layers
-    with pytest.raises(ConfigError, match="attention_backend: expected 'triton'"):
+    with pytest.raises(ConfigError, match="backend: expected 'triton'"):
         check_offload_backend([0], torch.device("cuda"), "torch")
     check_offload_backend([], torch.device("cuda"), "torch")  # no offload: any backend
 
@@ -176,7 +176,7 @@ def test_a_buffer_smaller_than_what_a_step_reads_is_refused_before_anything_is_b
 def test_a_graphed_step_runs_the_offload_kernel_and_refuses_the_reference():
     _, off = engines()
     off.add_request(20)
-    with pytest.raises(ConfigError, match="attention_backend"):
+    with pytest.raises(ConfigError, match="backend"):
         GraphedDecodeStep(off)
     base, off = engines(backend="triton", device=DEVICE)
     for e in (base, off):

@@ -235,7 +235,7 @@ def test_retrieve_attention_metadata_equals_retrieve_then_adaptor(backend):
 
     config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
     s = make_quest_decode_setup(bs=3, ctx=203, page_size=4, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                                config=config, device=DEVICE, selection_backend=backend)
+                                config=config, device=DEVICE, backend=backend)
     s.sparse_mask[1] = False
     r2t = s.workload.req_to_token
     got = retrieve_attention_metadata(s.algorithm, s.queries, 0, s.req_pool_indices, s.sparse_mask,
@@ -259,7 +259,7 @@ def test_rows_too_long_for_registers(monkeypatch):
     mask = torch.tensor([True, True, True], device=DEVICE)
     with pytest.raises(SparseRefError, match="at most 16 pages per row"):
         select_pages_triton(scores, seq_lens, mask, 4, config)
-    algo = SparseAlgorithm(config, selection_backend="triton")
+    algo = SparseAlgorithm(config, backend="triton")
     algo.page_size = 4
     got = algo._select(scores, seq_lens, mask)
     want = select_pages(scores, seq_lens, mask, 4, config)
@@ -361,7 +361,7 @@ def test_gpu_quest_retrieve_topk_triton_equals_loop():
     """The GPU backend of the batched retrieve_topk returns exactly what the per-request loop does."""
     from sparse_ref.workloads import make_quest_decode_setup
 
-    setup = make_quest_decode_setup(bs=8, ctx=4096, page_size=16, device="cuda", selection_backend="triton")
+    setup = make_quest_decode_setup(bs=8, ctx=4096, page_size=16, device="cuda", backend="triton")
     sel, lengths = setup.retrieve()
     ref_sel, ref_len = setup.retrieve(loop=True)
     assert torch.equal(sel, ref_sel) and torch.equal(lengths, ref_len)

@@ -2,7 +2,7 @@
 
 Kernel level: awkward shapes (page 5, 3 KV heads, head dim 12), lengths 0, 1, P - 1, P, P + 1 and a full row,
 prefill ranges and decode steps, every K dtype and bounds dtype, keys that round inward in 16 bits or overflow
-fp16, NaN keys; bad arguments. Algorithm level: ``QuestAlgorithm(scoring_backend="triton")`` beside a torch twin
+fp16, NaN keys; bad arguments. Algorithm level: ``QuestAlgorithm(backend="triton")`` beside a torch twin
 on random admit / extend / decode / release sequences (``test_lifecycle_property.py``'s machine).
 """
 
@@ -148,8 +148,8 @@ class QuestKernelLifecycle(QuestLifecycle):
 
     def attach(self):
         pools = (self.m.token_to_kv_pool, self.m.req_to_token_pool)
-        self.algo = QuestAlgorithm(SparseConfig(page_budget=1, num_recent_pages=1), scoring_backend="triton")
-        self.twin = QuestAlgorithm(SparseConfig(page_budget=1, num_recent_pages=1), scoring_backend="torch")
+        self.algo = QuestAlgorithm(SparseConfig(page_budget=1, num_recent_pages=1), backend="triton")
+        self.twin = QuestAlgorithm(SparseConfig(page_budget=1, num_recent_pages=1), backend="torch")
         for algo in (self.algo, self.twin):
             algo.initialize_representation_pool(0, 1, *pools)
 

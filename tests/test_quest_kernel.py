@@ -153,19 +153,19 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
 
 
 def test_scoring_backend_is_validated():
-    with pytest.raises(ConfigError, match="scoring_backend"):
-        QuestAlgorithm(SparseConfig(), scoring_backend="cuda")
-    assert QuestAlgorithm(SparseConfig(), "cpu").uses_triton_scoring() is False
-    assert QuestAlgorithm(SparseConfig(), "cpu", scoring_backend="triton").uses_triton_scoring() is True
+    with pytest.raises(ConfigError, match="backend"):
+        QuestAlgorithm(SparseConfig(), backend="cuda")
+    assert QuestAlgorithm(SparseConfig(), "cpu").backend == "torch"
+    assert QuestAlgorithm(SparseConfig(), "cpu", backend="triton").backend == "triton"
 
 
 @pytest.mark.parametrize("gqa_mode", ["mean", "per_kv_head"])
 def test_quest_retrieve_with_triton_scoring_equals_loop_and_torch(gqa_mode):
     cfg = SparseConfig(page_budget=3, num_recent_pages=1, num_sink_pages=1, gqa_mode=gqa_mode)
     setups = {b: make_quest_decode_setup(3, 150, 8, num_q_heads=6, num_kv_heads=3, head_dim=12, config=cfg,
-                                         device=DEVICE, scoring_backend=b, seed=7) for b in ("torch", "triton")}
+                                         device=DEVICE, backend=b, seed=7) for b in ("torch", "triton")}
     s = setups["triton"]
-    assert s.algorithm.uses_triton_scoring()
+    assert s.algorithm.backend == "triton"
     fb = s.forward_batch
     torch.testing.assert_close(s.algorithm.score_pages(s.queries, 0, s.req_pool_indices, fb),
                                setups["torch"].algorithm.score_pages(s.queries, 0, s.req_pool_indices, fb),
@@ -181,7 +181,7 @@ def test_quest_retrieve_on_the_kernel_equals_torch_scoring_with_a_one_token_requ
         wl = make_planted_workload([300, 77, 1, 160], page_size=8, num_q_heads=8, num_kv_heads=2, head_dim=16,
                                    device=DEVICE, seed=3)
         algo = QuestAlgorithm(SparseConfig(page_budget=3, num_recent_pages=1, num_sink_pages=1, gqa_mode=gqa_mode),
-                              DEVICE, scoring_backend=backend)
+                              DEVICE, backend=backend)
         wl.attach(algo)
         fb = wl.forward_batch
         scores = algo.score_pages(wl.queries, 0, fb.req_pool_indices, fb)
@@ -202,7 +202,7 @@ def test_16bit_bounds_pool_scores_the_same_on_kernel_and_torch(bounds_dtype):
     for backend in ("torch", "triton"):
         wl = make_planted_workload([150, 97, 130], page_size=8, num_q_heads=6, num_kv_heads=3, head_dim=12, seed=4,
                                    device=DEVICE)
-        algo = QuestAlgorithm(cfg, DEVICE, scoring_backend=backend, bounds_dtype=bounds_dtype)
+        algo = QuestAlgorithm(cfg, DEVICE, backend=backend, bounds_dtype=bounds_dtype)
         wl.attach(algo)
         assert algo.page_min[0].dtype == bounds_dtype and algo.page_max[0].dtype == bounds_dtype
         fb = wl.forward_batch

@@ -121,7 +121,7 @@ def test_replay_after_a_release_is_refused():
     wl = PlantedEngineWorkload(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=1,
                                num_head_needles=1, seed=2)
     e = DecodeEngine(wl, ["quest"], SparseConfig(page_budget=2), page_size=4, max_requests=3, max_context_len=48,
-                     attention_backend="torch" if DEVICE.type == "cpu" else "auto", device=DEVICE)
+                     backend="torch" if DEVICE.type == "cpu" else "auto", device=DEVICE)
     a, _ = e.add_request(20), e.add_request(13)
     step = GraphedDecodeStep(e)
     step.step()

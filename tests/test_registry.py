@@ -39,6 +39,6 @@ def test_config_type_is_checked():
 
 
 def test_selection_backend_is_checked():
-    with pytest.raises(SparseRefError, match="selection_backend: expected one of"):
-        create_sparse_algorithm("quest", SparseConfig(), "cpu", selection_backend="cuda")
-    assert create_sparse_algorithm("quest", None, "cpu", selection_backend="torch").selection_backend == "torch"
+    with pytest.raises(SparseRefError, match="backend: expected one of"):
+        create_sparse_algorithm("quest", SparseConfig(), "cpu", backend="cuda")
+    assert create_sparse_algorithm("quest", None, "cpu", backend="torch").backend == "torch"

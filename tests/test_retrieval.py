@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from sparse_ref import (
     SEED_TOPK_NEEDS_SEQ_LENS,
-    ConfigError,
     PoolError,
     ReqToTokenPool,
     RetrievalError,
@@ -196,9 +195,6 @@ def test_bad_inputs_raise_clear_errors():
     for retrieve in (algo.retrieve_topk, algo.retrieve_topk_loop):  # the batch's rows, in the batch's order
         with pytest.raises(RetrievalError, match=r"req_pool_indices: expected forward_batch.req_pool_indices \[0, 1\]"):
             retrieve(q, 0, rows.flip(0), mask, forward_batch=fb)
-    algo.selection_backend = "cuda"
-    with pytest.raises(ConfigError, match="selection_backend"):
-        algo.retrieve_topk(q, 0, rows, mask, forward_batch=fb)
 
 
 def test_lifecycle_layer_range_and_uninitialized():
@@ -224,7 +220,7 @@ def test_auto_backend_is_torch_on_cpu_tensors():
     """'auto' must not touch the Triton kernel for CPU tensors (tests for the Triton backend live elsewhere)."""
     scores = torch.randn(3, 10)
     algo = fixed_algorithm(scores, SparseConfig(page_budget=2), 40, 4, 3)
-    assert algo.selection_backend == "auto"
+    assert algo.backend == "torch"  # "auto", resolved once for the CPU
     seq = torch.tensor([40, 13, 0])
     out = algo.retrieve_topk(torch.zeros(3, 1), 0, torch.arange(3), torch.ones(3, dtype=torch.bool),
                              forward_batch=batch_stub(seq))
@@ -237,8 +233,8 @@ def test_triton_backend_through_retrieve_topk_matches_torch(device):
     pytest.importorskip("sparse_ref.kernels.page_select")
     config = SparseConfig(page_budget=3, num_sink_pages=1)
     wl, torch_algo = quest_workload_algo(config, seq_lens=(300, 17, 129, 64), device=device)
-    torch_algo.selection_backend = "torch"
-    triton_algo = QuestAlgorithm(config, device, selection_backend="triton")
+    torch_algo.backend = "torch"
+    triton_algo = QuestAlgorithm(config, device, backend="triton")
     wl.attach(triton_algo)
     fb = wl.forward_batch
     mask = torch.tensor([True, True, False, True], device=device)

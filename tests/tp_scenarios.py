@@ -26,7 +26,7 @@ from sparse_ref.workloads import PlantedEngineWorkload
 LAYERS = ["quest", "deepseek_dsa", None]
 INDEXER = IndexerConfig(hidden_size=24, q_lora_rank=32, n_heads=2, head_dim=16, rope_dim=4, index_topk=8)
 ENGINE = {"dsa_topk": 8, "page_size": 4, "max_requests": 3, "max_context_len": 64, "num_pages": 40,
-          "attention_backend": "torch"}
+          "backend": "torch"}
 # joins (prompt length), leaves (index into the live requests) and decode steps, the same on every rank
 SCRIPT = [("add", 21), ("add", 13), ("step",), ("step",), ("step",), ("add", 9), ("step",), ("step",),
           ("finish", 0), ("step",), ("step",), ("add", 17), ("step",), ("step",), ("step",), ("step",)]

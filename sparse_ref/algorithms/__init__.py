@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from sparse_ref.algorithms.base import SELECTION_BACKENDS, SparseAlgorithm
+from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.algorithms.quest import QuestAlgorithm
 from sparse_ref.checks import describe, fail
 from sparse_ref.errors import ConfigError, UnknownAlgorithmError
@@ -69,7 +69,6 @@ def create_sparse_algorithm(name: str, config=None, device="cpu", **kwargs):
 
 
 __all__ = [
-    "SELECTION_BACKENDS",
     "QuestAlgorithm",
     "SparseAlgorithm",
     "create_sparse_algorithm",

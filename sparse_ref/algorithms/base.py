@@ -19,7 +19,6 @@ from sparse_ref.batch import ForwardBatch, check_batch_slots
 from sparse_ref.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_choice,
     check_device,
     check_int,
     check_range,
@@ -31,10 +30,9 @@ from sparse_ref.checks import (
     skip_value_checks,
 )
 from sparse_ref.config import SparseConfig
+from sparse_ref.device import resolve_backend
 from sparse_ref.errors import SEED_TOPK_NEEDS_SEQ_LENS, BatchError, ConfigError, PoolError, RetrievalError
 from sparse_ref.selection import ceil_div, select_pages_row, select_pages_unchecked, selection_width
-
-SELECTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def forward_batch_with_seq_lens(kwargs: dict):
@@ -45,18 +43,17 @@ def forward_batch_with_seq_lens(kwargs: dict):
 class SparseAlgorithm:
     """Base class: the lifecycle hooks and the default page-granular ``retrieve_topk``.
 
-    Subclasses implement ``score_pages``. ``selection_backend`` picks who turns the scores
-    into pages: ``"torch"`` (``selection.select_pages``), ``"triton"``
-    (``sparse_ref.kernels.page_select.select_pages_triton``, same signature and output) or
-    ``"auto"`` (Triton for CUDA tensors, torch otherwise).
+    Subclasses implement ``score_pages``. ``backend`` (``sparse_ref.device.resolve_backend``, resolved once)
+    picks torch or Triton for every hook: here, who turns the scores into pages: ``"torch"``
+    (``selection.select_pages``) or ``"triton"`` (``sparse_ref.kernels.page_select``, same output).
     """
 
     name = "base"
 
-    def __init__(self, config: SparseConfig | None = None, device="cpu", selection_backend: str = "auto"):
-        self.device = check_algorithm(config, device, selection_backend, SELECTION_BACKENDS)
+    def __init__(self, config: SparseConfig | None = None, device="cpu", backend: str = "auto"):
+        self.device = check_algorithm(config, device)
         self.config = config if config is not None else SparseConfig()
-        self.selection_backend = selection_backend
+        self.backend = resolve_backend(backend, self.device)
         self.start_layer = self.end_layer = 0
         self.token_to_kv_pool = self.req_to_token_pool = self.page_size = None
 
@@ -100,18 +97,17 @@ class SparseAlgorithm:
         )
 
     # ---------------------------------------------------------------- retrieval
-    def uses_triton_selection(self, on_cuda: bool, pages: int) -> bool:
-        """Whether the selection runs the fused Triton kernel: per ``selection_backend``, and rows of ``pages``
-        that fit its registers (``MAX_REGISTER_PAGES``); longer rows take the torch selection."""
-        checks.check_choice("selection_backend", self.selection_backend, SELECTION_BACKENDS)
-        if self.selection_backend == "torch" or (self.selection_backend == "auto" and not on_cuda):
+    def uses_triton_selection(self, pages: int) -> bool:
+        """Whether the selection runs the fused Triton kernel: the Triton backend, and rows of ``pages`` that fit
+        its registers (``MAX_REGISTER_PAGES``); longer rows take the torch selection."""
+        if self.backend != "triton":
             return False
         from sparse_ref.kernels.page_select import MAX_REGISTER_PAGES  # kernels import only when used
 
         return pages <= MAX_REGISTER_PAGES
 
     def _select(self, scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor):
-        if self.uses_triton_selection(scores.is_cuda, scores.shape[1]):
+        if self.uses_triton_selection(scores.shape[1]):
             from sparse_ref.kernels.page_select import select_pages_triton
 
             return select_pages_triton(scores, seq_lens, sparse_mask, self.page_size, self.config,
@@ -174,12 +170,12 @@ def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_
     """
     forward_batch = check_retrieve_metadata(algo, queries, layer_id, forward_batch, SparseAlgorithm)
     fused = (type(algo).retrieve_topk is SparseAlgorithm.retrieve_topk
-             and algo.uses_triton_selection(queries.is_cuda, algo.max_pages))
+             and algo.uses_triton_selection(algo.max_pages))
     if not fused:
         selected, lengths = algo.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask,
                                                forward_batch=forward_batch)
         return selected, lengths, *to_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token,
-                                                         algo.page_size, out=out)
+                                                         algo.page_size, out=out, backend=algo.backend)
     from sparse_ref.kernels.page_select import select_pages_to_table  # kernels import only when used
 
     check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, {"forward_batch": forward_batch})
@@ -214,10 +210,9 @@ def check_forward_batch_kwarg(kwargs: dict):
     raise RetrievalError(f"{SEED_TOPK_NEEDS_SEQ_LENS}: {got}. {_FIX_SEQ_LENS}")
 
 
-def check_algorithm(config, device, selection_backend, backends) -> torch.device:
+def check_algorithm(config, device) -> torch.device:
     if config is not None and not isinstance(config, SparseConfig):
         fail("config", "a SparseConfig or None", describe(config), error=ConfigError)
-    check_choice("selection_backend", selection_backend, backends)
     return check_device("device", device)
 
 

@@ -13,7 +13,7 @@ The FP8 keys live in ``sparse_ref.memory.IndexerKeyCache``, paged and addressed 
 positions, forward_batch, layer_id)`` writes the new tokens' keys at ``out_cache_loc`` and scores each
 EXTEND token against its request's keys ``0 .. position``, each DECODE token against the whole history.
 The batch is scored at once through a page table, by the Triton kernel
-``sparse_ref.kernels.dsa.paged_indexer_logits`` (``scoring_backend="triton"``; ``"auto"`` on CUDA) or its
+``sparse_ref.kernels.dsa.paged_indexer_logits`` (``backend="triton"``; ``"auto"`` on CUDA) or its
 batched torch reference (``"torch"``); neither loops over requests or syncs with the host (CUDA-graph
 safe). ``index_scores_loop`` is the readable per-request version; the tests hold all three equal.
 ``DSAAlgorithm`` (``deepseek_dsa``) wraps the call in the retrieval contract, as SGLang's
@@ -30,7 +30,6 @@ from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.batch import ForwardBatch, ForwardMode
 from sparse_ref.checks import (
     INDEX_DTYPES,
-    check_choice,
     check_int,
     check_range,
     check_rows,
@@ -41,14 +40,13 @@ from sparse_ref.checks import (
     skip_value_checks,
 )
 from sparse_ref.config import IndexerConfig
+from sparse_ref.device import resolve_backend
 from sparse_ref.errors import SEED_DSA_REQUIRED, BatchError, ConfigError, RetrievalError, ShapeError
 from sparse_ref.fp8 import FP8_DTYPE, quantize_fp8
 from sparse_ref.hadamard import hadamard_rotate
 from sparse_ref.memory import IndexerKeyCache
 from sparse_ref.rope import apply_rope
 from sparse_ref.selection import topk_reference
-
-SCORING_BACKENDS = ("auto", "torch", "triton")
 
 
 def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
@@ -117,9 +115,13 @@ class LightningIndexer(nn.Module):
     """
 
     def __init__(self, config: IndexerConfig, *, seed: int = 0, device="cpu", cache: IndexerKeyCache | None = None,
-                 scoring_backend: str = "auto"):
+                 backend: str = "auto"):
         super().__init__()
-        self.scoring_backend = check_indexer(config, scoring_backend, SCORING_BACKENDS)
+        check_indexer(config)
+        self.backend = resolve_backend(backend, device)  # FP8 keys on a GPU before Ada: the torch path (below)
+        if backend == "auto" and self.backend == "triton" and config.use_fp8 and \
+                torch.cuda.get_device_capability(torch.device(device)) < (8, 9):
+            self.backend = "torch"
         self.config = config
         c = config
         self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
@@ -204,13 +206,6 @@ class LightningIndexer(nn.Module):
         return IndexerQK(q8, q_scale, self.head_weights(x, q_scale), k8, k_scale)
 
     # ------------------------------------------------------------------ scoring over the cache
-    def uses_triton_scoring(self) -> bool:
-        """Whether scoring runs the Triton kernel (``scoring_backend``: auto = Triton on CUDA)."""
-        if self.scoring_backend == "auto":
-            return self.device.type == "cuda" and (not self.config.use_fp8
-                                                   or torch.cuda.get_device_capability(self.device) >= (8, 9))
-        return self.scoring_backend == "triton"
-
     @torch.no_grad()
     def logits(self, qk: IndexerQK, forward_batch: ForwardBatch, layer_id: int, width: int, *,
                fill_tail: bool = True) -> torch.Tensor:
@@ -230,7 +225,7 @@ class LightningIndexer(nn.Module):
         bounds = (fb.positions + 1).to(torch.int32)
         block_table = cache.block_table(fb.req_pool_indices)
         keys, scales = cache.key_pages(layer_id), cache.scale_pages(layer_id)
-        if self.uses_triton_scoring():
+        if self.backend == "triton":
             from sparse_ref.kernels.dsa import paged_indexer_logits
 
             return paged_indexer_logits(qk.q.contiguous(), qk.weights.float().contiguous(), keys, scales, block_table,
@@ -282,7 +277,7 @@ class LightningIndexer(nn.Module):
         """
         lengths = positions.long() + 1
         k = self.config.index_topk
-        if self.uses_triton_scoring():
+        if self.backend == "triton":
             from sparse_ref.kernels.topk import topk
 
             return topk(scores, k, lengths, order=order, width=k)
@@ -348,12 +343,9 @@ class DSAAlgorithm(SparseAlgorithm):
 _INDEXER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_indexer(config, scoring_backend, backends) -> str:
+def check_indexer(config) -> None:
     if not isinstance(config, IndexerConfig):
         raise ConfigError(f"LightningIndexer: config must be an IndexerConfig, got {type(config).__name__}.")
-    return check_choice(
-        "scoring_backend", scoring_backend, backends,
-        "\"auto\" (Triton kernel on CUDA, torch otherwise), \"torch\" or \"triton\" (on CPU: TRITON_INTERPRET=1).")
 
 
 def check_attach_cache(indexer, cache) -> None:

@@ -13,10 +13,10 @@ each group's query heads before the bound, ``"per_kv_head"`` bounds every query 
 The bounds (``[num_pages, H_kv, D]`` per layer, fp32 or 16-bit rounded outward) are built when a page
 completes (``construct_representations`` after a prefill, ``update_representations`` after a decode step)
 and invalidated when the pool frees the page (a listener on its allocator); a page without bounds scores
-``-inf`` (the incomplete last page is kept as a recent page). ``scoring_backend``: ``"torch"``, the
-reference (gather the bounds, ``bmm``); ``"triton"``, one streaming launch
-(``sparse_ref.kernels.quest``) and the one-launch bounds update (``sparse_ref.kernels.quest_bounds``, the
-same bits); ``"auto"``: Triton on CUDA. ``docs/design.md`` section 3.5 has the whole contract;
+``-inf`` (the incomplete last page is kept as a recent page). ``backend`` (one for every hook): ``"torch"``,
+the reference (gather the bounds, ``bmm``); ``"triton"``, one streaming launch (``sparse_ref.kernels.quest``),
+the fused selection and the one-launch bounds update (``sparse_ref.kernels.quest_bounds``, the same bits);
+``"auto"``: Triton on CUDA. ``docs/design.md`` section 3.5 has the whole contract;
 ``sparse_ref.workloads.make_quest_decode_setup`` builds a decode setup at any size.
 """
 from __future__ import annotations
@@ -53,7 +53,6 @@ def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gq
     return q.clamp(min=0).sum(dim=2), q.clamp(max=0).sum(dim=2)  # per_kv_head: the sum of per-head bounds
 
 
-SCORING_BACKENDS = ("auto", "torch", "triton")
 
 
 def quest_page_scores_reference(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.Tensor,
@@ -110,17 +109,10 @@ class QuestAlgorithm(SparseAlgorithm):
 
     name = "quest"
 
-    def __init__(self, config=None, device="cpu", selection_backend: str = "auto", scoring_backend: str = "auto",
-                 bounds_dtype: torch.dtype = torch.float32):
-        super().__init__(config, device, selection_backend)
-        check_quest(bounds_dtype, scoring_backend, BOUNDS_DTYPES, SCORING_BACKENDS)
-        self.bounds_dtype, self.scoring_backend = bounds_dtype, scoring_backend
-
-    def uses_triton_scoring(self) -> bool:
-        """Whether ``score_pages`` runs the Triton kernel (per ``scoring_backend`` and the device)."""
-        if self.scoring_backend == "auto":
-            return self.device.type == "cuda"
-        return self.scoring_backend == "triton"
+    def __init__(self, config=None, device="cpu", backend: str = "auto", bounds_dtype: torch.dtype = torch.float32):
+        super().__init__(config, device, backend)
+        check_quest(bounds_dtype, BOUNDS_DTYPES)
+        self.bounds_dtype = bounds_dtype
 
     def initialize_representation_pool(self, start_layer: int, end_layer: int, token_to_kv_pool,
                                        req_to_token_pool, page_allocator=None) -> None:
@@ -169,7 +161,7 @@ class QuestAlgorithm(SparseAlgorithm):
             pages.append(req_to_token[r, first_token_of_page].long() // P)
         pages = torch.cat(pages).to(self.device)
         check_real_pages(self, pages)
-        if self.uses_triton_scoring():  # one launch: every completed page of every request
+        if self.backend == "triton":  # one launch: every completed page of every request
             from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
 
             update_page_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
@@ -189,7 +181,7 @@ class QuestAlgorithm(SparseAlgorithm):
         k_pages = check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
-        if self.uses_triton_scoring():  # one launch, no torch ops at all while a CUDA graph captures
+        if self.backend == "triton":  # one launch, no torch ops at all while a CUDA graph captures
             from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
 
             if not checks.skip_value_checks():
@@ -237,7 +229,7 @@ class QuestAlgorithm(SparseAlgorithm):
                     forward_batch) -> torch.Tensor:
         """fp32 ``[bs, max_pages]`` Quest bounds of each logical page; -inf where a page has no bounds."""
         check_score_pages(self, queries, layer_id, forward_batch)
-        if self.uses_triton_scoring():  # the Triton kernel splits the signs and maps the pages itself
+        if self.backend == "triton":  # the Triton kernel splits the signs and maps the pages itself
             from sparse_ref.kernels.quest import quest_page_scores_from_queries  # kernels import only when used
 
             return quest_page_scores_from_queries(
@@ -291,17 +283,11 @@ def check_quest_queries(queries, num_kv_heads: int, head_dim: int) -> torch.Tens
     return queries
 
 
-def check_quest(bounds_dtype, scoring_backend, bounds_dtypes, scoring_backends) -> None:
+def check_quest(bounds_dtype, bounds_dtypes) -> None:
     if bounds_dtype not in bounds_dtypes:
         raise ConfigError(
             f"bounds_dtype: expected one of {bounds_dtypes}, got {bounds_dtype!r}. Fix: torch.float32 (exact "
             f"bounds), or torch.bfloat16 / torch.float16 (half the bytes to score; min rounded down, max up)."
-        )
-    if not isinstance(scoring_backend, str) or scoring_backend not in scoring_backends:
-        raise ConfigError(
-            f"scoring_backend: expected one of {scoring_backends}, got {scoring_backend!r}. Fix: \"auto\" (Triton "
-            f"kernel on CUDA, torch otherwise), \"torch\" (the reference) or \"triton\" (the kernel; on CPU it "
-            f"needs TRITON_INTERPRET=1)."
         )
 
 
@@ -328,7 +314,7 @@ def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> torch.
         raise BatchError(f"{fn}: expected {article} {want_mode.name} batch, got {forward_batch.forward_mode}. "
                          f"Fix: {other} instead.")
     want = (algo.num_pages * algo.page_size, algo.num_kv_heads, algo.head_dim)
-    host = isinstance(k_buffer, torch.Tensor) and k_buffer.is_pinned() and algo.uses_triton_scoring()
+    host = isinstance(k_buffer, torch.Tensor) and k_buffer.is_pinned() and algo.backend == "triton"
     check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, shape=want, device=None if host else algo.device.type,
                  fix="pass token_to_kv_pool.get_key_buffer(layer_id) (pinned host memory: with the Triton kernels "
                      "only, which read it through unified addressing).")

@@ -150,7 +150,7 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
                                 page_size=page, num_layers=1, device=device)
     cache = IndexerKeyCache.for_manager(mgr, cfg)
     idx = LightningIndexer(cfg, device=device).attach_cache(cache)
-    idx_torch = LightningIndexer(cfg, device=device, scoring_backend="torch").attach_cache(cache)
+    idx_torch = LightningIndexer(cfg, device=device, backend="torch").attach_cache(cache)
     reqs = [mgr.admit(ctx - 1) for _ in range(bs)]
     slots = torch.cat([mgr.req_to_token_pool.req_to_token[r.req_pool_idx, : ctx - 1] for r in reqs]).long()
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -190,5 +190,5 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
                 bs * ctx * cfg.key_bytes_per_token, copy_bw, "dsa_indexer",
                 baseline="index_scores_loop + select (per-request loop, wall clock, synced)",
                 torch_timing="wall clock", ours_timing=m_batched, ours_eager_us=round(t_eager, 1),
-                parts_us=parts_us, ours_backend="triton" if idx.uses_triton_scoring() else "torch", **agree)]
+                parts_us=parts_us, ours_backend=idx.backend, **agree)]
 

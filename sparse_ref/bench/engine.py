@@ -34,7 +34,7 @@ def _engine_with_prompts(layers, bs, ctx, h_q, h_kv, d, page_size, budget, devic
                           num_sink_pages=sink)
     wl = PlantedEngineWorkload(num_layers=len(layers), num_q_heads=h_q, num_kv_heads=h_kv, head_dim=d, seed=0)
     engine = DecodeEngine(wl, layers, config, page_size=page_size, max_requests=bs, max_context_len=ctx,
-                          attention_backend="auto" if device.type == "cuda" else "triton", compare_dense=False,
+                          backend="triton", compare_dense=False,
                           dtype=torch.bfloat16, bounds_dtype=torch.bfloat16, device=device)
     pool, gen = engine.manager.token_to_kv_pool, torch.Generator(device=device).manual_seed(0)
     for buf in pool.k_buffer + pool.v_buffer:
@@ -56,10 +56,9 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     """The engine's whole decode step (4 Quest layers) replayed from ONE CUDA graph (``GraphedDecodeStep``),
     per layer against the sum of one layer's parts timed alone, and the dense whole step (same kernel, same graph
     capture); bs=64, 32 q / 8 KV heads, D=128, page 16, bf16 K/V, bf16 Quest bounds, 32K context, budget 2048."""
-    from sparse_ref.adaptor import to_attention_metadata
+    from sparse_ref.algorithms.base import retrieve_attention_metadata
     from sparse_ref.engine_graph import GraphedDecodeStep
     from sparse_ref.kernels.decode_attention import paged_decode_attention
-    from sparse_ref.kernels.page_select import select_pages_to_table
 
     layers_n = 4
     bs, h_q, h_kv, d, ctx, P, budget = (2, 4, 2, 16, 60, 4, 16) if on_cpu else (64, 32, 8, 128, 32768, 16, 2048)
@@ -81,18 +80,11 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     q, k_new, v_new, _, _ = step.inputs[0]
     algo, r2t = coord.algorithms[0], engine.manager.req_to_token_pool.req_to_token
     mask = fb.seq_lens >= coord.configs[0].min_sparse_seq_len
-    scores = algo.score_pages(q, 0, fb.req_pool_indices, fb)
-    if algo.uses_triton_selection(scores.is_cuda, algo.max_pages):  # what the engine runs: one launch
-        select_table = partial(select_pages_to_table, scores, fb.seq_lens, mask, P, algo.config, fb.req_pool_indices,
-                               r2t, check_values=False)
-    else:  # (CPU smoke run: the torch selection, then the adaptor)
-        def select_table():
-            return to_attention_metadata(*algo._select(scores, fb.seq_lens, mask), mask, fb, r2t, P)
-    table, kv_lens = select_table()[-3:-1]
+    retrieve = partial(retrieve_attention_metadata, algo, q, 0, fb.req_pool_indices, mask, fb, r2t)  # the engine's
+    table, kv_lens = retrieve()[2:4]  # call: scores, then selection + page table (one launch on CUDA)
     kb, vb = pool.get_key_buffer(0), pool.get_value_buffer(0)
     parts = {"K/V append": partial(pool.set_kv, 0, fb.out_cache_loc, k_new, v_new),
-             "scores": partial(algo.score_pages, q, 0, fb.req_pool_indices, fb),
-             "selection + page table": select_table,
+             "retrieval + page table": retrieve,
              "attention": partial(paged_decode_attention, q, kb, vb, table, kv_lens, P),
              "representation update": partial(algo.update_representations, 0, fb, kb),
              "dense metadata (once per step)": partial(coord.forward_begin, fb)}

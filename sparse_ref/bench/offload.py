@@ -42,7 +42,7 @@ def _engine(layers, bs, ctx, budget, buffer, device, workload=None, **kw):
     wl = workload or PlantedEngineWorkload(num_layers=len(layers), num_q_heads=kw.pop("h_q", 32),
                                            num_kv_heads=kw.pop("h_kv", 8), head_dim=kw.pop("d", 128), seed=0)
     return DecodeEngine(wl, layers, config, dsa_topk=budget, page_size=PAGE, max_requests=bs, max_context_len=ctx,
-                        attention_backend="auto" if device.type == "cuda" else "triton", compare_dense=False,
+                        backend="triton", compare_dense=False,
                         offload_buffer=buffer, device=device, **kw)
 
 

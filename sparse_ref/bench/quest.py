@@ -87,11 +87,11 @@ def bench_bounds_update(device, timer, copy_bw, on_cpu):
     pools = (algo.page_min[0], algo.page_max[0], algo.page_valid[0])
 
     def with_backend(backend):
-        saved, algo.scoring_backend = algo.scoring_backend, backend
+        saved, algo.backend = algo.backend, backend
         try:
             update()
         finally:
-            algo.scoring_backend = saved
+            algo.backend = saved
 
     results = []
     for backend in ("torch", "triton"):
@@ -118,10 +118,7 @@ def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
 
     bs, ctx, page_size = (2, 256, 16) if on_cpu else (64, 32768, 16)
     setup = make_quest_decode_setup(bs, ctx, page_size, device=device)
-    backends = dict(scoring="triton" if setup.algorithm.uses_triton_scoring() else "torch",
-                    selection=setup.algorithm.selection_backend)
-    if backends["selection"] == "auto":
-        backends["selection"] = "triton" if device.type == "cuda" else "torch"
+    backends = dict(scoring=setup.algorithm.backend, selection=setup.algorithm.backend)
     batched = setup.retrieve()
     looped = setup.retrieve(loop=True)
     same = bool(torch.equal(batched[0], looped[0]) and torch.equal(batched[1], looped[1]))

@@ -44,7 +44,7 @@ Triton < 3.7's interpreter fails on runtime loop bounds; compiled, the loop stop
 FP8 ``tl.dot`` is exact in the interpreter (it widens to fp16 and multiplies in fp32).
 
 **GPUs without FP8** (compute capability < 8.9): the launcher refuses FP8 inputs with a clear
-error; ``LightningIndexer(scoring_backend="auto")`` then uses the torch path.
+error; ``LightningIndexer(backend="auto")`` then uses the torch path.
 
 Launch knobs are in ``TUNING`` (``sparse_ref.kernels.tuning`` varies them): tiles per program, key
 tokens per tile, warps, stages and query tokens per program (None: chosen from the shapes).
@@ -338,7 +338,7 @@ def check_indexer_logits(q, weights, keys, scales, block_table, token_req, bound
                  fix=f"pass out=None, or torch.empty({T}, {width}) in fp32.")
     device = q.device
     check_kernel_device(f"{fn}: q", q, "move the cache and queries to the GPU, or use "
-                        "LightningIndexer(scoring_backend='torch').")
+                        "LightningIndexer(backend='torch').")
     for name, t in (("weights", weights), ("keys", keys), ("scales", scales), ("block_table", block_table),
                     ("token_req", token_req), ("bounds", bounds), ("out", out)):
         if t.device != device:
@@ -348,7 +348,7 @@ def check_indexer_logits(q, weights, keys, scales, block_table, token_req, bound
     if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise SparseRefError(f"{fn}: FP8 e4m3 tl.dot needs compute capability >= 8.9, this GPU has "
                              f"{torch.cuda.get_device_capability(device)}. Fix: use "
-                             f"LightningIndexer(scoring_backend='torch') (dequantised keys), or a Hopper/Ada GPU.")
+                             f"LightningIndexer(backend='torch') (dequantised keys), or a Hopper/Ada GPU.")
     if fp8 and (keys.stride(0) % 4 or (scales.data_ptr() - keys.data_ptr()) % 4):
         fail(f"{fn}: keys", "pages whose byte size is a multiple of 4", f"page stride {keys.stride(0)} bytes",
              "use a page_size * head_dim that is a multiple of 4.")

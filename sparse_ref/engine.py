@@ -21,7 +21,7 @@ import torch
 from sparse_ref.adaptor import Metadata, lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
 from sparse_ref.algorithms.base import retrieve_attention_metadata
-from sparse_ref.attention import dense_decode_attention, sparse_decode_attention
+from sparse_ref.attention import sparse_decode_attention
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, check_batch_slots, decode_step
 from sparse_ref.checks import capturing, check_device, check_int, describe, fail, values_checked
 from sparse_ref.config import SparseConfig
@@ -288,28 +288,11 @@ class DecodeEngine:
                 if trace.layer not in self.manager.token_to_kv_pool.host_layers or self.device.type == "cpu":
                     self.attend(q, trace.layer, dense)
             result.dense_time_s = self._sync() - t1
+            from sparse_ref.metrics import compare_with_dense  # lazy: a tutorial helper
+
             for trace, (q, *_) in zip(traces, inputs, strict=True):
-                self._compare(trace, q, batch)
+                compare_with_dense(trace, q, batch, self.manager)
         return result
-
-    def _compare(self, trace: LayerTrace, q: torch.Tensor, batch: ForwardBatch) -> None:
-        """Dense attention (the oracle) beside the layer's output: recall, mass kept, output error."""
-        from sparse_ref.metrics import attention_mass_kept, page_attention_mass, page_recall, relative_error
-
-        pool, md = self.manager.token_to_kv_pool, trace.metadata
-        k_buf, v_buf = pool.get_key_buffer(trace.layer), pool.get_value_buffer(trace.layer)
-        on = k_buf.device  # an offloaded layer's K/V is in host memory: the oracle runs there
-        ref, probs = dense_decode_attention(q.to(on), k_buf, v_buf, self.manager.req_to_token_pool.req_to_token.to(on),
-                                            batch.req_pool_indices.to(on), batch.seq_lens.to(on), return_probs=True)
-        ref, probs = ref.to(q.device), probs.to(q.device)
-        trace.dense_out, trace.output_error = ref, relative_error(trace.out, ref)
-        if md.selected is None:  # a dense layer keeps everything
-            trace.recall = trace.mass_kept = torch.ones(q.shape[0], device=q.device)
-            return
-        lengths = torch.where(md.sparse_mask, md.lengths, torch.zeros_like(md.lengths))
-        mass = page_attention_mass(probs, md.page_size)
-        trace.mass_kept = attention_mass_kept(md.selected, lengths, mass)
-        trace.recall = page_recall(md.selected, lengths, mass, batch.seq_lens, md.page_size)
 
 
 # ------------------------------ argument checks (each entry point above calls one first)

@@ -106,6 +106,27 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 KINDS = ("ids", "fp32", "fp8_logits", "attention_16bit")
 
 
+def compare_with_dense(trace, q: torch.Tensor, batch, manager) -> None:
+    """Dense attention (the oracle) beside an engine layer's output: fills ``trace``'s ``dense_out``,
+    ``output_error``, ``recall`` and ``mass_kept`` (``DecodeEngine.step`` calls it for every layer)."""
+    from sparse_ref.attention import dense_decode_attention
+
+    pool, md = manager.token_to_kv_pool, trace.metadata
+    k_buf, v_buf = pool.get_key_buffer(trace.layer), pool.get_value_buffer(trace.layer)
+    on = k_buf.device  # an offloaded layer's K/V is in host memory: the oracle runs there
+    ref, probs = dense_decode_attention(q.to(on), k_buf, v_buf, manager.req_to_token_pool.req_to_token.to(on),
+                                        batch.req_pool_indices.to(on), batch.seq_lens.to(on), return_probs=True)
+    ref, probs = ref.to(q.device), probs.to(q.device)
+    trace.dense_out, trace.output_error = ref, relative_error(trace.out, ref)
+    if md.selected is None:  # a dense layer keeps everything
+        trace.recall = trace.mass_kept = torch.ones(q.shape[0], device=q.device)
+        return
+    lengths = torch.where(md.sparse_mask, md.lengths, torch.zeros_like(md.lengths))
+    mass = page_attention_mass(probs, md.page_size)
+    trace.mass_kept = attention_mass_kept(md.selected, lengths, mass)
+    trace.recall = page_recall(md.selected, lengths, mass, batch.seq_lens, md.page_size)
+
+
 def assert_matches_reference(got: torch.Tensor, want: torch.Tensor, kind: str, what: str = "kernel") -> None:
     """Raise AssertionError unless ``got`` (a kernel's result) matches ``want`` (its torch reference) per ``kind``."""
     check_choice("kind", kind, KINDS)

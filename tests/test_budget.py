@@ -1,0 +1,65 @@
+"""The reading set stays readable in an afternoon: its line budget, counted as the docs count it.
+
+The reading set is the table of ``docs/structures.md`` under "The reading set"; each module splits at its
+``# ------------------------------ argument checks`` line into code (above) and checks (below), raw lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKS_LINE = "# ------------------------------ argument checks"
+CODE_BUDGET, ENGINE_CODE_BUDGET = 2400, 300
+TUTORIAL_HELPERS = {"sparse_ref.workloads", "sparse_ref.metrics", "sparse_ref.offload", "sparse_ref.figures",
+                    "sparse_ref.demo", "sparse_ref.bench"}
+
+
+def reading_set() -> list[Path]:
+    """The modules ``docs/structures.md`` names in its reading-set table (first column, under ``sparse_ref/``)."""
+    text = (REPO / "docs" / "structures.md").read_text()
+    table = text.split("## The reading set")[1].split("\n## ")[0]
+    names = re.findall(r"^\| `([\w/]+\.py)` \|", table, flags=re.M)
+    assert len(names) >= 10, f"no reading-set table found in docs/structures.md: {names}"
+    return [REPO / "sparse_ref" / name for name in names]
+
+
+def code_and_checks(path: Path) -> tuple[int, int]:
+    lines = path.read_text().splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.startswith(CHECKS_LINE)), len(lines))
+    return cut, len(lines) - cut
+
+
+def test_every_module_of_the_table_exists_and_counts():
+    for path in reading_set():
+        assert path.is_file(), f"docs/structures.md names {path.relative_to(REPO)}, which does not exist"
+        code, checks = code_and_checks(path)
+        assert code > 0 and checks >= 0
+
+
+def test_the_reading_set_code_is_within_its_budget():
+    counts = {p.relative_to(REPO / "sparse_ref").as_posix(): code_and_checks(p) for p in reading_set()}
+    code = sum(c for c, _ in counts.values())
+    assert code <= CODE_BUDGET, f"reading set: {code} lines of code above the checks, budget {CODE_BUDGET}: {counts}"
+    assert counts["engine.py"][0] <= ENGINE_CODE_BUDGET, f"engine.py: {counts['engine.py'][0]} lines of code"
+
+
+def test_the_budget_counter_sees_a_checks_line():
+    path = REPO / "sparse_ref" / "engine.py"
+    code, checks = code_and_checks(path)
+    assert checks > 0 and path.read_text().splitlines()[code].startswith(CHECKS_LINE)
+
+
+def test_the_engine_imports_no_tutorial_helper_at_module_level():
+    """Workloads, metrics, offload, figures: imported inside the functions that need them, never when the engine
+    is imported (a reader of the engine meets the lifecycle, not the helpers)."""
+    tree = ast.parse((REPO / "sparse_ref" / "engine.py").read_text())
+    top = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            top |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            top |= {a.name for a in node.names}
+    assert not top & TUTORIAL_HELPERS, sorted(top & TUTORIAL_HELPERS)

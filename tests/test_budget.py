@@ -63,3 +63,10 @@ def test_the_engine_imports_no_tutorial_helper_at_module_level():
         elif isinstance(node, ast.Import):
             top |= {a.name for a in node.names}
     assert not top & TUTORIAL_HELPERS, sorted(top & TUTORIAL_HELPERS)
+
+
+def test_the_docs_fit_a_screen():
+    """The map one sentence a module, the performance page in the present tense, the README a quickstart."""
+    for path, most in (("docs/structures.md", 80), ("docs/performance.md", 300), ("README.md", 220)):
+        lines = len((REPO / path).read_text().splitlines())
+        assert lines <= most, f"{path}: {lines} lines, budget {most} (details belong in docs/)"

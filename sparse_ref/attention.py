@@ -96,10 +96,6 @@ def _check_q_kv(q, k_buffer, v_buffer) -> int:
     return h_q // h_kv
 
 
-def _check_scale(scale):
-    return None if scale is None else check_float("scale", scale, error=ShapeError)
-
-
 def check_dense_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
     """``(group, scale)``; every token read is a real slot (not padding slot 0, inside the KV buffers)."""
     group = _check_q_kv(q, k_buffer, v_buffer)
@@ -120,7 +116,7 @@ def check_dense_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
         r, tok = (int(x) for x in (valid & ~real).nonzero()[0])
         fail("seq_lens", "lengths within each request's tokens (slots in [1, num_slots))",
              f"row {r} token {tok} at slot {int(slots[r, tok])}", "pass the seq_lens of these requests.")
-    return group, _check_scale(scale)
+    return group, None if scale is None else check_float("scale", scale, error=ShapeError)
 
 
 def check_sparse_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale):
@@ -135,4 +131,4 @@ def check_sparse_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size
     width = page_table.shape[1]
     check_range("kv_lens", kv_lens, 0, width * page_size, "at most the table's width x page size.")
     check_range("page_table", page_table, 0, k_buffer.shape[0] // page_size - 1, "physical pages of the KV buffers.")
-    return group, page_size, _check_scale(scale)
+    return group, page_size, None if scale is None else check_float("scale", scale, error=ShapeError)

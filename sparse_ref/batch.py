@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ import torch
 
 from sparse_ref.checks import (
     INT64_MAX,
+    check_int,
     check_range,
     check_rows,
     check_same_device,
@@ -188,16 +188,6 @@ def check_forward_batch(fb) -> None:
                  str(fb.positions.tolist()[:16]), _FIX_BUILD, BatchError)
 
 
-def _int_or_none(value) -> int | None:
-    """``value`` as an int (numpy/torch integer scalars too), or None for floats, bools and the rest."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def check_requests(manager, requests) -> None:
     if not isinstance(manager, KVCacheManager):
         fail("manager", "a KVCacheManager", describe(manager), error=BatchError)
@@ -225,15 +215,9 @@ def check_extend_batch(manager, requests, prefix_lens) -> list[int]:
     prefix_lens = [0] * len(requests) if prefix_lens is None else list(prefix_lens)
     if len(prefix_lens) != len(requests):
         raise BatchError(f"prefix_lens has {len(prefix_lens)} entries for {len(requests)} requests.")
-    for i, (r, given) in enumerate(zip(requests, prefix_lens, strict=True)):
-        p = _int_or_none(given)
-        if p is None or not 0 <= p <= r.seq_len:
-            raise BatchError(
-                f"prefix_lens[{i}]: expected an int in [0, seq_len={r.seq_len}] for request {r.rid}, "
-                f"got {given!r}."
-            )
-        prefix_lens[i] = p
-    return prefix_lens
+    return [check_int(f"prefix_lens[{i}]", given, low=0, high=r.seq_len, error=BatchError,
+                      fix=f"a prefix within request {r.rid}'s seq_len={r.seq_len}.")
+            for i, (r, given) in enumerate(zip(requests, prefix_lens, strict=True))]
 
 
 def check_decode_batch(manager, requests) -> None:

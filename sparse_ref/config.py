@@ -119,32 +119,19 @@ def check_sparse_config(config) -> dict:
 
 def check_indexer_config(c) -> None:
     for name in ("hidden_size", "q_lora_rank", "n_heads", "head_dim", "index_topk", "block_size"):
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"IndexerConfig.{name}: expected a positive int, got {value!r}.")
+        check_int(f"IndexerConfig.{name}", getattr(c, name), low=1)
     for name in ("use_fp8", "ue8m0", "rope_interleaved"):
         if not isinstance(getattr(c, name), bool):
-            raise ConfigError(f"IndexerConfig.{name}: expected True or False, got {getattr(c, name)!r}.")
+            fail(f"IndexerConfig.{name}", "True or False", repr(getattr(c, name)), error=ConfigError)
     if c.head_dim & (c.head_dim - 1):
-        raise ConfigError(
-            f"IndexerConfig.head_dim: expected a power of two (the fast Hadamard transform needs one), "
-            f"got {c.head_dim}. Fix: use 32, 64, 128, ..."
-        )
-    r = c.rope_dim
-    if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r % 2 or r > c.head_dim:
-        raise ConfigError(
-            f"IndexerConfig.rope_dim: expected an even int in [0, head_dim={c.head_dim}] (RoPE rotates "
-            f"pairs of dims), got {r!r}."
-        )
+        fail("IndexerConfig.head_dim", "a power of two (the fast Hadamard transform needs one)", str(c.head_dim),
+             "use 32, 64, 128, ...", ConfigError)
+    check_int("IndexerConfig.rope_dim", c.rope_dim, low=0, high=c.head_dim, fix="RoPE rotates pairs of dims.")
+    if c.rope_dim % 2:
+        fail("IndexerConfig.rope_dim", "an even int (RoPE rotates pairs of dims)", str(c.rope_dim), error=ConfigError)
     if c.block_size < c.head_dim:
-        raise ConfigError(
-            f"IndexerConfig.block_size: expected >= head_dim={c.head_dim}, got {c.block_size}. The score "
-            "folds one q scale per (token, head) into the head weights and multiplies one k scale per token, "
-            "so each head_dim vector must be a single FP8 block. Fix: block_size=128 with head_dim <= 128."
-        )
-    theta = c.rope_theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1.0 < theta < math.inf:
-        raise ConfigError(f"IndexerConfig.rope_theta: expected a finite number > 1, got {theta!r}.")
-    eps = c.layer_norm_eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
-        raise ConfigError(f"IndexerConfig.layer_norm_eps: expected a finite number > 0, got {eps!r}.")
+        fail("IndexerConfig.block_size", f">= head_dim={c.head_dim} (one q scale per (token, head) and one k scale "
+             "per token: each head_dim vector is a single FP8 block)", str(c.block_size),
+             "block_size=128 with head_dim <= 128.", ConfigError)
+    check_float("IndexerConfig.rope_theta", c.rope_theta, low=1, low_open=True)
+    check_float("IndexerConfig.layer_norm_eps", c.layer_norm_eps, low=0, low_open=True)

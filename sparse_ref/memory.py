@@ -479,19 +479,14 @@ def check_request(name: str, req) -> None:
 
 def check_owned(manager, what: str, req) -> None:
     if manager.requests.get(req.rid) is not req:
-        raise PoolError(
-            f"{what}: request {req.rid} (req_pool_idx {req.req_pool_idx}) was not admitted by this "
-            "KVCacheManager. Fix: use the manager whose admit() returned it."
-        )
+        raise PoolError(f"{what}: request {req.rid} (req_pool_idx {req.req_pool_idx}) was not admitted by this "
+                        "KVCacheManager. Fix: use the manager whose admit() returned it.")
 
 
 def check_fits(manager, num_tokens: int) -> None:
-    if num_tokens > manager.req_to_token_pool.max_context_len:
-        raise PoolError(
-            f"request of {num_tokens} tokens exceeds max_context_len "
-            f"{manager.req_to_token_pool.max_context_len} of the ReqToTokenPool. "
-            "Fix: build the pool with a larger max_context_len."
-        )
+    if num_tokens > (most := manager.req_to_token_pool.max_context_len):
+        raise PoolError(f"request of {num_tokens} tokens exceeds max_context_len {most} of the ReqToTokenPool. "
+                        "Fix: build the pool with a larger max_context_len.")
 
 
 def check_slot_of(req, t) -> int:

@@ -285,10 +285,8 @@ def check_quest_queries(queries, num_kv_heads: int, head_dim: int) -> torch.Tens
 
 def check_quest(bounds_dtype, bounds_dtypes) -> None:
     if bounds_dtype not in bounds_dtypes:
-        raise ConfigError(
-            f"bounds_dtype: expected one of {bounds_dtypes}, got {bounds_dtype!r}. Fix: torch.float32 (exact "
-            f"bounds), or torch.bfloat16 / torch.float16 (half the bytes to score; min rounded down, max up)."
-        )
+        fail("bounds_dtype", f"one of {bounds_dtypes}", repr(bounds_dtype), "torch.float32 (exact bounds), or "
+             "torch.bfloat16 / torch.float16 (half the bytes to score; min rounded down, max up).", ConfigError)
 
 
 def check_quest_allocators(token_to_kv_pool, page_allocator) -> list:

@@ -152,6 +152,8 @@ class DecodeEngine:
         self.backend = resolve_backend(backend, self.device)  # once, for every layer and stage
         # offload mode (sparse_ref.offload): every sparse layer's K/V in host memory, read through a hot buffer
         offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
+        if offload_buffer is not None and not offloaded:  # (every layer dense: still a size, or a mistake)
+            check_int("offload_buffer", offload_buffer, low=1, fix="pass an int, or None (no offload).")
         self.manager = KVCacheManager.create(max_requests=max_requests, max_context_len=max_context_len,
                                              num_pages=num_pages, page_size=page_size, num_layers=len(algorithms),
                                              num_kv_heads=workload.num_kv_heads, head_dim=workload.head_dim,

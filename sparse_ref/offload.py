@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from sparse_ref.adaptor import Metadata
-from sparse_ref.checks import check_int, fail
-from sparse_ref.errors import ConfigError
+from sparse_ref.checks import INT32_MAX, check_int, fail
+from sparse_ref.errors import ConfigError, PoolError
 
 
 class OffloadedKV:
@@ -88,6 +88,8 @@ class HostKVPool:
     The engine's is ``of_pool(token_to_kv_pool)``: the KV pool's host layers themselves (no second copy)."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype=torch.float32):
+        check_sizes("HostKVPool", num_slots=num_slots, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim)
         pin = torch.cuda.is_available()
         shape = (num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
@@ -112,6 +114,9 @@ class HotBuffer:
     def __init__(self, num_layers: int, num_rows: int, size: int, num_kv_heads: int, head_dim: int,
                  max_context_len: int, dtype=torch.float32, device="cpu", layers=None):
         """``layers``: the layers that get K/V slots (default all; the engine's offloaded layers)."""
+        check_sizes("HotBuffer", num_layers=num_layers, num_rows=num_rows, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, max_context_len=max_context_len)
+        size = check_int("HotBuffer(size)", size, low=1, high=MAX_BUFFER, error=ConfigError)
         self.size, self.width, self.device = size, size + 1, torch.device(device)
         shape, on = (1 + num_rows * self.width, num_kv_heads, head_dim), {"device": self.device}
         has = set(range(num_layers) if layers is None else layers)
@@ -149,6 +154,8 @@ class HotBuffer:
 
     def forget(self, row: int) -> None:
         """The row's request left: its slots hold nothing (the next request of the row starts empty)."""
+        row = check_int("forget(row)", row, low=0, high=self.token.shape[1] - 1, error=PoolError,
+                        fix="pass the finished request's req_pool_idx (a negative row would wrap to another's).")
         self.token[:, row] = -1
         self.last_used[:, row] = 0
         self.slot_of[:, row] = -1
@@ -234,9 +241,19 @@ def check_offload_backend(offloaded, device, backend) -> None:
              "build the engine with backend='auto', or run the torch reference on CPU.", ConfigError)
 
 
+MAX_BUFFER = 1 << 16  # token slots a hot-buffer row may hold (the swap-in kernel's one program per row holds them)
+
+
+def check_sizes(owner: str, **sizes) -> None:
+    for name, value in sizes.items():
+        check_int(f"{owner}({name})", value, low=1, high=INT32_MAX, error=ConfigError)
+
+
 def check_offload(size, needed: int, layer_names: list[str]) -> int:
-    """The hot buffer's size: an int at least the most tokens one row of a sparse layer reads in a step."""
-    size = check_int("offload_buffer", size, low=1, error=ConfigError)
+    """The hot buffer's size: an int at least the most tokens one row of a sparse layer reads in a step, at most
+    ``MAX_BUFFER`` (checked when the engine is built, so that no step is refused later)."""
+    size = check_int("offload_buffer", size, low=1, high=MAX_BUFFER, error=ConfigError,
+                     fix=f"a hot buffer of 1 to {MAX_BUFFER} token slots a request row.")
     if size < needed:
         fail("offload_buffer", f"at least {needed} token slots: the most tokens one request reads in a step (the "
              f"selection budget, or a dense row below min_sparse_seq_len) in layers {layer_names}", repr(size),

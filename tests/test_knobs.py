@@ -82,3 +82,34 @@ def test_in_range_values_are_set_and_restored():
     assert topk_module.TUNING["pair_rank"] == 128 and topk_module.TUNING["slots"] == 0
     with tuning(decode_attention.TUNING, num_splits=None, use_dot=False):
         assert decode_attention.TUNING["use_dot"] is False
+
+
+# ---------------------------------------------------------------- every way of changing a table goes through its check
+@pytest.mark.parametrize("family", TABLES)
+def test_the_in_place_union_is_checked_like_update(family):
+    """``table |= {...}`` once skipped the ranges (dict's own merge); now it is ``update``: all checked first."""
+    table, before = TABLES[family], dict(TABLES[family])
+    name, knob = next(iter(table.ranges.items()))
+    with pytest.raises(ConfigError, match=name):
+        table |= {name: bad_values(knob)[0]}
+    assert dict(table) == before
+    table |= {name: before[name]}  # an in-range value is set (the default here): the same table object
+    assert dict(table) == before and isinstance(table, Knobs)
+
+
+@pytest.mark.parametrize("family", TABLES)
+@pytest.mark.parametrize("remove", [lambda t, n: t.pop(n), lambda t, n: t.__delitem__(n), lambda t, n: t.popitem(),
+                                    lambda t, n: t.clear(), lambda t, n: t.pop(n, None)])
+def test_no_knob_can_be_removed(family, remove):
+    """A removed knob gave a raw KeyError at the next launch; removing is refused and the table is unchanged."""
+    table, before = TABLES[family], dict(TABLES[family])
+    with pytest.raises(ConfigError, match="every knob kept"):
+        remove(table, next(iter(table)))
+    assert dict(table) == before
+
+
+def test_tuning_restores_every_knob_after_an_error_inside_the_block():
+    before = dict(quest.TUNING)
+    with pytest.raises(RuntimeError, match="inside"), tuning(quest.TUNING, block_p=4, num_warps=8):
+        raise RuntimeError("inside")
+    assert dict(quest.TUNING) == before

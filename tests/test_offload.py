@@ -314,3 +314,42 @@ def test_gpu_graphed_offload_step_equals_the_eager_one():
         a, b = eager.step(), step.step()
         assert all(torch.equal(x.out, y.out) for x, y in zip(a.layers, b, strict=True))
     assert step.graph is not None and graphed.offload.hot.hits > 0
+
+
+# ---------------------------------------------------------------- every limit checked when it can first be known
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("size", [70000, 2**31, 65537])
+def test_a_buffer_past_the_kernels_limit_is_refused_when_the_engine_is_built(backend, size):
+    """``offload_buffer=70000`` once built an engine whose first step the launcher refused after the request had
+    grown (stuck from then on); the limit is known at construction, so it is refused there."""
+    with pytest.raises(ConfigError, match=r"offload_buffer: expected an int in \[1, 65536\]"):
+        engines(offload_buffer=size, backend=backend)
+    base, off = engines(offload_buffer=1 << 16, backend=backend)  # the largest allowed: built, and it steps
+    assert off.offload.hot.size == 1 << 16
+
+
+@pytest.mark.parametrize("bad", ["abc", -5, 0, 2.0, True])
+def test_an_offload_buffer_is_checked_even_when_every_layer_is_dense(bad):
+    wl = PlantedEngineWorkload(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8, seed=1)
+    with pytest.raises(ConfigError, match="offload_buffer"):
+        DecodeEngine(wl, [None, None], offload_buffer=bad)
+    assert DecodeEngine(wl, [None, None], offload_buffer=16).offload is None  # nothing to offload: allowed
+
+
+def test_the_offload_classes_refuse_bad_sizes_and_rows():
+    for make, name in ((lambda: HostKVPool(-1, 1, 1, 2), "num_slots"),
+                       (lambda: HostKVPool(9, 0, 1, 2), "num_layers"),
+                       (lambda: HotBuffer(1, 2, -1, 1, 2, 16), "size"),
+                       (lambda: HotBuffer(1, 2, 70000, 1, 2, 16), "size"),
+                       (lambda: HotBuffer(1, 0, 4, 1, 2, 16), "num_rows"),
+                       (lambda: HotBuffer(1, 2, 4, 1, 2, 0), "max_context_len")):
+        with pytest.raises(ConfigError, match=name):
+            make()
+    hot = HotBuffer(1, 3, 4, 1, 2, 16)
+    hot.token[0, 2] = 5  # the last row holds a token: forget(-1) once emptied it (another request's row)
+    for row in (-1, 3, "0", 1.0):
+        with pytest.raises(SparseRefError, match="forget"):
+            hot.forget(row)
+    assert int(hot.token[0, 2, 0]) == 5
+    hot.forget(2)
+    assert bool((hot.token[0, 2] == -1).all())

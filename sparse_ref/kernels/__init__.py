@@ -77,8 +77,9 @@ class Knob:
 
 class Knobs(dict):
     """A family's ``TUNING`` table: launch knobs by name, each value checked against its declared range
-    (``Knob``) whenever it is set (``tuning``, ``table[name] = v``, ``table.update``), so a bad knob raises a
-    ``ConfigError`` naming it, never an out-of-bounds access inside a kernel."""
+    (``Knob``) whenever it is set (``tuning``, ``table[name] = v``, ``table.update``, ``table |= {...}``), so a bad
+    knob raises a ``ConfigError`` naming it, never an out-of-bounds access inside a kernel; no knob can be
+    removed (``del``, ``pop``, ``popitem``, ``clear`` raise instead of leaving a launch a missing key)."""
 
     def __init__(self, family: str, ranges: dict[str, Knob], **defaults):
         super().__init__()
@@ -100,10 +101,21 @@ class Knobs(dict):
         for name, value in values.items():
             self[name] = value
 
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
     def setdefault(self, name, value=None):
         if name not in self:
             self[name] = value
         return self[name]
+
+    def _removes(self, *args, **kwargs):
+        fail(f"{self.family}.TUNING", "every knob kept (a launch reads each one)", "an attempt to remove one",
+             "set the knob to another value in its range instead, e.g. with tuning(table, knob=value).",
+             ConfigError)
+
+    __delitem__ = pop = popitem = clear = _removes
 
 
 @contextlib.contextmanager
@@ -125,5 +137,4 @@ def tuning(table: Knobs, **knobs):
     try:
         yield table
     finally:
-        table.clear()
-        table.update(saved)
+        table.update(saved)  # (every knob is always there: restoring is setting them all back)

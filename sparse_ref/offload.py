@@ -173,7 +173,9 @@ class HotBuffer:
             tokens, used = self.token[layer, row].tolist(), self.last_used[layer, row].tolist()
             held = {t: s for s, t in enumerate(tokens) if t >= 0}
             needed = [t for t in want if t != newest]
-            assert len(needed) <= self.size, "the engine sizes the buffer for its largest selection"
+            if len(needed) > self.size:  # (the engine sizes the buffer for its largest selection: check_offload)
+                fail("hot.size", f"room for every token a row reads: at most {self.size} + its newest token",
+                     f"row {row} reading {len(needed) + 1}", "build the buffer for the largest selection.")
             missing = [t for t in needed if t not in held]
             for t in needed:
                 if t in held:

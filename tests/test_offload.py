@@ -29,12 +29,12 @@ SCRIPT = [("add", 37), ("add", 22), ("step",), ("step",), ("add", 9), ("step",),
           ("add", 41), ("step",), ("step",), ("finish", 1), ("add", 30), ("step",), ("step",), ("step",)]
 
 
-def engines(offload_buffer=64, backend="torch", device="cpu"):
+def engines(offload_buffer=64, backend="torch", device="cpu", dtype=torch.float32):
     wl = PlantedEngineWorkload(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
                                num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=13)
     cfg = SparseConfig(page_budget=2, num_recent_pages=1, num_sink_pages=1, min_sparse_seq_len=12)
     kw = dict(dsa_topk=8, page_size=P, max_requests=3, max_context_len=64, backend=backend,
-              device=device)
+              device=device, dtype=dtype)
     return DecodeEngine(wl, LAYERS, cfg, **kw), DecodeEngine(wl, LAYERS, cfg, offload_buffer=offload_buffer, **kw)
 
 
@@ -99,6 +99,15 @@ def test_offload_engine_equals_the_all_on_device_engine_through_joins_and_leaves
     assert run(SCRIPT, pair) == 9
     hot = pair[1].offload.hot
     assert hot.hits > 0 and hot.misses > 0 and hot.bytes_in == hot.misses * 2 * 2 * 8 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_a_16bit_offload_engine_stores_the_new_token_as_set_kv_does(dtype):
+    """The new token's K/V reaches the hot buffer and the host pool rounded by torch, as ``set_kv`` stores it on the
+    all-on-device engine (the kernel once stored fp32 into bf16 itself: the interpreter truncates where torch rounds
+    to nearest, and the outputs drifted from step 1); so the offload engine equals it bit for bit."""
+    pair = engines(backend="triton", device=DEVICE, dtype=dtype)
+    assert run(SCRIPT, pair) == 9 and pair[1].offload.hot.k[0].dtype == dtype
 
 
 def test_the_kernel_with_the_smallest_buffer_spans_only_what_a_row_reads():

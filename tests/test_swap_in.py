@@ -202,3 +202,74 @@ def test_gpu_kernel_reads_and_writes_the_pinned_host_pool_directly():
     want = host.k[0][r2t.cpu()[[0, 0, 0, 0, 1, 1, 1, 1], positions.cpu().view(-1).long()].long()]
     assert torch.equal(got, want)
     assert kern.hits == 1 and kern.misses == 7  # row 1's newest token (19) is the only hit
+
+
+# ---------------------------------------------------------------- the swap-in never touches another request's state
+def swap_in_case(page=4, size=8, rows=3, max_ctx=32):
+    """A hot buffer on the device, its host pool, req_to_token, and a valid two-row call at page size ``page``."""
+    on = {"device": DEVICE}
+    hot, host = HotBuffer(1, rows, size, 1, 2, max_ctx, device=DEVICE), HostKVPool(1 + rows * max_ctx, 1, 1, 2)
+    host.k[0].copy_(torch.randn(host.k[0].shape))
+    r2t = torch.arange(1, 1 + rows * max_ctx, dtype=torch.int32, **on).view(rows, max_ctx)
+    seq = torch.tensor([10, 9], **on)
+    call = dict(selected=torch.tensor([[0, 2], [1, 2]], dtype=torch.int32, **on),
+                lengths=torch.tensor([2, 2], dtype=torch.int32, **on),
+                sparse_mask=torch.ones(2, dtype=torch.bool, **on), page_size=page, width=2 * page,
+                rows=torch.tensor([0, 1], **on), seq_lens=seq, new_loc=r2t[[0, 1], seq - 1].long(), r2t=r2t)
+    return hot, host, call
+
+
+def run_swap_in(hot, host, c):
+    new = torch.zeros(c["rows"].shape[0], 1, 2, device=DEVICE)
+    batch = decode_batch(c["rows"], c["seq_lens"], c["new_loc"])
+    return swap_in(hot, 0, (c["selected"], c["lengths"], c["sparse_mask"], c["page_size"], c["width"]), batch,
+                   (new, new), host, c["r2t"])
+
+
+def state(hot, host):
+    return [t.clone().cpu() for t in (hot.token, hot.last_used, hot.slot_of, hot.lru, hot.clock, hot.stats,
+                                      hot.k[0], host.k[0])]
+
+
+BAD_CALLS = {
+    "row out of range": lambda c: {"rows": torch.tensor([0, 3], device=DEVICE)},
+    "row listed twice": lambda c: {"rows": torch.tensor([1, 1], device=DEVICE)},
+    "page -1 inside lengths": lambda c: {"selected": torch.tensor([[0, 2], [-1, 2]], dtype=torch.int32,
+                                                                    device=DEVICE)},
+    "a page past the request": lambda c: {"selected": torch.tensor([[0, 2], [1, 3]], dtype=torch.int32,
+                                                                     device=DEVICE)},
+    "a page twice": lambda c: {"selected": torch.tensor([[0, 0], [1, 2]], dtype=torch.int32, device=DEVICE)},
+    "a dense row past the buffer": lambda c: {"sparse_mask": torch.tensor([False, True], device=DEVICE),
+                                              "width": 16},
+    "a slot past the host pool": lambda c: {"r2t": c["r2t"] + 1000},
+    "the newest token on the padding slot": lambda c: {"new_loc": torch.zeros(2, dtype=torch.int64, device=DEVICE)},
+}
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_the_swap_in_refuses_bad_inputs_before_any_state_changes(name):
+    hot, host, call = swap_in_case()
+    before = state(hot, host)
+    with pytest.raises(SparseRefError):
+        run_swap_in(hot, host, {**call, **BAD_CALLS[name](call)})
+    assert all(torch.equal(a, b) for a, b in zip(before, state(hot, host), strict=True)), name
+    run_swap_in(hot, host, call)  # the same buffer, good inputs: it runs
+    assert int(hot.clock[0]) == 1
+
+
+def test_an_unchecked_page_minus_one_never_reaches_the_row_before():
+    """Value checks skipped (a CUDA graph, or a caller that checked the batch): row 1 selecting page -1 once rewrote
+    row 0's slot map entries 12-15; the kernel reads no position below 0, so row 0's state is untouched."""
+    from sparse_ref.checks import values_checked
+
+    hot, host, call = swap_in_case()
+    run_swap_in(hot, host, call)  # row 0 holds its tokens now
+    row0 = [t[:, 0].clone() for t in (hot.token, hot.last_used, hot.slot_of, hot.lru)]
+    bad = {**call, "rows": torch.tensor([1], device=DEVICE), "seq_lens": call["seq_lens"][1:],
+           "new_loc": call["new_loc"][1:], "lengths": call["lengths"][1:], "sparse_mask": call["sparse_mask"][1:],
+           "selected": torch.tensor([[-1, 2]], dtype=torch.int32, device=DEVICE)}
+    with values_checked():
+        table, counts = run_swap_in(hot, host, bad)
+    assert all(torch.equal(a, t[:, 0]) for a, t in zip(row0, (hot.token, hot.last_used, hot.slot_of, hot.lru),
+                                                       strict=True))
+    assert int(counts[0]) == 1  # page 2 holds token 8 below seq_len 9 (the newest); page -1 adds nothing

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.checks import check_int, check_kernel_device, check_tensor
+from sparse_ref.checks import check_int, check_kernel_device, check_range, check_tensor, fail, skip_value_checks
 
 
 @triton.jit
@@ -60,7 +60,8 @@ def _swap_in_kernel(selected, lengths, sparse_mask, seq_lens, rows, req_to_token
     sparse = (tl.load(sparse_mask + b) != 0) & (kept > 0)
     page = tl.load(selected + b.to(tl.int64) * SEL_W + j // P, mask=sparse & (j < kept * P), other=0)
     pos = page * P + j % P
-    valid = (j < SPAN) & tl.where(sparse, (j < kept * P) & (pos < seq_len), j < seq_len)
+    valid = (j < SPAN) & tl.where(sparse, (j < kept * P) & (pos >= 0) & (pos < seq_len), j < seq_len)  # (a page
+    # id below 0 would index the row before this one's slot map: never read, whatever arrives unchecked)
     t = tl.where(valid, tl.where(sparse, pos, j), 0)
     tl.store(counts + b, tl.sum(valid.to(tl.int32), axis=0))
     lookup = valid & (t != seq_len - 1)
@@ -137,11 +138,14 @@ def swap_in(hot, layer: int, selection: tuple, batch, new_kv: tuple, host, req_t
     its newest token (``check_offload`` sizes the buffer so), and a 128K-wide row in one program cost the
     swap-in 1.9 ms at bs=8 on the H200."""
     selected, lengths, sparse_mask, page_size, width = selection
-    new_k, new_v = (t.contiguous() for t in new_kv)
     token, last_used, slot_of, lru = (getattr(hot, name)[layer] for name in ("token", "last_used", "slot_of", "lru"))
     clock, size, hot_k, hot_v = hot.clock[layer: layer + 1], hot.size, hot.k[layer], hot.v[layer]
-    check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, slot_of, lru, clock,
-                  hot.stats, size)
+    # the buffers' dtype here, by torch (round to nearest even, as set_kv stores): the kernel then only copies
+    new_k, new_v = (t.to(hot_k.dtype).contiguous() if isinstance(t, torch.Tensor) else t for t in new_kv)
+    check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, last_used, slot_of, lru,
+                  clock, hot.stats, size)
+    check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size, batch, token.shape[0],
+                         host.k[layer], req_to_token)
     clock += 1
     bs = selected.shape[0]
     hd = hot_k.shape[1] * hot_k.shape[2]
@@ -171,9 +175,15 @@ COPY_ROWS = 8  # table entries (token rows) per copy program
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
-def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, slot_of, lru, clock, stats,
-                  size) -> None:
+def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, last_used, slot_of, lru,
+                  clock, stats, size) -> None:
+    """Shapes, without a host sync: the buffer's state of one layer (``token`` ``[rows, size]``, the list and the
+    stamps alike, ``slot_of`` ``[rows, max_ctx]``, ``hot_k`` holding every row's ``size + 1`` slots)."""
     size = check_int("size", size, low=1, high=1 << 16)
+    if token.dim() != 2 or token.shape[1] != size or hot_k.dim() != 3 or \
+            hot_k.shape[0] < 1 + token.shape[0] * (size + 1):
+        fail("hot", f"token [rows, size={size}] and K/V buffers of at least 1 + rows x {size + 1} slots",
+             f"token {tuple(token.shape)}, k {tuple(hot_k.shape)}", "pass a HotBuffer (its state is consistent).")
     check_int("page_size", page_size, low=1, high=1 << 10)
     check_int("width", width, low=0, high=(1 << 31) - 1)
     check_tensor("selected", selected, dtype=torch.int32, dims=2, contiguous=True)
@@ -181,9 +191,41 @@ def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k
     check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, shape=(selected.shape[0],))
     check_tensor("token", token, dtype=torch.int32, dims=2, contiguous=True)
     check_tensor("lru", lru, dtype=torch.int32, shape=tuple(token.shape), contiguous=True)
+    check_tensor("last_used", last_used, dtype=torch.int32, shape=tuple(token.shape), contiguous=True)
     check_tensor("slot_of", slot_of, dtype=torch.int32, shape=(token.shape[0], None), contiguous=True)
     check_tensor("hot_k", hot_k, dims=3, contiguous=True)
     check_tensor("new_k", new_k, shape=(selected.shape[0], *hot_k.shape[1:]), contiguous=True)
     check_tensor("clock", clock, dtype=torch.int32, shape=(1,))
     check_tensor("stats", stats, dtype=torch.int64, shape=(2,))
     check_kernel_device("selected", selected, "move it with .cuda().")
+
+
+def check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size, batch, num_rows, host_k,
+                         req_to_token):
+    """Values (host syncs; skipped while a graph captures or a caller checked the batch): each request row once and
+    in range, each sparse row naming only its own pages once, each row reading at most its buffer and its newest
+    token, and the host pool holding every slot the table names. A bad value never reaches another row's state."""
+    bs = selected.shape[0]
+    if bs == 0 or skip_value_checks():
+        return
+    rows, seq_lens = batch.req_pool_indices, batch.seq_lens.long()
+    check_range("batch.req_pool_indices", rows, 0, num_rows - 1, "rows of the hot buffer (the requests' rows).")
+    if rows.unique().numel() != bs:
+        fail("batch.req_pool_indices", "each request row once", str(rows.tolist()), "batch each request once.")
+    check_range("batch.seq_lens", seq_lens, 1, req_to_token.shape[1], "each request holds its newest token.")
+    live = torch.arange(selected.shape[1], device=selected.device)[None, :] < lengths[:, None]
+    sparse = (sparse_mask & (lengths > 0))[:, None] & live
+    pages = -(-seq_lens // page_size)
+    if bool((sparse & ((selected < 0) | (selected >= pages[:, None]))).any()):
+        fail("selected", "within lengths, pages of the row's own request: [0, ceil(seq_len / page_size))",
+             str(selected.tolist()[:4]), "pass the selection of retrieve_topk for this batch.")
+    ids = torch.where(sparse, selected.long(), -1).sort(dim=1).values
+    if bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()):
+        fail("selected", "each kept page once in a row", str(selected.tolist()[:4]), "pass retrieve_topk's selection.")
+    reads = torch.where(sparse, (seq_lens[:, None] - selected.long() * page_size).clamp(0, page_size), 0).sum(1)
+    reads = torch.where((sparse_mask & (lengths > 0)), reads, seq_lens.clamp(max=width))  # (a table cuts at width)
+    if int(reads.max()) > size + 1:
+        fail("hot.size", f"room for every token a row reads: at most {size} + its newest token",
+             f"a row reading {int(reads.max())}", "build the buffer for the largest selection (check_offload).")
+    check_range("req_to_token", req_to_token, 0, host_k.shape[0] - 1, "slots of the host pool.")
+    check_range("batch.out_cache_loc", batch.out_cache_loc, 1, host_k.shape[0] - 1, "slots of the host pool.")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from sparse_ref.errors import ConfigError
-from sparse_ref.kernels import Knob, Knobs, decode_attention, dsa, quest, quest_bounds, tuning
+from sparse_ref.kernels import Knob, Knobs, decode_attention, dsa, page_select, quest, quest_bounds, tuning
 from sparse_ref.kernels import topk as topk_module
 
 TABLES = {"topk": topk_module.TUNING, "decode_attention": decode_attention.TUNING, "dsa": dsa.TUNING,
-          "quest": quest.TUNING, "quest_bounds": quest_bounds.TUNING}
+          "quest": quest.TUNING, "quest_bounds": quest_bounds.TUNING, "page_select": page_select.TUNING}
 
 
 def bad_values(knob: Knob) -> list:

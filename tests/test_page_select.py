@@ -21,7 +21,6 @@ from sparse_ref.algorithms.base import SparseAlgorithm
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import page_select as page_select_module
-from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.page_select import select_pages_to_table, select_pages_triton
 from sparse_ref.selection import select_pages, select_pages_row, selection_width
 
@@ -75,12 +74,12 @@ def test_property_matches_select_pages(bs, page_size, max_pages, config, ties, n
     seq_lens = torch.tensor(data.draw(st.lists(lens, min_size=bs, max_size=bs)), dtype=torch.int64, device=DEVICE)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), device=DEVICE)
     scores = page_scores(bs, max_pages, seed, ties, nonfinite)
-    saved = dict(topk_module.TUNING)
-    topk_module.TUNING.update(knobs)
+    saved = dict(page_select_module.TUNING)
+    page_select_module.TUNING.update(knobs)
     try:
         check_against_references(scores, seq_lens, mask, page_size, config)
     finally:
-        topk_module.TUNING.update(saved)
+        page_select_module.TUNING.update(saved)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -121,7 +120,7 @@ def test_typical_batch_and_explicit_widths():
 def test_adversarial_history(monkeypatch, knobs):
     """Ascending, periodic and plateau histories, by every plan (``KNOBS``)."""
     for name, value in knobs.items():
-        monkeypatch.setitem(topk_module.TUNING, name, value)
+        monkeypatch.setitem(page_select_module.TUNING, name, value)
     config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
     n = 300
     period = torch.randn(16, generator=torch.Generator().manual_seed(1))
@@ -139,7 +138,7 @@ def test_packed_scores_are_exact(monkeypatch, spread, knobs):
     many scores tie exactly in fp32). The delegates plan must reach the exact k-th delegate (16 slots: ~85
     candidates at 16 bits, 7 at the exact delegate). Every plan."""
     for name, value in knobs.items():
-        monkeypatch.setitem(topk_module.TUNING, name, value)
+        monkeypatch.setitem(page_select_module.TUNING, name, value)
     config = SparseConfig(page_budget=7, num_recent_pages=2, num_sink_pages=1)
     g = torch.Generator().manual_seed(11)
     scores = (5700.0 * (1 + spread * torch.randn(3, 90, generator=g))).to(DEVICE)
@@ -315,7 +314,7 @@ def test_gpu_benchmark_shape(monkeypatch, knobs):
     seq_lens[0] = 8192 * 16
     mask = torch.ones(32, dtype=torch.bool, device="cuda")
     for name, value in knobs.items():  # (this shape picks the delegates plan: 8192 pages, k = 128)
-        monkeypatch.setitem(topk_module.TUNING, name, value)
+        monkeypatch.setitem(page_select_module.TUNING, name, value)
     check_against_references(scores, seq_lens, mask, 16, config)
 
 

@@ -6,7 +6,7 @@ leaf modules ``errors``, ``checks`` and ``device`` of the package; everything el
 arrives as an argument. Launch knobs live in one ``TUNING`` table per family, never in a public
 signature: ``tuning(table, **knobs)`` sets some for a ``with`` block (benchmarks and tests use it).
 One switch is shared by every family: programmatic dependent launch between consecutive launches
-(``after_previous_launch`` in the kernel, ``pdl_options`` at the launch; a ``"pdl"`` knob per table).
+(``after_previous_launch`` in the kernel, ``pdl_options`` at the launch), on wherever the GPU has it.
 
 Importing this package goes through ``sparse_ref/__init__.py`` first, which turns on Triton's
 interpreter when there is no GPU.
@@ -38,8 +38,8 @@ def after_previous_launch(PDL: tl.constexpr):
 
 
 def pdl_options(device: torch.device, on: bool = True) -> dict:
-    """Launch options for ``after_previous_launch``: the constexpr and ``launch_pdl`` when ``on`` (a family's
-    ``TUNING["pdl"]``) on a Hopper-or-later GPU; off on the CPU interpreter."""
+    """Launch options for ``after_previous_launch``: the constexpr and ``launch_pdl`` when ``on`` (the default) on a
+    Hopper-or-later GPU; off on the CPU interpreter."""
     on = (bool(on) and device.type == "cuda" and not triton_interpreted()
           and torch.cuda.get_device_capability(device)[0] >= 9)
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)

@@ -196,13 +196,13 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 MAX_SPLITS = 64
 # Launch knobs (None: the default the launcher picks from the shapes). Benchmarks and tests vary them with
 # ``sparse_ref.kernels.tuning(TUNING, ...)``: splits of the KV length per (request, KV head); tokens per step;
-# warps; pipeline stages; tl.dot (tensor cores) or broadcast products; two-term 16-bit dots; programmatic
-# dependent launch of both launches (their programs are placed while the launch before them finishes).
+# warps; pipeline stages; tl.dot (tensor cores) or broadcast products; two-term 16-bit dots. Both launches use
+# programmatic dependent launch where the GPU has it (their programs are placed while the launch before finishes).
 TUNING = Knobs("decode_attention", {
     "num_splits": Knob(1, MAX_SPLITS, none=True), "block_n": Knob(16, 1024, pow2=True, none=True),
     "num_warps": Knob(1, 32, pow2=True, none=True), "num_stages": Knob(1, 8, none=True),
-    "use_dot": Knob(flag=True, none=True), "precise": Knob(flag=True), "pdl": Knob(flag=True),
-}, num_splits=None, block_n=None, num_warps=None, num_stages=None, use_dot=None, precise=True, pdl=True)
+    "use_dot": Knob(flag=True, none=True), "precise": Knob(flag=True),
+}, num_splits=None, block_n=None, num_warps=None, num_stages=None, use_dot=None, precise=True)
 DOT_MIN_GROUP = 1  # GQA groups of at least this many query heads use tl.dot (padded to 16 rows): all of them
 PACK_HALVES = True  # both 16-bit parts in one dot where the group fits half the rows (H200 bs=64 32K: 2261 -> 2061 us)
 # KV tokens per split from which 16-bit tensor-core launches take the long-split tile: GQA 128 tokens a step and 2
@@ -311,7 +311,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     cfg = config(split_len=triton.cdiv(width * page_size, num_splits))
     ce = cfg["constexprs"]
     q = q.contiguous()
-    pdl = pdl_options(q.device, TUNING["pdl"])
+    pdl = pdl_options(q.device)
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                                    device=q.device)

@@ -47,28 +47,35 @@ from sparse_ref.checks import (
     fail,
 )
 from sparse_ref.errors import SparseRefError
-from sparse_ref.kernels import after_previous_launch, pdl_options
+from sparse_ref.kernels import Knob, Knobs, after_previous_launch, pdl_options
 from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
-from sparse_ref.kernels.topk import TUNING, short_row_warps
+from sparse_ref.kernels.topk import short_row_warps
 from sparse_ref.kernels.topk.rows import direct_mode, select_direct, select_in_registers, use_direct
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages
 # Candidate slots per delegate (the delegates plan). Quest scores are packed (~2% spread); a threshold cut to 16
 # bits let ~350 of 2048 pages through at k=123 (~260 of 8192), hence 2 G slots. The window threshold adapts to the
 # packed range (fewer candidates); the slots stay, and the exact k-th delegate is needed only beyond them. The
-# top-k's TUNING["slots"] still overrides (tests force overflows).
+# page selection's TUNING["slots"] overrides (tests force overflows).
 SLOTS_PER_DELEGATE = 2
-# The direct plan's value round (top-k's TUNING["value_bins"]) stays off for page histories, and their kept bin holds
-# at most PAGE_PAIR keys (top-k's short_pair caps it; 0 there: rounds only): on an H200 the decode step's selection
+# The direct plan's value round (the top-k's value_bins) stays off for page histories, and their kept bin holds
+# at most PAGE_PAIR keys (TUNING["short_pair"]; 0: rounds only): on an H200 the decode step's selection
 # (2048 Quest page scores, k = 123, bs=1) took 11.6 us with 256 value bins, 11.1 without (bin of 128), 11.2 with a
 # bin of 256, 10.8 with 32 (2026-12-04). A bin of 256 made the page selection 2x slower in Triton's interpreter.
 VALUE_BINS, PAGE_PAIR = 0, 32
-# Programmatic dependent launch of the select-to-table launch (``TUNING["pdl"]``): it always lets the attention
+# Programmatic dependent launch of the select-to-table launch: it always lets the attention
 # launch after it be placed early; it is itself placed early, while the scoring launch before it finishes, only
 # for at most this many rows. Same-process A/B on an H200 (the decode step, bf16 bounds, default knobs): 48.2 us at
 # bs=1 and 321.7 at bs=64 (no PDL: 50.5 and 323.1); placed early at any batch, 81.3 at bs=8 and 326.0 at bs=64
 # (no PDL: 76.6 and 323.1): its early programs hold SM slots the scoring's last wave needs.
 PDL_WAIT_MAX_ROWS = 1
+MIN_DELEGATES, PAIR_RANK, DELEGATES_WARPS = 256, 128, 8  # the delegates plan: as the top-k's defaults
+# Launch knobs of page selection (tests force each plan with them): a history is selected directly when N_PAD <=
+# direct_ratio * G (0: never); the direct plan's kept bin holds up to short_pair keys (0: window rounds to one
+# value); the delegates plan's candidate slots (0: SLOTS_PER_DELEGATE * G).
+TUNING = Knobs("page_select", {
+    "direct_ratio": Knob(1, 1 << 20, zero=True), "short_pair": Knob(16, 1024, pow2=True, zero=True),
+    "slots": Knob(1, 1 << 20, pow2=True, zero=True)}, direct_ratio=8, short_pair=PAGE_PAIR, slots=0)
 
 
 @triton.jit
@@ -196,14 +203,14 @@ def _launch_args(scores, seq_lens, sparse_mask, page_size, config, W):
     device = scores.device
     n_pad = max(32, triton.next_power_of_2(max_pages))  # (at least one bitmask word)
     k_max = config.history_budget(max_pages)  # no row keeps more history pages than this
-    G = min(n_pad, max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * k_max, 1))))
+    G = min(n_pad, max(MIN_DELEGATES, triton.next_power_of_2(max(2 * k_max, 1))))
     direct = use_direct(n_pad, G, TUNING["direct_ratio"])
     slots = min(n_pad, TUNING["slots"] or SLOTS_PER_DELEGATE * G)
-    pair = min(TUNING["short_pair"], PAGE_PAIR) if direct else min(TUNING["pair_rank"], slots) if slots >= 16 else 0
+    pair = TUNING["short_pair"] if direct else min(PAIR_RANK, slots) if slots >= 16 else 0
     scratch = torch.empty((bs, max(pair, 1) if direct else slots), dtype=torch.int32, device=device)
     args = (seq_lens.contiguous(), sparse_mask.contiguous(), budget_table(max_pages, config, device), scratch)
     rules = (page_size, config.num_recent_pages, config.num_sink_pages, config.min_sparse_seq_len)
-    nw = (short_row_warps(n_pad) if direct else TUNING["num_warps"]) if device.type == "cuda" else 1
+    nw = (short_row_warps(n_pad) if direct else DELEGATES_WARPS) if device.type == "cuda" else 1
     constexprs = dict(N_PAD=n_pad, G=G, SLOTS=slots, PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
                       DIRECT=direct_mode(direct, VALUE_BINS), num_warps=nw)
     return args, rules, constexprs
@@ -266,7 +273,7 @@ def select_pages_to_table(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_m
                                                              check_values=False)
     batch, rules, ce = _launch_args(scores, seq_lens, sparse_mask, page_size, config, W)
     sizes = (scores.stride(0), max_pages, W, out_width, r2t_rows, r2t_width)
-    pdl = pdl_options(device, TUNING["pdl"])
+    pdl = pdl_options(device)
     if "launch_pdl" in pdl and bs > PDL_WAIT_MAX_ROWS:
         pdl["launch_pdl"] = False  # (it still lets the attention launch after it start early)
     _select_to_table_kernel[(bs,)](scores, selected, lengths, *batch, req_pool_indices.contiguous(), req_to_token,

@@ -109,10 +109,10 @@ def _quest_scores_from_queries_kernel(q_ptr, page_min_ptr, page_max_ptr, valid_p
 
 PROGRAMS_PER_SM = 2  # the default blocks aim for at least this many programs per SM (memory latency hiding)
 # Launch knobs (powers of two; None: the defaults of default_blocks). Vary them with sparse_ref.kernels.tuning.
-TUNING = Knobs("quest", {  # pdl: programmatic dependent launch
+TUNING = Knobs("quest", {
     "block_p": Knob(2, 1024, pow2=True, none=True), "block_hd": Knob(8, 8192, pow2=True, none=True),
-    "num_warps": Knob(1, 32, pow2=True, none=True), "pdl": Knob(flag=True),
-}, block_p=None, block_hd=None, num_warps=None, pdl=True)
+    "num_warps": Knob(1, 32, pow2=True, none=True),
+}, block_p=None, block_hd=None, num_warps=None)
 
 
 def default_blocks(hd: int, bs: int, max_pages: int, device: torch.device) -> tuple[int, int]:
@@ -171,7 +171,7 @@ def quest_page_scores_from_queries(queries: torch.Tensor, page_min: torch.Tensor
         queries.contiguous(), page_min, page_max, page_valid.view(torch.uint8), req_to_token.contiguous(),
         req_pool_indices.contiguous(), out, max_pages, num_pages, hd, head_dim, r2t_rows, r2t_width, page_size,
         GROUP=group, MEAN=gqa_mode == "mean", BLOCK_P=block_p, BLOCK_HD=block_hd, num_warps=num_warps,
-        **pdl_options(device, TUNING["pdl"]))
+        **pdl_options(device))
     return out
 
 

@@ -94,46 +94,41 @@ NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 W_, P2, OFF = 1 << 20, 1 << 16, True  # launch knobs' declared ranges: powers of two where a kernel tiles by them
 RANGES = {
     "register_row": Knob(1, 16384, zero=OFF), "direct_ratio": Knob(1, W_, zero=OFF),
-    "short_pair": Knob(16, 1024, pow2=True, zero=OFF), "scores_per_warp": Knob(16, 8192, pow2=True),
+    "short_pair": Knob(16, 1024, pow2=True, zero=OFF),
     "min_delegates": Knob(16, 8192, pow2=True), "max_delegates": Knob(16, 16384, pow2=True),
-    "slots_per_delegate": Knob(1, 8), "slots": Knob(1, W_, pow2=True, zero=OFF), "chunk": Knob(16, P2, pow2=True),
+    "slots": Knob(1, W_, pow2=True, zero=OFF), "chunk": Knob(16, P2, pow2=True),
     "bitmask_programs": Knob(1, 2**31 - 1, zero=OFF), "delegate_cols": Knob(16, P2, pow2=True),
-    "num_warps": Knob(1, 32, pow2=True), "delegate_warps": Knob(1, 32, pow2=True), "min_programs": Knob(1, W_),
-    "candidate_warps": Knob(1, 32, pow2=True), "reverse_rows": Knob(flag=True), "select_warps": Knob(1, 32, pow2=True),
+    "num_warps": Knob(1, 32, pow2=True), "candidate_warps": Knob(1, 32, pow2=True), "reverse_rows": Knob(flag=True),
     "select_programs": Knob(1, W_), "tie_tile": Knob(16, P2, pow2=True), "local_threshold": Knob(1, 1024, zero=OFF),
-    "delegate_tile": Knob(256, P2, pow2=True), "block": Knob(16, P2, pow2=True), "sort_warps": Knob(1, 32, pow2=True),
-    "sort_run": Knob(16, 4096, pow2=True, zero=OFF), "sort_run_warps": Knob(1, 32, pow2=True), "pdl": Knob(flag=True),
-    "pair_rank": Knob(16, 256, pow2=True, zero=OFF), "value_bins": Knob(16, 256, pow2=True, zero=OFF)}
+    "block": Knob(16, P2, pow2=True), "sort_run": Knob(16, 4096, pow2=True, zero=OFF),
+    "sort_run_warps": Knob(1, 32, pow2=True), "pair_rank": Knob(16, 256, pow2=True, zero=OFF),
+    "value_bins": Knob(16, 256, pow2=True, zero=OFF)}
 TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them, benchmarks try variants
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers (rows.py)
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
     "short_pair": 256,  # directly: rounds over the row until the kept bin holds this many (0: to one value)
-    "scores_per_warp": 512,  # directly: warps = N_PAD / this, from 8 to 32 (the delegates plan: num_warps)
     "min_delegates": 256, "max_delegates": 8192,  # G = max(min_delegates, next_pow2(2 k)), at most max_delegates
-    "slots_per_delegate": 1,  # SLOTS = this * G candidates per row before the fallback (expected: ~0.7 G)
-    "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback)
+    "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback; else G, ~0.7 G expected)
     "chunk": 2048,  # columns per candidate program
     "bitmask_programs": 1024,  # at least this many candidates programs (rows x chunks): the bitmask mode
     "delegate_cols": 2048,  # delegate columns per delegate program (at most; halved while the programs are fewer
-    # than min_programs: 1024 at 64 rows and G = 4096, 2048 at 128 rows, where two programs per row fit in one wave)
+    # than MIN_PROGRAMS: 1024 at 64 rows and G = 4096, 2048 at 128 rows, where two programs per row fit in one wave)
     "num_warps": 8,  # register rows by the delegates plan, and the Quest bounds update
-    "delegate_warps": 8,  # long rows: the delegates launch (and the whole-row radix when k is too wide for delegates)
-    "min_programs": 256,  # fewer rows than this fills: smaller chunks / delegate slices per program
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "reverse_rows": True,  # the candidates launch takes the rows last-first (the delegates launch read them last)
-    "select_warps": 16,  # the select launch: the exact selection on a row's slots, or a span of its fallback
     "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
     "tie_tile": 2048,  # columns per load of a flagged row's select program and per tile of its -1 padding (pow2)
     "local_threshold": 4,  # up to this many delegates programs per row: T from their own thresholds
-    "delegate_tile": 8192,  # scores per load of a delegates program (ROWS x COLS)
     "block": 1024,  # tile of the whole-row kernel's loops (k too wide for delegates)
-    "sort_warps": 16,  # warps of the order="score" sort when it holds >= 2048 winners
     "sort_run": 512, "sort_run_warps": 4,  # > 0: order="score" sorts runs of this many in parallel, then merges
-    "pdl": True,  # programmatic dependent launch between the long-row launches (Hopper and later)
     "pair_rank": 128,  # > 0: the exact k-th key by a pairwise rank of up to this many keys of one bin
     "value_bins": 128,  # directly: the first round bins the float values in this many bins (0: keys; rows.py)
 })
 MAX_SORT_WIDTH = 4096  # order="score" sorts a row's winners inside one tile of at most this many
+SCORES_PER_WARP = 512  # a register row held directly: warps = N_PAD / this, from 8 to 32
+DELEGATE_WARPS, SELECT_WARPS, SORT_WARPS = 8, 16, 16  # the delegates (and whole-row) launch; select; a 2048+ sort
+MIN_PROGRAMS = 256  # fewer rows than this fills: smaller chunks / delegate slices per program
+DELEGATE_TILE = 8192  # scores per load of a delegates program (ROWS x COLS)
 ORDERS = ("score", "index", "none")
 
 
@@ -189,15 +184,15 @@ def work_width(c_pad: int, G: int) -> int:
 
 
 def pdl_options(device: torch.device) -> dict:
-    """Launch options for programmatic dependent launch between the long-row launches (``TUNING["pdl"]``)."""
-    return kernel_pdl_options(device, TUNING["pdl"])
+    """Launch options for programmatic dependent launch between the long-row launches (Hopper and later)."""
+    return kernel_pdl_options(device)
 
 
 def short_row_warps(n_pad: int) -> int:
     """Warps of a program that holds a row of ``n_pad`` scores in registers (``select_direct``): one per
-    ``TUNING["scores_per_warp"]`` scores, 8 to 32 (on an H200, 64 x 2048: 4 warps 16.5 us, 8 warps 14.4;
+    ``SCORES_PER_WARP`` scores, 8 to 32 (on an H200, 64 x 2048: 4 warps 16.5 us, 8 warps 14.4;
     64 x 8192: 8 warps 51.8, 16 warps 28.7; 16384: 16 warps 65.4, 32 warps 56.5)."""
-    return min(32, max(8, n_pad // TUNING["scores_per_warp"]))
+    return min(32, max(8, n_pad // SCORES_PER_WARP))
 
 
 def plan(R: int, N: int, width: int) -> dict:
@@ -207,12 +202,12 @@ def plan(R: int, N: int, width: int) -> dict:
     register = N <= TUNING["register_row"]
     if register:
         G = min(G, n_pad)
-    slots = TUNING["slots"] or TUNING["slots_per_delegate"] * G
+    slots = TUNING["slots"] or G
     chunk, cols = max(32, min(TUNING["chunk"], n_pad, 1 << 15)), min(TUNING["delegate_cols"], G)  # (chunk: whole
     # bitmask words; < 2**16: two counts packed in one int32)
-    while R * triton.cdiv(N, chunk) < TUNING["min_programs"] and chunk > 1024:  # few rows: more, smaller
+    while R * triton.cdiv(N, chunk) < MIN_PROGRAMS and chunk > 1024:  # few rows: more, smaller
         chunk //= 2  # programs per row
-    while R * (G // cols) < TUNING["min_programs"] and cols > 64:
+    while R * (G // cols) < MIN_PROGRAMS and cols > 64:
         cols //= 2
     slots = min(slots, n_pad, 1 << 14)  # (< 2**15: the select program packs two counts in one int32)
     pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
@@ -252,14 +247,14 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
             PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
             DIRECT=direct_mode(p["direct"], TUNING["value_bins"]), num_warps=nw))]
-    nw = TUNING["delegate_warps"] if device.type == "cuda" else 1
+    nw = DELEGATE_WARPS if device.type == "cuda" else 1
     block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p["n_pad"])
     G, cols, chunk = p["G"], p["cols"], p["chunk"]
     C = triton.cdiv(N, chunk)
     log_c = max(1, (C - 1).bit_length())
     if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
         stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
-        stats["grids"] = {"whole_row": (R, TUNING["delegate_warps"])}
+        stats["grids"] = {"whole_row": (R, DELEGATE_WARPS)}
         return [("whole_row", lambda: select.whole_row_kernel[(R,)](
             scores, stride, out, N, W, **row_args, BLOCK=block, num_warps=nw))]
 
@@ -280,7 +275,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
         stats["bits"] = cand[:, :n_words]
     else:
         stats.update(counts=work[:, head[2]:head[2] + C], run_starts=work[:, head[3]:head[3] + C])
-    rows = max(1, min(TUNING["delegate_tile"] // cols, triton.next_power_of_2(triton.cdiv(N, G))))
+    rows = max(1, min(DELEGATE_TILE // cols, triton.next_power_of_2(triton.cdiv(N, G))))
     shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BITMASK=bitmask)
     tile = max(chunk, min(TUNING["tie_tile"], p["n_pad"]))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
@@ -288,9 +283,9 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     # bitmask words, and _bits_to_slots' blocks of words must be a power of two)
     assert span % chunk == 0 and chunk % 32 == 0
     stats["span"] = span
-    stats["grids"] = {"delegates": (R * (G // cols), TUNING["delegate_warps"]),
+    stats["grids"] = {"delegates": (R * (G // cols), DELEGATE_WARPS),
                       "candidates": (R * C, TUNING["candidate_warps"]),
-                      "select": (R * triton.cdiv(N, span), TUNING["select_warps"])}
+                      "select": (R * triton.cdiv(N, span), SELECT_WARPS)}
     return [
         ("delegates", lambda: threshold.delegates_kernel[(R * (G // cols),)](
             scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
@@ -300,7 +295,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
             num_warps=warps("candidate_warps"), **pdl)),
         ("select", lambda: select.select_kernel[(R, triton.cdiv(N, span))](
             scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], SPAN=span, TILE=tile,
-            num_warps=warps("select_warps"), **pdl)),
+            num_warps=SELECT_WARPS if device.type == "cuda" else 1, **pdl)),
     ]
 
 
@@ -331,7 +326,7 @@ def _sort_winners(scores, out):
                                                        num_warps=nw, PDL=False)
         sort.merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw, **pdl)
         return out
-    num_warps = (TUNING["sort_warps"] if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
+    num_warps = (SORT_WARPS if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
     sort.sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps,
                                          PDL=False)
     return out

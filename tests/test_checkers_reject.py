@@ -29,7 +29,7 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def _keys(x):
+def keys_of(x):
     bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     return torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
 
@@ -96,8 +96,8 @@ WRONG = {
         ("every dim rotated", lambda x, p, r, th: apply_rope(x, p, x.shape[1], th, interleaved=True)),
     ],
     "check_ordered_bits": [
-        ("-0.0 not folded into +0.0", _keys),
-        ("both zeros get the key of -0.0", lambda x: torch.where(x == 0, 0x7FFFFFFF, _keys(x + 0.0))),
+        ("-0.0 not folded into +0.0", keys_of),
+        ("both zeros get the key of -0.0", lambda x: torch.where(x == 0, 0x7FFFFFFF, keys_of(x + 0.0))),
     ],
     "check_kth_digit": [
         ("the k-th smallest key", lambda keys, k: ((d := int(keys.sort().values[k - 1]) >> 24),
@@ -216,5 +216,5 @@ def test_every_exercise_checker_has_two_mistakes():
 def test_the_mistakes_are_really_wrong_and_the_reference_passes():
     """Sanity of the table above: the reference solutions pass (so a rejection is the mistake's doing)."""
     checkers.check_topk_in_prefix(lambda s, lens, k: topk_reference(s, k, lens, order="index"))
-    checkers.check_ordered_bits(lambda x: _keys(x + 0.0))
+    checkers.check_ordered_bits(lambda x: keys_of(x + 0.0))
     assert math.isfinite(float(torch.exp(torch.tensor(80.0))))

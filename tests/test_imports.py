@@ -131,3 +131,15 @@ def test_kernels_import_only_leaves_and_kernels():
 def test_checks_helpers_stay_small():
     """``checks.py`` holds only the helpers shared by several modules; each module owns its entry-point checks."""
     assert len((PACKAGE / "checks.py").read_text().splitlines()) < 400
+
+
+def test_no_kernel_module_imports_a_private_name_of_another():
+    """The fast tier's modules share device helpers by public names (``common.py``'s ``keys_of``, ``narrow_window``,
+    ...): a reader who meets a name in one kernel file finds it defined, public, in the one it comes from."""
+    private = []
+    for path in (PACKAGE / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparse_ref"):
+                private += [f"{path.relative_to(PACKAGE)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not private, private

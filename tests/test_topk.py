@@ -26,14 +26,14 @@ from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import topk as topk_module
 from sparse_ref.kernels.topk import topk
 from sparse_ref.kernels.topk.common import (
-    _bin_shift,
-    _bits_to_slots,
-    _hit_ranks,
-    _keys,
-    _narrow,
-    _write_above_and_ties,
+    bin_shift,
+    bits_to_slots,
+    hit_ranks,
+    keys_of,
+    narrow_window,
+    write_above_and_ties,
 )
-from sparse_ref.kernels.topk.rows import _value_round
+from sparse_ref.kernels.topk.rows import value_round
 from sparse_ref.selection import topk_reference
 
 DEVICE = sparse_ref.default_device()  # CUDA on a GPU machine, else CPU through the interpreter
@@ -285,7 +285,7 @@ def float_keys(x: torch.Tensor) -> torch.Tensor:
 
 
 def narrow_model(keys: list[int], k: int, slack: int) -> int:
-    """``_narrow`` in plain Python, on int32 ``keys`` over their own range [min, max]: 256 bins of width
+    """``narrow_window`` in plain Python, on int32 ``keys`` over their own range [min, max]: 256 bins of width
     2**shift from the window's low end (shift: the span's bit length minus 8); keep the bin holding
     the k-th largest; the next window is the kept keys' own range. At most 4 rounds, while the bin holds
     more than ``slack`` keys beyond the ones the k-th takes and more than one value. Returns the lower edge
@@ -547,7 +547,7 @@ def test_candidates_bitmask(monkeypatch):
 
 @triton.jit
 def _bits_to_slots_kernel(words, n_words, dst, col0, WB: tl.constexpr):
-    tl.store(dst + 1000, _bits_to_slots(words, n_words, dst, col0, WB))
+    tl.store(dst + 1000, bits_to_slots(words, n_words, dst, col0, WB))
 
 
 @pytest.mark.parametrize("case", ["sparse", "dense", "edges", "empty", "one"])
@@ -586,17 +586,17 @@ def _narrow_kernel(keys, n, k, limit, out, EXCESS: tl.constexpr, N_PAD: tl.const
     member = i < n
     lo = tl.min(tl.where(member, key, 2147483647), axis=0)
     hi = tl.max(tl.where(member, key, -2147483648), axis=0)
-    t, member, m, k_rem = _narrow(key, member, n, k, lo, hi, limit, EXCESS, 4)
+    t, member, m, k_rem = narrow_window(key, member, n, k, lo, hi, limit, EXCESS, 4)
     tl.store(out, t)
     tl.store(out + 1, m)
     tl.store(out + 2, k_rem)
-    tl.store(out + 3, _bin_shift(lo, hi))
+    tl.store(out + 3, bin_shift(lo, hi))
 
 
 @pytest.mark.parametrize("case", ["randn", "packed", "ties", "one value", "both signs", "extremes", "int extremes"])
 def test_window_rounds(case):
-    """``_narrow`` against ``narrow_model`` key for key (its threshold mode: stop when at most k/8 extra keys
-    share the bin), and run to the exact k-th key (limit -1); ``_bin_shift``'s 256 bins cover [min, max]."""
+    """``narrow_window`` against ``narrow_model`` key for key (its threshold mode: stop when at most k/8 extra keys
+    share the bin), and run to the exact k-th key (limit -1); ``bin_shift``'s 256 bins cover [min, max]."""
     g = torch.Generator().manual_seed(len(case))
     n = 300
     x = {"randn": torch.randn(n, generator=g), "packed": 5700 * (1 + 0.02 * torch.rand(n, generator=g)),
@@ -630,8 +630,8 @@ def test_window_rounds(case):
 def _value_round_kernel(x, n, k, out, members, N_PAD: tl.constexpr, BINS: tl.constexpr):
     i = tl.arange(0, N_PAD)
     v = tl.load(x + i, mask=i < n, other=0.0)
-    ok = _keys(v, i < n) != -2147483648
-    member, m, k_rem = _value_round(v, ok, tl.sum(ok.to(tl.int32), axis=0), k, BINS)
+    ok = keys_of(v, i < n) != -2147483648
+    member, m, k_rem = value_round(v, ok, tl.sum(ok.to(tl.int32), axis=0), k, BINS)
     tl.store(out, m)
     tl.store(out + 1, k_rem)
     tl.store(members + i, member.to(tl.int32))
@@ -641,7 +641,7 @@ def _value_round_kernel(x, n, k, out, members, N_PAD: tl.constexpr, BINS: tl.con
                                   "plus inf", "one value", "tiny span", "nothing valid"])
 @pytest.mark.parametrize("bins", [256, 32])
 def test_value_round(case, bins):
-    """``_value_round`` (the direct plan's first round, on the float values): where it bins, its bin is a run
+    """``value_round`` (the direct plan's first round, on the float values): where it bins, its bin is a run
     of the sorted valid scores that holds the k-th largest (k_rem of it taken), and a random row keeps
     about 256 / bins % of its scores; where it must not bin (+inf, all equal, a span below 2**-100, no valid score)
     it keeps every valid score and k."""
@@ -679,12 +679,12 @@ def test_value_round(case, bins):
 @triton.jit
 def _hit_ranks_kernel(hits, out, WORDS: tl.constexpr):
     i = tl.arange(0, WORDS * 32)
-    tl.store(out + i, _hit_ranks(tl.load(hits + i) != 0, WORDS))
+    tl.store(out + i, hit_ranks(tl.load(hits + i) != 0, WORDS))
 
 
 @pytest.mark.parametrize("density", [0.0, 0.04, 0.5, 1.0])
 def test_hit_ranks(density):
-    """``_hit_ranks`` (the runs mode's places of a chunk's candidates, from bitmask words) equals the
+    """``hit_ranks`` (the runs mode's places of a chunk's candidates, from bitmask words) equals the
     prefix sum it replaces, at every element: empty, sparse, half-full and full masks (bit 31 of each
     word set: the sign bit of an int32 word)."""
     g = torch.Generator().manual_seed(int(density * 100))
@@ -698,12 +698,12 @@ def test_hit_ranks(density):
 @triton.jit
 def _write_above_and_ties_kernel(keys, out, taken, t, need, ties_before, pos0, W, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    tl.store(taken, _write_above_and_ties(tl.load(keys + i), i + 1000, t, need, ties_before, out, pos0, W))
+    tl.store(taken, write_above_and_ties(tl.load(keys + i), i + 1000, t, need, ties_before, out, pos0, W))
 
 
 @pytest.mark.parametrize("case", ["plateau", "few values", "no ties", "all ties"])
 def test_write_above_and_ties_spec(case):
-    """``_write_above_and_ties`` (every tie-path tile and the register rows store through it) against its spec in
+    """``write_above_and_ties`` (every tie-path tile and the register rows store through it) against its spec in
     plain Python: the ids of the keys > t and of the ties whose rank in the row (``ties_before`` earlier ones
     counted) is at most ``need``, in order from ``pos0``, nothing past ``W``; the rest of the output untouched.
     Room left for none, some, exactly all and more than all ties."""
@@ -732,7 +732,7 @@ def test_write_above_and_ties_spec(case):
 
 @pytest.mark.parametrize("N", [700, 1500])
 def test_select_spans_are_powers_of_two(monkeypatch, N):
-    """The select programs' spans are powers of two: ``_bits_to_slots`` takes a span's bitmask words in
+    """The select programs' spans are powers of two: ``bits_to_slots`` takes a span's bitmask words in
     blocks of ``tl.arange`` (a power of two on a GPU; the interpreter does not check). Whole tiles of an
     awkward row length once gave 3 tiles of 64 columns; a 64 x 32832 row (the DSA indexer's width) failed
     to compile on the H200. Random rows and tie-path rows, exact."""
@@ -927,7 +927,7 @@ def test_gpu_adversarial_rows(N, k):
 def test_gpu_integer_plateaus_take_the_tie_path(monkeypatch, tile):
     """Rows of whole numbers 0..63 (each value a run of ~2K ties) at 8 x 128K: most rows overflow their slots
     and take the tie path or a second selection. With tie tiles of 8192 keys each select program's span is a
-    single tile: there a one-sum variant of ``_write_above_and_ties`` stored wrong ids on the H200 (triton 3.6)
+    single tile: there a one-sum variant of ``write_above_and_ties`` stored wrong ids on the H200 (triton 3.6)
     while the interpreter was right; the kept version must be exact in both tilings, on four seeds."""
     from sparse_ref.workloads import make_distribution
 

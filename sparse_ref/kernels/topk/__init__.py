@@ -15,7 +15,7 @@ The design, in five steps:
    ``T`` are row elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For
    random rows that set holds ``~0.7 G`` candidates (a few percent of a long row). ``T`` need not be
    exact, only tight: it is the lower edge of the bin holding the k-th delegate in one 256-bin histogram
-   round over the delegates' own range [min, max] (``_narrow``, a *window round*: unlike radix rounds on
+   round over the delegates' own range [min, max] (``narrow_window``, a *window round*: unlike radix rounds on
    fixed bits, it adapts to values packed within a few percent). More rounds, each over the kept bin's
    own range, run only when too many delegates share the bin (ties, clusters, plateaus: then ``T``
    becomes the exact k-th delegate, so that equal keys *equal* ``T``). With at most
@@ -33,7 +33,7 @@ The design, in five steps:
    program per row selects among them at once. **Bitmask** (many rows, where the per-chunk prefix sum and
    scattered stores cost 7-28 µs): each chunk only marks them in the row's bitmask (a dense store), the
    select launch's programs each copy their span's set bits into the slots at the offset the chunk counts
-   give (``_bits_to_slots``: ascending ids, a store per candidate, no prefix sum over the columns), and
+   give (``bits_to_slots``: ascending ids, a store per candidate, no prefix sum over the columns), and
    the row's last program selects. Either way the selecting program bins the slots' keys in a 256-bin
    histogram over ``[T, row max]`` (atomic adds into a zeroed histogram in memory), walks it to the bin
    holding the k-th key, ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``,
@@ -87,7 +87,7 @@ from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import Knob, Knobs
 from sparse_ref.kernels import pdl_options as kernel_pdl_options
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
-from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, _pad, _row_k_len
+from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, pad_row, row_k_len
 from sparse_ref.kernels.topk.rows import direct_mode, select_direct, select_in_registers, use_direct
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
@@ -144,7 +144,7 @@ def _short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
     and the kept bin ranked (``scratch``: PAIR int32 per row); 0: the delegates plan (``scratch``: SLOTS int32 per row),
     which stores its path in ``flags``."""
     r = tl.program_id(0)
-    k, length = _row_k_len(r, N, W, k, lengths)
+    k, length = row_k_len(r, N, W, k, lengths)
     out_row = out + r.to(tl.int64) * W
     row = scores + r.to(tl.int64) * stride_r
     if DIRECT:
@@ -155,7 +155,7 @@ def _short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
         k_eff, path = select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,
                                            G, SLOTS, PAIR)
         tl.store(flags + r, path)
-    _pad(out_row, k_eff, W, BLOCK_OUT)
+    pad_row(out_row, k_eff, W, BLOCK_OUT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
 
 
 def work_width(c_pad: int, G: int) -> int:
-    """Ints per row of the long-row kernels' ``work`` buffer (the layout in ``common.py``; as ``_work_row``)."""
+    """Ints per row of the long-row kernels' ``work`` buffer (the layout in ``common.py``; as ``work_row_of``)."""
     return HEAD.value + 4 * c_pad + G + PAIR_SCRATCH.value
 
 
@@ -280,7 +280,7 @@ def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None
     tile = max(chunk, min(TUNING["tie_tile"], p["n_pad"]))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
     span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
-    # bitmask words, and _bits_to_slots' blocks of words must be a power of two)
+    # bitmask words, and bits_to_slots' blocks of words must be a power of two)
     assert span % chunk == 0 and chunk % 32 == 0
     stats["span"] = span
     stats["grids"] = {"delegates": (R * (G // cols), DELEGATE_WARPS),

@@ -18,12 +18,12 @@ from sparse_ref.kernels.topk.common import (
     HEAD,
     SYNC,
     T_,
-    _after_previous_launch,
-    _bitmask_words,
-    _hit_ranks,
-    _keys,
-    _row_k_len,
-    _work_row,
+    after_previous_launch,
+    bitmask_words,
+    hit_ranks,
+    keys_of,
+    row_k_len,
+    work_row_of,
 )
 
 
@@ -37,11 +37,11 @@ def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
     tie path's plan if the row overflows). Then, BITMASK: it marks them in the row's bitmask (CHUNK / 32
     words, a dense store: nothing over the read); else it copies them (``key << 32 | id``, ascending id)
     to the run of the row's slots that its atomic add returned (each at its rank from bitmask words,
-    ``_hit_ranks``, and a store per candidate: with few rows there are few programs and this costs
+    ``hit_ranks``, and a store per candidate: with few rows there are few programs and this costs
     little; with many, several µs).
     No tail and no histogram, so this one runs with light programs. Row-major order, the last rows first
     when REVERSE: the delegates launch read those last, so more of them are still in L2."""
-    _after_previous_launch(PDL)
+    after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     WORDS: tl.constexpr = CHUNK // 32
     C = tl.cdiv(N, CHUNK)
@@ -49,11 +49,11 @@ def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
     if REVERSE:
         r = tl.num_programs(0) // C - 1 - r
     c = tl.program_id(0) % C
-    k, length = _row_k_len(r, N, W, k, lengths)
-    work_row = _work_row(work, r, LOG_C, G)
+    k, length = row_k_len(r, N, W, k, lengths)
+    work_row = work_row_of(work, r, LOG_C, G)
     T = tl.load(work_row + T_)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    key = _keys(tl.load(scores + r.to(tl.int64) * stride_r + offs, mask=offs < length, other=0.0), offs < length)
+    key = keys_of(tl.load(scores + r.to(tl.int64) * stride_r + offs, mask=offs < length, other=0.0), offs < length)
     is_cand = (key >= T) & (key != -2147483648)
     both = tl.sum(is_cand.to(tl.int32) + ((key > T).to(tl.int32) << 16), axis=0)  # two counts (CHUNK < 2**16)
     n_c = both & 0xFFFF
@@ -62,12 +62,12 @@ def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
     base = tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")  # (runs: [base, base + n_c))
     if BITMASK:  # the words of keys >= T; then, where the chunk has any, those of keys == T (the tie path's)
         bits = cand + r.to(tl.int64) * (2 * C * WORDS + SLOTS) + c * WORDS
-        tl.store(bits + tl.arange(0, WORDS), _bitmask_words(is_cand, WORDS))
+        tl.store(bits + tl.arange(0, WORDS), bitmask_words(is_cand, WORDS))
         if n_c > (both >> 16):
-            tl.store(bits + C * WORDS + tl.arange(0, WORDS), _bitmask_words(is_cand & (key == T), WORDS))
+            tl.store(bits + C * WORDS + tl.arange(0, WORDS), bitmask_words(is_cand & (key == T), WORDS))
     else:
         tl.store(work_row + HEAD + 2 * C_PAD + c, n_c)
         tl.store(work_row + HEAD + 3 * C_PAD + c, base)
         if base + n_c <= SLOTS:  # (their ranks from bitmask words: no prefix sum over the chunk)
-            tl.store(cand + r.to(tl.int64) * SLOTS + base + _hit_ranks(is_cand, WORDS),
+            tl.store(cand + r.to(tl.int64) * SLOTS + base + hit_ranks(is_cand, WORDS),
                      (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_cand)

@@ -18,15 +18,15 @@ import triton
 import triton.language as tl
 
 from sparse_ref.kernels.topk.common import (
-    _bitmask_words,
-    _key_range,
-    _keys,
-    _narrow,
-    _pairwise_kth,
-    _radix_rounds,
-    _walk,
-    _words_to_slots,
-    _write_above_and_ties,
+    bitmask_words,
+    key_range,
+    keys_of,
+    narrow_window,
+    pairwise_kth,
+    radix_rounds,
+    walk_histogram,
+    words_to_slots,
+    write_above_and_ties,
 )
 
 
@@ -46,7 +46,7 @@ def direct_mode(direct: bool, value_bins: int) -> int:
 
 
 @triton.jit
-def _value_round(x, ok, n, k_rem, BINS: tl.constexpr):
+def value_round(x, ok, n, k_rem, BINS: tl.constexpr):
     """The direct plan's first round on the float values: BINS equal-width bins over [min, max] of the ``ok``
     values, the walk to the bin of the k_rem-th largest. Returns ``(member, m, k_rem)``: that bin's keys,
     their count, how many of them the k-th takes. Key-space bins are coarse where the row spans both signs
@@ -67,7 +67,7 @@ def _value_round(x, ok, n, k_rem, BINS: tl.constexpr):
     if usable:
         scale = (BINS / 2) / half
         b = tl.minimum(((tl.where(ok, x, lo) * 0.5 - lo * 0.5) * scale).to(tl.int32), BINS - 1)  # (0 to BINS)
-        d, k_rem = _walk(tl.histogram(b, BINS, mask=ok), k_rem)
+        d, k_rem = walk_histogram(tl.histogram(b, BINS, mask=ok), k_rem)
         member = ok & (b == d)
         m = tl.sum(member.to(tl.int32), axis=0)
     return member, m, k_rem
@@ -77,12 +77,12 @@ def _value_round(x, ok, n, k_rem, BINS: tl.constexpr):
 def _gather_hits(row, hit, count, scratch, N_PAD: tl.constexpr, SLOTS: tl.constexpr):
     """``(ids, keys)`` [SLOTS] of the ``count`` <= SLOTS columns where ``hit`` is set in a row held in
     registers, ascending (then NONE keys): the ids reach ``scratch`` through bitmask words (a word per 32
-    columns, ``_words_to_slots``: no prefix sum over the row), and the keys come back from ``row``."""
-    _words_to_slots(_bitmask_words(hit, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32), scratch, 0)
+    columns, ``words_to_slots``: no prefix sum over the row), and the keys come back from ``row``."""
+    words_to_slots(bitmask_words(hit, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32), scratch, 0)
     tl.debug_barrier()
     s = tl.arange(0, SLOTS)
     ids = tl.load(scratch + s, mask=s < count, other=0, cache_modifier=".cg")
-    return ids, _keys(tl.load(row + ids, mask=s < count, other=0.0), s < count)
+    return ids, keys_of(tl.load(row + ids, mask=s < count, other=0.0), s < count)
 
 
 @triton.jit
@@ -93,13 +93,13 @@ def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.co
     rank pairwise. A [PAIR, PAIR] rank of them all measured ~7 µs slower at PAIR = 128 (16 warps)."""
     s = tl.arange(0, PAIR)
     _, key = _gather_hits(row, member, m, scratch, N_PAD, PAIR)
-    lo, hi = _key_range(key, s < m)
-    t, few, f, k_rem = _narrow(key, s < m, m, k_rem, lo, hi, 16, False, 4)
+    lo, hi = key_range(key, s < m)
+    t, few, f, k_rem = narrow_window(key, s < m, m, k_rem, lo, hi, 16, False, 4)
     if f <= 16:  # (else the rounds ran to one key value: t is it)
         tl.debug_barrier()  # every thread has read its ids
         tl.store(scratch + tl.cumsum(few.to(tl.int32), axis=0) - 1, key, mask=few)
         tl.debug_barrier()
-        t, k_rem = _pairwise_kth(scratch, f, k_rem, 16)
+        t, k_rem = pairwise_kth(scratch, f, k_rem, 16)
     return t, k_rem
 
 
@@ -110,10 +110,10 @@ def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.const
     to the lower id. Returns how many were written: min(k, valid keys). The short rows of the top-k and the
     page histories of ``sparse_ref.kernels.page_select``.
 
-    The exact k-th key ``t`` comes from window rounds over the row's own range (``_narrow``: one round on
+    The exact k-th key ``t`` comes from window rounds over the row's own range (``narrow_window``: one round on
     random rows and on page scores packed within ~2%; up to four, which always end on one key value, on ties
     and clusters) until the kept bin holds at most PAIR keys, which ``_kth_in_bin`` ranks (``scratch_row``:
-    PAIR free int32). VALUE_BINS > 1: the first round bins the float values instead (``_value_round``). Then
+    PAIR free int32). VALUE_BINS > 1: the first round bins the float values instead (``value_round``). Then
     one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its ranks (N_PAD <= 2**14
     keeps the packed sum below 2**31): its place is the keys > t before it plus the ties before it, capped at
     the ties the row takes. No delegates and no candidates. When k is small
@@ -122,18 +122,18 @@ def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.const
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
     x = tl.load(row + j, mask=valid, other=0.0).to(tl.float32)
-    key = _keys(x, valid)
+    key = keys_of(x, valid)
     ok = key != -2147483648
     n = tl.sum(ok.to(tl.int32), axis=0)
     k_eff = tl.minimum(k, n)
     if VALUE_BINS > 1:
-        member, m, k_rem = _value_round(x, ok, n, tl.maximum(k_eff, 1), VALUE_BINS)
+        member, m, k_rem = value_round(x, ok, n, tl.maximum(k_eff, 1), VALUE_BINS)
     else:
         member, m, k_rem = ok, n, tl.maximum(k_eff, 1) + tl.zeros([], tl.int32)
     t = tl.zeros([], tl.int32)
     if m > PAIR:  # key rounds over the kept keys' own range until at most PAIR remain (or one key value: t)
-        key_lo, key_hi = _key_range(key, member)
-        t, member, m, k_rem = _narrow(key, member, m, k_rem, key_lo, key_hi, PAIR, False, 4)
+        key_lo, key_hi = key_range(key, member)
+        t, member, m, k_rem = narrow_window(key, member, m, k_rem, key_lo, key_hi, PAIR, False, 4)
     if PAIR > 0:
         if m <= PAIR:
             t, k_rem = _kth_in_bin(row, member, m, k_rem, scratch_row, N_PAD, PAIR)
@@ -160,12 +160,12 @@ def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl
             tl.debug_barrier()  # the caller's reads of scratch are done
             tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
             tl.debug_barrier()
-            t, ties = _pairwise_kth(scratch, m, k_rem, PAIR)
+            t, ties = pairwise_kth(scratch, m, k_rem, PAIR)
         else:
-            ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+            ut, ties = radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
             t = ut ^ -2147483648
     else:
-        ut, ties = _radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
+        ut, ties = radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
         t = ut ^ -2147483648
     return t, ties
 
@@ -176,11 +176,11 @@ def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
     (ascending). Returns how many were written: min(k, #valid keys). The exact k-th key: two radix
     rounds, then a pairwise rank of the keys sharing its top 16 bits (``scratch``: PAIR free int32)."""
     k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    ut, k_rem = _radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
+    ut, k_rem = radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
     member = ((key >> 16) == ((ut ^ -2147483648) >> 16)) & (key != -2147483648)
     t, ties = _rank_members(key, member, k_rem, ut, scratch, PAIR, 2)
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
-    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
 
 
@@ -188,19 +188,19 @@ def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
 def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, PAIR: tl.constexpr):
     """Store the ids (in the order of ``ids``: ascending) of the k largest of the ``count`` candidate keys
     (the others are NONE), all in [lo, hi], at out_row[base:]; ties to the lower id. Returns how many:
-    min(k, count). The exact k-th key ``t``: window rounds (``_narrow``) until its bin holds at most PAIR
+    min(k, count). The exact k-th key ``t``: window rounds (``narrow_window``) until its bin holds at most PAIR
     keys, which are then ranked pairwise (``scratch``: PAIR free int32), or a single key value."""
     k_eff = tl.minimum(k, count)
     ok = key != -2147483648
-    t, member, m, ties = _narrow(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
+    t, member, m, ties = narrow_window(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
     if PAIR > 0:
         if m <= PAIR:  # rank the bin's keys pairwise (when the rounds ran to one value, this finds it again)
             tl.debug_barrier()  # the caller's reads of scratch are done
             tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
             tl.debug_barrier()
-            t, ties = _pairwise_kth(scratch, m, ties, PAIR)
+            t, ties = pairwise_kth(scratch, m, ties, PAIR)
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
-    _write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
+    write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
 
 
@@ -214,10 +214,10 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
     the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
     them. T is the lower edge of the bin holding the k-th delegate, in histogram rounds over the
-    delegates' own range (``_narrow``: one round on random rows; more while over k / 8 extra delegates
+    delegates' own range (``narrow_window``: one round on random rows; more while over k / 8 extra delegates
     share the bin, as when the range spans both signs and the bins are coarse); when that lets more keys
     through than the slots hold, more rounds make T the exact k-th delegate Te. The candidates reach the
-    slots through a bitmask (a word per 32 columns, ``_words_to_slots``: no prefix sum over the row), and
+    slots through a bitmask (a word per 32 columns, ``words_to_slots``: no prefix sum over the row), and
     the exact k-th candidate comes from window rounds over [T, row max] and a pairwise rank
     (``_write_top_in_window``). Only when even Te overflows (ties, rows that defeat the delegates): keys
     > Te plus the lowest-id ties == Te when that is the answer (fewer than k keys > Te), else the whole
@@ -225,20 +225,20 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     """
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
-    key = _keys(tl.load(row + j, mask=valid, other=0.0), valid)
+    key = keys_of(tl.load(row + j, mask=valid, other=0.0), valid)
     dkey = tl.max(tl.reshape(key, [N_PAD // G, G]), axis=0)
     dok = dkey != -2147483648
     n_valid = tl.sum(dok.to(tl.int32), axis=0)
     usable = (n_valid >= k) & (k > 0)  # at least k delegates: at least k keys reach the k-th delegate
-    dlo, top = _key_range(dkey, dok)  # (top: the row max)
-    T, dmember, dm, k_rem = _narrow(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, k // 8,
+    dlo, top = key_range(dkey, dok)  # (top: the row max)
+    T, dmember, dm, k_rem = narrow_window(dkey, dok, n_valid, tl.maximum(tl.minimum(k, n_valid), 1), dlo, top, k // 8,
                                     True, 4)  # the edge of the k-th delegate's bin, at most k / 8 extra delegates
     T = tl.where(usable, T, -2147483648)
     T = tl.where(k > 0, T, 2147483647)  # k = 0: no candidates at all
     count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     if usable & (count > SLOTS):  # too many through the bin's edge: T = Te, the exact k-th delegate
-        dlo, dhi = _key_range(dkey, dmember)
-        T, dmember, dm, k_rem = _narrow(dkey, dmember, dm, k_rem, dlo, dhi, -1, True, 4)
+        dlo, dhi = key_range(dkey, dmember)
+        T, dmember, dm, k_rem = narrow_window(dkey, dmember, dm, k_rem, dlo, dhi, -1, True, 4)
         count = tl.sum(((key >= T) & (key != -2147483648)).to(tl.int32), axis=0)
     cand = (key >= T) & (key != -2147483648)
     path = tl.zeros([], tl.int32)
@@ -248,7 +248,7 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
     else:  # overflow even at T = Te (or fewer than k delegates)
         above = tl.sum((key > T).to(tl.int32), axis=0)
         if usable & (above < k):  # the k-th key is Te: keys > Te plus the first k - above keys == Te
-            k_eff = _write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
+            k_eff = write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
             path = path + 2
         else:  # exact radix select over the whole register row
             k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)

@@ -34,21 +34,21 @@ from sparse_ref.kernels.topk.common import (
     SHIFT,
     SYNC,
     T_,
-    _after_previous_launch,
-    _bins,
-    _bits_to_slots,
-    _delegates_of,
-    _key_range,
-    _keys,
-    _narrow,
-    _pad,
-    _pairwise_kth,
-    _popcount,
-    _row_k_len,
-    _walk,
-    _words_to_slots,
-    _work_row,
-    _write_above_and_ties,
+    after_previous_launch,
+    bits_to_slots,
+    delegates_of,
+    key_bins,
+    key_range,
+    keys_of,
+    narrow_window,
+    pad_row,
+    pairwise_kth,
+    popcount32,
+    row_k_len,
+    walk_histogram,
+    words_to_slots,
+    work_row_of,
+    write_above_and_ties,
 )
 
 
@@ -87,13 +87,13 @@ def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr)
     h = tl.zeros([256], tl.int32)
     for t in range(0, length, BLOCK):
         offs = t + tl.arange(0, BLOCK)
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        key = keys_of(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
         u = key ^ -2147483648
         match = key != -2147483648
         if P > 0:
             match = match & ((u >> (32 - 8 * P)) == (ut >> (32 - 8 * P)))
         h += tl.histogram((u >> (24 - 8 * P)) & 0xFF, 256, mask=match)
-    d, k_rem = _walk(h, k_rem)
+    d, k_rem = walk_histogram(h, k_rem)
     return ut | (d << (24 - 8 * P)), k_rem
 
 
@@ -104,7 +104,7 @@ def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
     valid_count = tl.zeros([], tl.int32)
     for t in range(0, length, BLOCK):
         offs = t + tl.arange(0, BLOCK)
-        valid_count += tl.sum((_keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        valid_count += tl.sum((keys_of(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
                                != -2147483648).to(tl.int32), axis=0)
     k_eff = tl.minimum(k, valid_count)
     ut = tl.zeros([], tl.int32)
@@ -112,7 +112,7 @@ def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
     for p in tl.static_range(4):
         ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
     _write_row(row, tl.where(k_eff > 0, length, 0), ut ^ -2147483648, k_rem, out_row, W, BLOCK)
-    _pad(out_row, k_eff, W, BLOCK)
+    pad_row(out_row, k_eff, W, BLOCK)
 
 
 @triton.jit
@@ -123,8 +123,8 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
     ties_seen = tl.zeros([], tl.int32)
     for t0 in range(0, length, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
-        key = _keys(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-        done += _write_above_and_ties(key, offs, t, need, ties_seen, out_row, done, W)
+        key = keys_of(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
+        done += write_above_and_ties(key, offs, t, need, ties_seen, out_row, done, W)
         ties_seen += tl.sum((key == t).to(tl.int32), axis=0)
 
 
@@ -145,8 +145,8 @@ def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.c
         above_before = (before >> 32).to(tl.int32)
         ties_before = (before & 0xFFFFFFFF).to(tl.int32)
         offs = t0 + tl.arange(0, TILE)
-        key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
-        _write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
+        key = keys_of(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
+        write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
                               W)
 
 
@@ -166,14 +166,14 @@ def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN:
         ge = tl.load(bits_row + first + w, mask=ok, other=0, cache_modifier=".cg")
         has_ties = tl.load(work_row + HEAD + C_PAD + (first + w) // (CHUNK // 32), mask=ok, other=0) > 0
         eq = tl.load(bits_row + n_words + first + w, mask=ok & has_ties, other=0, cache_modifier=".cg")
-        n_eq = _popcount(eq)
+        n_eq = popcount32(eq)
         take = tl.minimum(tl.maximum(need - (ties_before + tl.cumsum(n_eq, axis=0) - n_eq), 0), n_eq)
         keep, rest = tl.where(take == n_eq, eq, 0), tl.where(take < n_eq, eq, 0)  # whole words; the cut one:
         for j in range(0, tl.max(tl.where(take < n_eq, take, 0), axis=0)):
             low = rest & -rest  # its lowest tie not yet taken
             keep = keep | tl.where(j < take, low, 0)
             rest = rest ^ low
-        done = _words_to_slots((ge & ~eq) | keep, w, done, dst, f * SPAN)
+        done = words_to_slots((ge & ~eq) | keep, w, done, dst, f * SPAN)
         ties_before += tl.sum(n_eq, axis=0)
 
 
@@ -191,7 +191,7 @@ def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPA
     lo, hi = _busy_columns(above > 0, f, length, SPAN, CHUNK, C_PAD)
     for t0 in range(lo, hi, TILE):
         offs = t0 + tl.arange(0, TILE)
-        key = _keys(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
+        key = keys_of(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
         is_above = key > te
         n_in = tl.where((start >= t0) & (start < t0 + TILE) & (start < hi), above, 0)  # the tile's chunks
         base = tl.atomic_add(sync_row + CNT2, tl.sum(n_in, axis=0), sem="relaxed")
@@ -210,28 +210,28 @@ def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr
     row's zeroed histogram in memory; ``tl.histogram``, a ballot per key bit and a loop over the bins per
     key, was the select program's largest step), walk the histogram to the bin of the k-th key, and rank
     that bin's keys pairwise when they are few (random rows: a few dozen). When they are more (ties,
-    clusters, bf16 scores), window rounds over their own range first (``_narrow``: none at all when they
+    clusters, bf16 scores), window rounds over their own range first (``narrow_window``: none at all when they
     are one value)."""
-    bins = _bins(key, T, shift)
+    bins = key_bins(key, T, shift)
     tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
     tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
     b = tl.arange(0, 256)
     hist = tl.load(sync_row + DHIST + b, cache_modifier=".cg")
-    d, k_rem = _walk(hist, tl.maximum(k_eff, 1))
+    d, k_rem = walk_histogram(hist, tl.maximum(k_eff, 1))
     tl.store(sync_row + DHIST + b, tl.zeros([256], tl.int32))  # zero again (every thread has read it)
     member = ok & (bins == d)
     m = tl.sum(tl.where(b == d, hist, 0), axis=0)  # keys in bin d
     t = T
     if m > PAIR:
-        lo, hi = _key_range(key, member)
-        t, member, m, k_rem = _narrow(key, member, m, k_rem, lo, hi, PAIR, False, 3)
+        lo, hi = key_range(key, member)
+        t, member, m, k_rem = narrow_window(key, member, m, k_rem, lo, hi, PAIR, False, 3)
     if PAIR > 0:
         if m <= PAIR:  # copy them to the scratch, at places an atomic counter hands out (no prefix sum); rank
-            scratch = _delegates_of(work_row, C_PAD) + G  # (the pair scratch)
+            scratch = delegates_of(work_row, C_PAD) + G  # (the pair scratch)
             at = tl.atomic_add(sync_row + MEMBERS + tl.zeros_like(key), 1, mask=member, sem="relaxed")
             tl.store(scratch + at, key, mask=member)
             tl.debug_barrier()
-            t, k_rem = _pairwise_kth(scratch, m, k_rem, PAIR)
+            t, k_rem = pairwise_kth(scratch, m, k_rem, PAIR)
             tl.store(sync_row + MEMBERS, 0)  # zero again for the next call
     return tl.where(k_eff > 0, t, 2147483647), tl.where(k_eff > 0, k_rem, 0)
 
@@ -248,7 +248,7 @@ def select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G:
     ids = tl.load(slots_row + s, mask=ok, other=0, cache_modifier=".cg")  # (other programs wrote them)
     T = tl.load(work_row + T_, cache_modifier=".cg")
     shift = tl.load(work_row + SHIFT, cache_modifier=".cg")
-    key = _keys(tl.load(row + ids, mask=ok, other=0.0), ok)
+    key = keys_of(tl.load(row + ids, mask=ok, other=0.0), ok)
     k_eff = tl.minimum(k, total)
     t, need = _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G, C_PAD, PAIR)
     above = ok & (key > t)
@@ -259,7 +259,7 @@ def select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G:
     ties_before = before & 0xFFFF
     pos = (before >> 16) + tl.minimum(ties_before, need)
     tl.store(out_row + pos, ids, mask=(above | (tie & (ties_before < need))) & (pos < W))
-    _pad(out_row, k_eff, W, BLOCK)
+    pad_row(out_row, k_eff, W, BLOCK)
 
 
 @triton.jit
@@ -307,7 +307,7 @@ def _select_from_runs(cand_row, work_row, sync_row, out_row, total, k, C, W, G: 
     tie_rank = (rank2 & 0xFFFFFFFF).to(tl.int32)
     pos = above_rank + tl.minimum(tie_rank, need)
     tl.store(out_row + pos, ids, mask=(above | (tie & (tie_rank < need))) & (pos < W))
-    _pad(out_row, k_eff, W, BLOCK)
+    pad_row(out_row, k_eff, W, BLOCK)
 
 
 @triton.jit
@@ -319,22 +319,22 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
     count first.
 
     When the candidates fit the slots: BITMASK, every program copies its span's candidate columns from
-    the bitmask into the slots, at the offset the chunks before it give (``_bits_to_slots``), and the
+    the bitmask into the slots, at the offset the chunks before it give (``bits_to_slots``), and the
     row's last program to finish (an atomic counter) selects among them (``select_from_ids``); else the
     program of span 0 selects among the runs at once (``_select_from_runs``) and the others return.
     When they do not (the row is flagged), every program writes its span's share of the tie path, or
     copies its span's keys > T into the slots for the row's last program to select among (flag 3), or
     the program of span 0 runs the whole-row radix select (the plan decides). The program that selects
     last resets the row's candidate count (and the counter) for the next call: the others have read it."""
-    _after_previous_launch(PDL)
+    after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
-    WB: tl.constexpr = SPAN // 32 if SPAN // 32 < 2048 else 2048  # bitmask words per block of _bits_to_slots
+    WB: tl.constexpr = SPAN // 32 if SPAN // 32 < 2048 else 2048  # bitmask words per block of bits_to_slots
     r = tl.program_id(0)
     f = tl.program_id(1)
     C = tl.cdiv(N, CHUNK)
     n_words = C * (CHUNK // 32)
-    k, length = _row_k_len(r, N, W, k, lengths)
-    work_row = _work_row(work, r, LOG_C, G)
+    k, length = row_k_len(r, N, W, k, lengths)
+    work_row = work_row_of(work, r, LOG_C, G)
     sync_row = sync + r.to(tl.int64) * SYNC
     out_row = out + r.to(tl.int64) * W
     row = scores + r.to(tl.int64) * stride_r
@@ -350,7 +350,7 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
             ci = tl.arange(0, C_PAD)
             n = (tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
                  + tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0))
-            _bits_to_slots(bits_row + f * (SPAN // 32), tl.minimum(n_words - f * (SPAN // 32), SPAN // 32),
+            bits_to_slots(bits_row + f * (SPAN // 32), tl.minimum(n_words - f * (SPAN // 32), SPAN // 32),
                            slots_row + tl.sum(tl.where(ci < f * (SPAN // CHUNK), n, 0), axis=0), f * SPAN, WB)
         elif f == 0:  # the runs: select at once, no waiting for the others
             tl.store(work_row + FLAG, 0)
@@ -374,7 +374,7 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
         elif f == 0:
             _radix_select_row(row, length, k, out_row, W, TILE)
         if (f == 0) & (flag == 2):
-            _pad(out_row, k, W, TILE)  # (the tie path writes exactly k ids)
+            pad_row(out_row, k, W, TILE)  # (the tie path writes exactly k ids)
     if BITMASK | (total > SLOTS) | (flag == 3):  # (flag 3: total is now the keys > T)
         tl.debug_barrier()  # every thread's reads of the counts and writes to the slots are done
         if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
@@ -395,5 +395,5 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
 def whole_row_kernel(scores, stride_r, out, N, W, k, lengths, BLOCK: tl.constexpr):
     """One program = one row: the whole-row radix select (k too wide for the delegates)."""
     r = tl.program_id(0)
-    k, length = _row_k_len(r, N, W, k, lengths)
+    k, length = row_k_len(r, N, W, k, lengths)
     _radix_select_row(scores + r.to(tl.int64) * stride_r, length, k, out + r.to(tl.int64) * W, W, BLOCK)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_ref.kernels.topk.common import _after_previous_launch, _keys
+from sparse_ref.kernels.topk.common import after_previous_launch, keys_of
 
 
 @triton.jit
@@ -19,14 +19,14 @@ def _packed_winners(scores, stride_r, out, r, j, W):
     ids = tl.load(out + r.to(tl.int64) * W + j, mask=j < W, other=-1)
     valid = ids >= 0
     x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
-    skey = _keys(x, valid).to(tl.int64)
+    skey = keys_of(x, valid).to(tl.int64)
     return tl.where(valid, (skey << 32) | (0xFFFFFFFF - ids.to(tl.int64)), -9223372036854775807 - 1)
 
 
 @triton.jit
 def sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr, PDL: tl.constexpr):
     """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
-    _after_previous_launch(PDL)
+    after_previous_launch(PDL)
     r = tl.program_id(0)
     j = tl.arange(0, W_PAD)
     packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
@@ -39,7 +39,7 @@ def sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr, PDL: tl.c
 def sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
     """One program = RUN consecutive winners of a row, sorted (as ``_packed_winners``, descending) into
     ``runs`` [R, W_PAD]: the first half of the two-step sort for wide rows."""
-    _after_previous_launch(PDL)
+    after_previous_launch(PDL)
     r = tl.program_id(0)
     j = tl.program_id(1) * RUN + tl.arange(0, RUN)
     packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
@@ -52,7 +52,7 @@ def merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL:
     entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
     The row's runs are loaded once and searched in registers (``tl.gather``: no dependent load from memory
     per halving). Stores each valid entry's id there, and -1 on the run's share of the padding."""
-    _after_previous_launch(PDL)
+    after_previous_launch(PDL)
     NR: tl.constexpr = W_PAD // RUN
     r = tl.program_id(0)
     row = runs + r.to(tl.int64) * W_PAD

@@ -19,17 +19,17 @@ from sparse_ref.kernels.topk.common import (
     SYNC,
     T_,
     TMAX,
-    _after_previous_launch,
-    _bin_shift,
-    _delegates_of,
-    _exact_delegate,
-    _key_range,
-    _keys,
-    _narrow,
-    _radix_rounds,
-    _row_k_len,
-    _walk,
-    _work_row,
+    after_previous_launch,
+    bin_shift,
+    delegates_of,
+    exact_delegate,
+    key_range,
+    keys_of,
+    narrow_window,
+    radix_rounds,
+    row_k_len,
+    walk_histogram,
+    work_row_of,
 )
 
 
@@ -44,21 +44,21 @@ def delegates_kernel(scores, stride_r, work, sync, N, W, k, lengths,
     delegate (``_row_threshold``). Either way at least k delegates reach T (NONE if the row has fewer than
     k), and the row's last program sets the width 2**SHIFT of the select program's histogram bins (256
     bins cover [T, row max])."""
-    _after_previous_launch(PDL)
+    after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     S: tl.constexpr = G // COLS  # programs per row
     r = tl.program_id(0) // S  # row-major order: a row's programs run together, the last rows last
     c = tl.program_id(0) % S
-    k, length = _row_k_len(r, N, W, k, lengths)
+    k, length = row_k_len(r, N, W, k, lengths)
     row = scores + r.to(tl.int64) * stride_r
-    work_row = _work_row(work, r, LOG_C, G)
-    delegates = _delegates_of(work_row, C_PAD)
+    work_row = work_row_of(work, r, LOG_C, G)
+    delegates = delegates_of(work_row, C_PAD)
     cols = c * COLS + tl.arange(0, COLS)
     acc = tl.full([COLS], -2147483648, tl.int32)
     for i in range(0, tl.cdiv(N, G), ROWS):
         offs = (i + tl.arange(0, ROWS))[:, None] * G + cols[None, :]
         x = tl.load(row + offs, mask=offs < length, other=0.0)
-        acc = tl.maximum(acc, tl.max(_keys(x, offs < length), axis=0))
+        acc = tl.maximum(acc, tl.max(keys_of(x, offs < length), axis=0))
     tl.store(delegates + cols, acc)
     sync_row = sync + r.to(tl.int64) * SYNC
     if LOCAL:  # T from the programs' own thresholds: no histogram round over the G delegates at the end
@@ -71,7 +71,7 @@ def delegates_kernel(scores, stride_r, work, sync, N, W, k, lengths,
 def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
     """T from the programs' own delegates (LOCAL), with no histogram round over the G delegates at the end.
     Program c finds T_c, the lower edge of the bin holding the ceil(k / S)-th largest of its delegates, in
-    histogram rounds over the delegates' own range (``_narrow``: one round on random rows; more, up to the
+    histogram rounds over the delegates' own range (``narrow_window``: one round on random rows; more, up to the
     exact value, while over k / 8 too many delegates share the bin). So it holds ceil(k / S) delegates
     >= T_c, and the lowest T_c is reached by at least S * ceil(k / S) >= k delegates, each a row element:
     T = the lowest T_c would do. The row's last program takes the highest T_c that k delegates reach
@@ -82,8 +82,8 @@ def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, 
     k_c = tl.cdiv(k, S)
     ok = acc != -2147483648
     n_c = tl.sum(ok.to(tl.int32), axis=0)
-    lo, top = _key_range(acc, ok)
-    t_c, _, _, _ = _narrow(acc, ok, n_c, tl.maximum(tl.minimum(k_c, n_c), 1), lo, top, k_c // 8, True,
+    lo, top = key_range(acc, ok)
+    t_c, _, _, _ = narrow_window(acc, ok, n_c, tl.maximum(tl.minimum(k_c, n_c), 1), lo, top, k_c // 8, True,
                            4)  # rounds until at most k_c + k_c / 8 delegates reach t_c (or t_c is exact)
     scratch = delegates + G  # (the pair scratch: free until the select launch)
     tl.store(scratch + c, tl.where(n_c >= k_c, t_c, -2147483648))  # (NONE: fewer than k_c here)
@@ -120,13 +120,13 @@ def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl
 @triton.jit
 def _kth_delegate(h, dkey, k):
     """T from the G delegates ``dkey`` and the histogram ``h`` of their top 8 bits: the k-th delegate
-    cut to 16 bits (radix round 2), exact (``_exact_delegate``) when more than k + k/8 delegates reach the
+    cut to 16 bits (radix round 2), exact (``exact_delegate``) when more than k + k/8 delegates reach the
     cut; NONE when there are fewer than k delegates."""
     n = tl.sum(h, axis=0)  # valid delegates
-    d, k_rem = _walk(h, tl.maximum(tl.minimum(k, n), 1))
-    ut, k_rem = _radix_rounds(dkey, d << 24, k_rem, 1, 2)
+    d, k_rem = walk_histogram(h, tl.maximum(tl.minimum(k, n), 1))
+    ut, k_rem = radix_rounds(dkey, d << 24, k_rem, 1, 2)
     if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
-        ut = _exact_delegate(dkey, ut, k_rem)  # T = the exact k-th delegate
+        ut = exact_delegate(dkey, ut, k_rem)  # T = the exact k-th delegate
     return tl.where(n >= k, ut ^ -2147483648, -2147483648)
 
 
@@ -134,4 +134,4 @@ def _kth_delegate(h, dkey, k):
 def _store_threshold(work_row, T, row_max):
     """Store T and the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
     tl.store(work_row + T_, T)
-    tl.store(work_row + SHIFT, _bin_shift(T, row_max))
+    tl.store(work_row + SHIFT, bin_shift(T, row_max))

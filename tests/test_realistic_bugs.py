@@ -147,3 +147,80 @@ def test_tensor_hash_sees_order_and_small_moves():
         y[10] += a
         y[11] += b
         assert int(tensor_hash(y)) != int(tensor_hash(x))
+
+
+# ---------------------------------------------------------------- offload: the buffer's edges
+def test_a_row_reading_its_whole_buffer_and_its_newest_token_swaps_in_exactly():
+    """``size`` held tokens plus the newest: the kernel's span must be ``size + 1`` (a span of ``size`` would drop
+    the newest token's entry, one of ``size + 2`` would read past the buffer)."""
+    from test_swap_in import decode_batch
+
+    from sparse_ref.kernels.swap_in import swap_in
+    from sparse_ref.offload import HostKVPool, HotBuffer, positions_read
+
+    size, rows, max_ctx = 6, 1, 16
+    host = HostKVPool(1 + rows * max_ctx, 1, 1, 2)
+    host.k[0].copy_(torch.randn(host.k[0].shape))
+    host.v[0].copy_(torch.randn(host.v[0].shape))
+    r2t = torch.arange(1, 1 + rows * max_ctx, dtype=torch.int32).view(rows, max_ctx)
+    seq = torch.tensor([size + 1])  # tokens 0..size: size of history and the newest
+    selected, lengths = torch.arange(size + 1, dtype=torch.int32)[None, :], torch.tensor([size + 1], dtype=torch.int32)
+    mask = torch.ones(1, dtype=torch.bool)
+    ref, kern = HotBuffer(1, rows, size, 1, 2, max_ctx), HotBuffer(1, rows, size, 1, 2, max_ctx, device=DEVICE)
+    new, loc = host.k[0][r2t[0, size].long()][None], r2t[[0], seq - 1].long()
+    positions, counts = positions_read(selected, lengths, mask, seq, 1, size + 1)
+    assert int(counts[0]) == size + 1
+    ref.write_newest(0, torch.tensor([0]), new, host.v[0][loc])
+    want = ref.swap_in(0, torch.tensor([0]), positions, counts, seq, host, r2t)
+    on = {"device": DEVICE}
+    host_kern = HostKVPool(1 + rows * max_ctx, 1, 1, 2)
+    host_kern.k[0].copy_(host.k[0])
+    host_kern.v[0].copy_(host.v[0])
+    table, n = swap_in(kern, 0, (selected.to(**on), lengths.to(**on), mask.to(**on), 1, size + 1),
+                       decode_batch(torch.tensor([0], **on), seq.to(**on), loc.to(**on)), (new.to(**on),
+                       host.v[0][loc].to(**on)), host_kern, r2t.to(**on))
+    assert int(n[0]) == size + 1 and torch.equal(table.cpu(), want.cpu())
+    assert torch.equal(kern.k[0].cpu(), ref.k[0].cpu())  # every one of the size + 1 slots holds its token
+
+
+def test_the_buffer_minimum_counts_dense_rows_below_the_sparse_threshold():
+    """A row below ``min_sparse_seq_len`` reads all its tokens: with a threshold above the sparse budget, the
+    smallest buffer is ``min_sparse_seq_len - 1``, not the budget (a buffer sized by the budget alone would not
+    hold such a row)."""
+    from sparse_ref.errors import ConfigError
+
+    wl = PlantedEngineWorkload(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=4, seed=3)
+    cfg = SparseConfig(page_budget=1, num_recent_pages=1, min_sparse_seq_len=41)  # Quest reads 2 pages of 4 = 8
+    kw = dict(page_size=4, max_requests=2, max_context_len=64, backend="torch")
+    with pytest.raises(ConfigError, match="at least 40 token slots"):
+        DecodeEngine(wl, ["quest"], cfg, offload_buffer=39, **kw)
+    engine = DecodeEngine(wl, ["quest"], cfg, offload_buffer=40, **kw)
+    engine.add_request(39)  # 40 tokens at the first step: dense (below 41), all read through the buffer
+    assert engine.step().offload_misses > 0
+
+
+# ---------------------------------------------------------------- pools: owners
+def test_a_pool_free_naming_another_owner_is_refused_and_frees_nothing():
+    m = KVCacheManager.create(max_requests=2, max_context_len=16, num_pages=9, page_size=4, head_dim=2)
+    a, b = m.admit(8), m.admit(4)
+    free_before = m.allocator.available_pages()
+    with pytest.raises(PoolError, match=f"belongs to request {a.rid}"):
+        m.allocator.free(a.pages, owner=b)
+    with pytest.raises(PoolError, match="belongs to request"):
+        m.req_to_token_pool.free([a.req_pool_idx], owner=b)
+    assert m.allocator.available_pages() == free_before and not a.released
+
+
+def test_a_freed_ids_owner_is_forgotten():
+    """After its owner's release, a page taken again without an owner frees without one (a stale owner would make
+    the free refuse, or let the old owner free it again)."""
+    m = KVCacheManager.create(max_requests=2, max_context_len=16, num_pages=3, page_size=4, head_dim=2)
+    a = m.admit(8)  # both usable pages
+    pages = list(a.pages)
+    m.release(a)
+    again = m.allocator.alloc(2)  # no owner now
+    assert sorted(again) == sorted(pages)
+    m.allocator.free(again)  # frees cleanly
+    assert m.allocator.available_pages() == 2
+    with pytest.raises(PoolError, match="double free"):
+        m.allocator.free(again[:1], owner=a)  # and the old owner is no owner of them any more

@@ -91,10 +91,10 @@ def test_query_shape_errors_verbatim():
     assert str(e.value).startswith("Quest query hidden size 30 not divisible by head_dim 8. Fix:")
     with pytest.raises(ShapeError) as e:
         split_query_sign(torch.zeros(2, 4, 8, 1), 2, 8, "mean")
-    assert str(e.value).startswith("Unsupported query shape for Quest: (2, 4, 8, 1). Fix:")
+    assert str(e.value).startswith("Unsupported query shape for Quest: torch.Size([2, 4, 8, 1]). Fix:")  # SGLang's
     with pytest.raises(ShapeError) as e:
         split_query_sign(torch.zeros(2, 4, 7), 2, 8, "mean")
-    assert str(e.value).startswith("Unsupported query shape for Quest: (2, 4, 7). Fix:")
+    assert str(e.value).startswith("Unsupported query shape for Quest: torch.Size([2, 4, 7]). Fix:")
     with pytest.raises(ShapeError) as e:
         split_query_sign(torch.zeros(2, 3, 8), 2, 8, "mean")
     assert str(e.value).startswith("Query heads 3 not divisible by KV heads 2. Fix:")

@@ -271,7 +271,7 @@ def check_quest_queries(queries, num_kv_heads: int, head_dim: int) -> torch.Tens
         queries = queries.reshape(bs, hidden // head_dim, head_dim)
     elif queries.dim() != 3 or queries.shape[2] != head_dim:
         raise ShapeError(
-            f"Unsupported query shape for Quest: {tuple(queries.shape)}. Fix: pass one decode query per request, "
+            f"Unsupported query shape for Quest: {queries.shape}. Fix: pass one decode query per request, "
             f"[bs, H_q * {head_dim}] or [bs, H_q, {head_dim}] (head_dim of the KV pool is {head_dim})."
         )
     num_q_heads = queries.shape[1]

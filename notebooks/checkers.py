@@ -334,8 +334,9 @@ def check_page_table_row(fn):
         seq_len = int(torch.randint(1, 90, (1,), generator=g)) if i % 5 else P * int(torch.randint(1, 9, (1,),
                                                                                                    generator=g))
         n = -(-seq_len // P)
-        physical = torch.randperm(n + 8, generator=g)[: n + 3]  # the row holds 3 more pages past the request's end
-        row = (physical[:, None] * P + torch.arange(P)).reshape(-1).tolist()  # (as a req_to_token row: longer)
+        physical = torch.randperm(n + 8, generator=g)[: n + 3] + 1  # 3 more pages' worth of row past its end
+        row = (physical[:, None] * P + torch.arange(P)).reshape(-1)  # (as a req_to_token row: longer, and, as in
+        row = torch.where(torch.arange(row.numel()) < seq_len, row, 0).tolist()  # the pool, 0 past its tokens)
         dense = i % 4 == 0
         kept = [] if dense else sorted(set(torch.randint(0, n, (3,), generator=g).tolist()) | {n - 1})
         logical = kept or list(range(n))
@@ -477,7 +478,20 @@ def check_break_even_batch(fn):
     cases = [(lambda b: 100 + 5 * b, lambda b: 100 + 6 * b, 10, 200), (lambda b: 100 + 5 * b, lambda b: 100 + 9 * b,
                                                                        30, 400),
              (lambda b: 50 + b, lambda b: 50 + 1.5 * b, 8, 64), (lambda b: 10.0 * b, lambda b: 20.0 * b, 4, 100),
-             (lambda b: 200 + 2 * b, lambda b: 900 + 2 * b, 16, 16)]
+             (lambda b: 200 + 2 * b, lambda b: 900 + 2 * b, 16, 16),
+             # offload first beats the device exactly at its own limit (a search that stops one short misses it)
+             (lambda b: 10.0 * b, lambda b: 10.0 * b if b < 12 else 9.0 * b, 4, 12),
+             # equal throughput at 5, better from 6: "beats" is strictly greater
+             (lambda b: 10.0 * b, lambda b: 11.0 * b if b < 5 else 10.0 * b if b == 5 else 9.0 * b, 8, 20),
+             # the device's best is at batch 4, not at its largest batch 8
+             (lambda b: 10.0 * b if b <= 4 else 20.0 * b, lambda b: 15.0 * b if b < 9 else 9.0 * b, 8, 20),
+             # offload beats the device at batch 2, below the device's own limit
+             (lambda b: 10.0 * b, lambda b: 11.0 * b if b < 2 else 9.0 * b, 8, 20)]
+    g = _gen(18)
+    for _ in range(30):  # fresh linear step times: a fixed part (weights) plus a part per request
+        a, c, a2, c2 = (float(x) for x in torch.randint(1, 60, (4,), generator=g))
+        nd, no = (int(x) for x in torch.randint(1, 40, (2,), generator=g))
+        cases.append((lambda b, a=a, c=c: a + c * b, lambda b, a2=a2, c2=c2: a2 + c2 * b, nd, nd + no))
     for t_dev, t_off, n_dev, n_off in cases:
         got, want = fn(t_dev, t_off, n_dev, n_off), _break_even_spec(t_dev, t_off, n_dev, n_off)
         assert got == want, f"device fits {n_dev}, offload {n_off}: got {got}, want {want} (t_device(1) = " \

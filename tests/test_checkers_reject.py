@@ -56,6 +56,7 @@ WRONG = {
         ("the partial page off by one", lambda kept, seq_len, P: sum(min(P, seq_len - p * P - 1) for p in kept)),
     ],
     "check_history_pages": [
+        ("the sink ignored", lambda n, s, r: range(0, n - min(n, r))),
         ("the first recent page taken as history", lambda n, s, r: range(min(s, n - min(n, r)),
                                                                           n - min(n, r) + (n > r))),
         ("recent not limited by the pages", lambda n, s, r: range(min(s, max(n - r, 0)), max(n - r, 0) - 1)),
@@ -143,6 +144,8 @@ WRONG = {
     ],
     "check_merge_splits": [
         ("a plain mean of the slices", lambda outs, lses: outs.mean(0)),
+        ("NaN when every slice is empty (no guard on the weights' sum)", lambda outs, lses: (
+            torch.exp(lses - lses.max())[:, None] * outs).sum(0) / torch.exp(lses - lses.max()).sum()),
         ("exp(lse) without the max shift",
          lambda outs, lses: (torch.exp(lses)[:, None] * outs).sum(0) / torch.exp(lses).sum()),
     ],
@@ -151,6 +154,8 @@ WRONG = {
                                                                                         full_last=True)),
         ("a dense row's pages from the row's length", lambda kept, seq_len, row, P: _table_row(
             kept, seq_len, row, P, dense_from_row=True)),
+        ("each page read at its last slot", lambda kept, seq_len, row, P: _table_row(kept, seq_len, row, P,
+                                                                                    last_slot=True)),
     ],
     "check_lru_victims": [
         ("the lowest free slots, no LRU", lambda tokens, used, clock, m: [
@@ -167,6 +172,14 @@ WRONG = {
             (b for b in range(1, no + 1) if b / to(b) > 1 / td(1)), None)),
         ("past what offload fits", lambda td, to, nd, no: next(
             (b for b in range(1, 10 * no) if b / to(b) > max(c / td(c) for c in range(1, nd + 1))), None)),
+        ("one short of the offload limit", lambda td, to, nd, no: next(
+            (b for b in range(1, no) if b / to(b) > max(c / td(c) for c in range(1, nd + 1))), None)),
+        (">= instead of beats", lambda td, to, nd, no: next(
+            (b for b in range(1, no + 1) if b / to(b) >= max(c / td(c) for c in range(1, nd + 1))), None)),
+        ("the device's best taken at its maximum", lambda td, to, nd, no: next(
+            (b for b in range(1, no + 1) if b / to(b) > nd / td(nd)), None)),
+        ("a search starting past the device's limit", lambda td, to, nd, no: next(
+            (b for b in range(nd + 1, no + 1) if b / to(b) > max(c / td(c) for c in range(1, nd + 1))), None)),
     ],
 }
 
@@ -179,10 +192,10 @@ def _quant_no_floor(x, block):
     return q.reshape(t, n), scale.squeeze(-1)
 
 
-def _table_row(kept, seq_len, row, P, full_last=False, dense_from_row=False):
+def _table_row(kept, seq_len, row, P, full_last=False, dense_from_row=False, last_slot=False):
     n = len(row) // P if dense_from_row else cdiv(seq_len, P)
     logical = list(kept) if kept else list(range(n))
-    pages = [row[j * P] // P for j in logical]
+    pages = [row[j * P + (P - 1 if last_slot else 0)] // P for j in logical]
     if not kept:
         return pages, seq_len
     last = P if full_last else seq_len - (cdiv(seq_len, P) - 1) * P

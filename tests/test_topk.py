@@ -133,11 +133,11 @@ def test_long_path_flags(monkeypatch):
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = make_scores(3, 1000, seed=2)
     out = torch.empty(3, 5, dtype=torch.int32, device=DEVICE)
-    flags = topk_module._launch_topk(x, 5, None, None, out)
+    flags = topk_module.launch_topk(x, 5, None, None, out).flags
     assert flags.tolist() == [0, 0, 0]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
     x = adversarial_rows(1000, 128)[:5]
-    flags = topk_module._launch_topk(x, 5, None, None, out.new_empty(5, 5))
+    flags = topk_module.launch_topk(x, 5, None, None, out.new_empty(5, 5)).flags
     # ascending, descending and periodic rows fit the 128 slots here; the plateau and the all-equal row
     # do not, and take the tie path (flag 2: fewer than k keys above T)
     assert flags.tolist() == [0, 0, 0, 2, 2]
@@ -150,10 +150,10 @@ def test_long_path_flags(monkeypatch):
     # with 2 delegates programs per row T is the threshold of the program holding the smaller delegates
     # (``local_threshold``), far below: flag 1
     flags = [2, 1, 1, 2, 2]
-    assert topk_module._launch_topk(x, 5, None, None, out).tolist() == [1, 1, 1, 2, 2]
+    assert topk_module.launch_topk(x, 5, None, None, out).flags.tolist() == [1, 1, 1, 2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
     monkeypatch.setitem(topk_module.TUNING, "local_threshold", 0)
-    assert topk_module._launch_topk(x, 5, None, None, out).tolist() == flags
+    assert topk_module.launch_topk(x, 5, None, None, out).flags.tolist() == flags
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
@@ -174,7 +174,7 @@ def test_tie_path_takes_exactly_the_lowest_ties_it_needs(monkeypatch, above, bit
         rows.append(row)
     x = torch.stack(rows).to(DEVICE)
     out = torch.empty(3, 37, dtype=torch.int32, device=DEVICE)
-    flags = topk_module._launch_topk(x, 37, None, None, out)
+    flags = topk_module.launch_topk(x, 37, None, None, out).flags
     want = topk_reference(x.cpu(), 37, order="index")
     assert torch.equal(out.cpu(), want)
     assert flags.tolist() == [2, 2, 2]
@@ -213,7 +213,7 @@ def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
     x = torch.stack([torch.where(j % 3 == 0, 0.3, torch.randn(1000, generator=g).clamp(max=0.2)),
                      torch.where(j % 7 == 1, -1.1, torch.randn(1000, generator=g).clamp(max=-1.2))]).to(DEVICE)
     out = torch.empty(2, 5, dtype=torch.int32, device=DEVICE)
-    assert topk_module._launch_topk(x, 5, None, None, out).tolist() == [2, 2]
+    assert topk_module.launch_topk(x, 5, None, None, out).flags.tolist() == [2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
@@ -227,8 +227,8 @@ def test_long_rows_packed_in_a_narrow_range(monkeypatch):
     g = torch.Generator().manual_seed(11)
     x = (1.0 + 1e-3 * torch.rand(3, 1000, generator=g)).to(DEVICE)
     out = torch.empty(3, 100, dtype=torch.int32, device=DEVICE)
-    stats: dict = {}
-    flags = topk_module._launch_topk(x, 100, None, None, out, stats)
+    stats = topk_module.launch_topk(x, 100, None, None, out)
+    flags = stats.flags
     assert flags.tolist() == [0, 0, 0]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 100, order="index"))
     for order in ("index", "score"):
@@ -256,10 +256,9 @@ def test_local_threshold(monkeypatch):
     for local in (4, 0):
         monkeypatch.setitem(topk_module.TUNING, "local_threshold", local)
         out = torch.empty(8, 5, dtype=torch.int32, device=DEVICE)
-        stats = {}
-        topk_module._launch_topk(x, 5, None, None, out, stats)
+        stats = topk_module.launch_topk(x, 5, None, None, out)
         assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
-        thresholds[local], flags[local] = stats["threshold"].tolist(), stats["flags"].tolist()
+        thresholds[local], flags[local] = stats.threshold.tolist(), stats.flags.tolist()
         assert not topk_module._SYNC[str(x.device)].any()  # the last programs reset the counters and TMAX
 
     def key(v):
@@ -335,11 +334,10 @@ def test_local_threshold_matches_its_model(monkeypatch):
     lengths = torch.tensor([997, 500, 997, 100, 997, 640, 997, 997, 300])  # (100: program 3 has 4 delegates)
     for k in (20, 33, 64):
         out = torch.empty(9, k, dtype=torch.int32, device=DEVICE)
-        stats = {}
-        topk_module._launch_topk(x.to(DEVICE), k, None, lengths.to(DEVICE), out, stats)
+        stats = topk_module.launch_topk(x.to(DEVICE), k, None, lengths.to(DEVICE), out)
         assert torch.equal(out.cpu(), topk_reference(x, k, lengths, order="index"))
         want = [local_threshold_model(r[:n], k, 128, 4) for r, n in zip(x, lengths.tolist(), strict=True)]
-        assert stats["threshold"].tolist() == want, k
+        assert stats.threshold.tolist() == want, k
 
 
 @pytest.mark.parametrize("tile, programs, bitmask", [(64, 256, 10**9), (256, 4, 10**9), (4096, 1, 10**9),
@@ -359,24 +357,24 @@ def test_tie_path_across_chunks(monkeypatch, tile, programs, bitmask):
     k = torch.tensor([150, 5, 99, 60], device=DEVICE)
     lengths = torch.tensor([700, 640, 333, 700], device=DEVICE)
     out = torch.empty(4, 150, dtype=torch.int32, device=DEVICE)
-    flags = topk_module._launch_topk(x, 0, k.int(), lengths, out)
+    flags = topk_module.launch_topk(x, 0, k.int(), lengths, out).flags
     assert flags.tolist() == [2, 2, 2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), k.cpu(), lengths.cpu(), order="index", width=150))
     assert not topk_module._SYNC[str(x.device)].any()  # the rows' last programs zeroed their slot counters
     x = torch.full((2, 700), 2.0, device=DEVICE)  # plateaus with one key above them, in the last or first tile:
     x[0, 690] = x[1, 5] = 3.0  # a tile whose only work is that key, and tiles with nothing to write
     out = torch.empty(2, 100, dtype=torch.int32, device=DEVICE)
-    assert topk_module._launch_topk(x, 100, None, None, out).tolist() == [2, 2]
+    assert topk_module.launch_topk(x, 100, None, None, out).flags.tolist() == [2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 100, order="index"))
     x[1, 5] = 2.0  # a plateau alone: k = 65 needs one tie of the second chunk (64 columns each), its first
     out = torch.empty(2, 65, dtype=torch.int32, device=DEVICE)
-    assert topk_module._launch_topk(x, 65, None, None, out).tolist() == [2, 2]
+    assert topk_module.launch_topk(x, 65, None, None, out).flags.tolist() == [2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 65, order="index"))
     # chunks of 1024 are counted 8 per step: 9 chunks = a full step and a partial one
     monkeypatch.setitem(topk_module.TUNING, "chunk", 1024)
     x = make_scores(2, 9000, seed=5, ties=True)
     out = torch.empty(2, 300, dtype=torch.int32, device=DEVICE)
-    assert topk_module._launch_topk(x, 300, None, None, out).tolist() == [2, 2]
+    assert topk_module.launch_topk(x, 300, None, None, out).flags.tolist() == [2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 300, order="index"))
 
 
@@ -403,7 +401,7 @@ def test_keys_above_threshold_selected_again(monkeypatch, tile, programs, bitmas
     x = x.to(DEVICE)
     lengths = torch.tensor([2000, 2000, 2000, 1900], device=DEVICE)
     out = torch.empty(4, 127, dtype=torch.int32, device=DEVICE)
-    flags = topk_module._launch_topk(x, 127, None, lengths, out)
+    flags = topk_module.launch_topk(x, 127, None, lengths, out).flags
     assert flags.tolist() == [3, 1, 3, 3]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 127, lengths.cpu(), order="index"))
     assert not topk_module._SYNC[str(x.device)].any()  # every counter zeroed for the next call
@@ -451,7 +449,7 @@ def test_long_path_histogram_select(monkeypatch, pair_rank, reverse):
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = long_path_rows(1500, 20)
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
-    assert topk_module._launch_topk(x, 20, None, None, out).tolist() == [0] * 7  # nothing took the fallback
+    assert topk_module.launch_topk(x, 20, None, None, out).flags.tolist() == [0] * 7  # nothing took the fallback
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
     for order in ("index", "score"):
         check(x, 20, order=order)
@@ -470,7 +468,7 @@ def test_long_path_runs_wider_than_a_tile(monkeypatch):
     x[0] = torch.arange(1000, device=DEVICE).float()  # the 50 winners: the last chunk's 40 and 10 before
     x[1, 900:] = 5.0  # 100 ties above every other key, across two chunks: the 50 lowest ids win
     out = torch.empty(3, 50, dtype=torch.int32, device=DEVICE)
-    assert topk_module._launch_topk(x, 50, None, None, out).tolist() == [0, 0, 0]
+    assert topk_module.launch_topk(x, 50, None, None, out).flags.tolist() == [0, 0, 0]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 50, order="index"))
     check(x, 50, torch.tensor([1000, 950, 37], device=DEVICE), order="score")
 
@@ -486,12 +484,11 @@ def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
     g = torch.Generator().manual_seed(shuffle or 0)
     x = long_path_rows(1500, 20, seed=shuffle or 0)
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
-    stats: dict = {}
-    steps = topk_module.launches(x, 20, None, None, out, stats)
-    assert [name for name, _ in steps] == ["delegates", "candidates", "select"]
-    for _, fn in steps[:2]:
-        fn()
-    slots, starts, counts = stats["slots"], stats["run_starts"], stats["counts"]
+    stats = topk_module.prepare(x, 20, None, None, out)
+    assert stats.names == ("delegates", "candidates", "select")
+    stats.delegates()
+    stats.candidates()
+    slots, starts, counts = stats.slots, stats.run_starts, stats.counts
     before = starts.clone()
     for r in range(x.shape[0]):
         runs = [slots[r, int(b):int(b) + int(n)].clone() for b, n in zip(starts[r], counts[r], strict=True)]
@@ -504,8 +501,7 @@ def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
             starts[r, c] = pos
             pos += runs[c].numel()
     assert (starts != before).any(dim=1).sum() >= 5  # most rows now hold their runs in another order
-    for _, fn in steps[2:]:
-        fn()
+    stats.select()
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
     assert not topk_module._SYNC[str(x.device)].any()
 
@@ -525,22 +521,20 @@ def test_candidates_bitmask(monkeypatch):
     x[4, 1000:1300] = x[4, 17]  # a plateau straddling chunks
     lengths = torch.tensor([1500, 1499, 700, 1, 1500, 64, 0])
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
-    stats: dict = {}
-    steps = topk_module.launches(x.to(DEVICE), 20, None, lengths.to(DEVICE), out, stats)
-    for _, fn in steps[:2]:
-        fn()
-    chunk = stats["plan"]["chunk"]
+    stats = topk_module.prepare(x.to(DEVICE), 20, None, lengths.to(DEVICE), out)
+    stats.delegates()
+    stats.candidates()
+    chunk = stats.plan.chunk
     for r in range(7):
         key = float_keys(x[r, :int(lengths[r])])
-        T = int(stats["threshold"][r])
+        T = int(stats.threshold[r])
         want = torch.nonzero((key >= T) & (key != -(2**31))).flatten()
-        assert torch.equal(bitmask_columns(stats["bits"][r].cpu()), want), r
-        per_chunk = torch.cat([key, torch.full((chunk * stats["above"].shape[1] - len(key),), -(2**31),
+        assert torch.equal(bitmask_columns(stats.bits[r].cpu()), want), r
+        per_chunk = torch.cat([key, torch.full((chunk * stats.above.shape[1] - len(key),), -(2**31),
                                                dtype=torch.int32)]).view(-1, chunk)
-        assert torch.equal(stats["above"][r].cpu(), (per_chunk > T).sum(1).int()), r
-        assert torch.equal(stats["ties"][r].cpu(), ((per_chunk == T) & (per_chunk != -(2**31))).sum(1).int()), r
-    for _, fn in steps[2:]:
-        fn()
+        assert torch.equal(stats.above[r].cpu(), (per_chunk > T).sum(1).int()), r
+        assert torch.equal(stats.ties[r].cpu(), ((per_chunk == T) & (per_chunk != -(2**31))).sum(1).int()), r
+    stats.select()
     assert torch.equal(out.cpu(), topk_reference(x, 20, lengths, order="index"))
     assert not topk_module._SYNC[str(out.device)].any()
 
@@ -742,10 +736,9 @@ def test_select_spans_are_powers_of_two(monkeypatch, N):
     x[1::2] = make_scores(32, N, seed=N + 1, ties=True, device="cpu")  # clusters: the tie path
     x = x.to(DEVICE)
     out = torch.empty(64, 50, dtype=torch.int32, device=DEVICE)
-    stats = {}
-    topk_module._launch_topk(x, 50, None, None, out, stats)
-    span = stats["span"]
-    assert stats["bitmask"] and span & (span - 1) == 0 and span % stats["plan"]["chunk"] == 0 and span * 4 >= N
+    stats = topk_module.launch_topk(x, 50, None, None, out)
+    span = stats.span
+    assert stats.bitmask and span & (span - 1) == 0 and span % stats.plan.chunk == 0 and span * 4 >= N
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 50, order="index"))
 
 
@@ -792,10 +785,10 @@ def test_packed_short_rows(monkeypatch, N, k, plan):
     bf16 = (1 + 0.1 * torch.rand(2, N, generator=g)).to(torch.bfloat16)
     for x, lens, allowed in ((rows, None, {0}), (rows, lengths, {0}), (bf16, None, {0, 2})):
         x = x.to(DEVICE)
-        stats = {}
         out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
-        flags = topk_module._launch_topk(x, k, None, lens, out, stats)
-        assert list(stats["grids"]) == ["short_row"] and stats["plan"]["direct"] == (plan != "delegates")
+        stats = topk_module.launch_topk(x, k, None, lens, out)
+        flags = stats.flags
+        assert list(stats.grids) == ["short_row"] and stats.plan.direct == (plan != "delegates")
         assert set(flags.tolist()) <= ({0} if plan != "delegates" else allowed), flags.tolist()
         assert torch.equal(out.cpu(), topk_reference(x.cpu(), k, None if lens is None else lens.cpu(), order="index"))
         check(x, k, lens)
@@ -935,11 +928,10 @@ def test_gpu_integer_plateaus_take_the_tie_path(monkeypatch, tile):
     paths = torch.zeros(4, dtype=torch.int64)
     for seed in range(4):
         x = make_distribution("integers", 8, 131072, "cuda", seed=seed)
-        stats = {}
         got = torch.empty(8, 2048, dtype=torch.int32, device="cuda")
-        topk_module._launch_topk(x, 2048, None, None, got, stats)
+        stats = topk_module.launch_topk(x, 2048, None, None, got)
         assert torch.equal(got, topk_reference(x, 2048, order="index")), seed
-        paths += torch.bincount(stats["flags"].long().cpu(), minlength=4)
+        paths += torch.bincount(stats.flags.long().cpu(), minlength=4)
     assert paths[2] > 0 and paths[3] > 0, paths  # (the tie path and the second selection both ran)
 
 

@@ -91,24 +91,19 @@ def launch_breakdown(copies, k, timer) -> dict:
     from sparse_ref.kernels import topk as topk_module
     from sparse_ref.kernels.topk.common import CNT
 
-    plans = []
-    for x in copies:
-        out = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
-        steps = topk_module.launches(x, k, None, None, out)
-        for _, fn in steps:
-            fn()
-        plans.append(steps)
-    counters = topk_module._SYNC[str(copies[0].device)][:, CNT.value]
+    runs = [topk_module.launch_topk(x, k, None, None, torch.empty(x.shape[0], k, dtype=torch.int32,
+                                                                   device=x.device)) for x in copies]
+    counters = runs[0].sync[:, CNT.value] if runs[0].sync is not None else None
 
     def cut(n, reset=False):
-        def call(steps):
-            for _, fn in steps[:n]:
-                fn()
+        def call(run):
+            for name in run.names[:n]:
+                getattr(run, name)()
             if reset:
                 counters.zero_()
-        return timer.cold([partial(call, steps) for steps in plans])
+        return timer.cold([partial(call, run) for run in runs])
 
-    names = [name for name, _ in plans[0]]
+    names = list(runs[0].names)
     if len(names) == 1:
         return {names[0]: round(cut(1), 2)}
     first = cut(1)

@@ -68,6 +68,8 @@ helpers every kernel shares (keys, radix and window rounds, ranks, ordered write
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -195,8 +197,27 @@ def short_row_warps(n_pad: int) -> int:
     return min(32, max(8, n_pad // SCORES_PER_WARP))
 
 
-def plan(R: int, N: int, width: int) -> dict:
-    """Launch constants for R rows of N columns and at most ``width`` winners (see TUNING)."""
+@dataclass(frozen=True)
+class Plan:
+    """How one top-k call runs, from the shapes alone (see ``TUNING``): each row held in registers by one program
+    (``register``; ``direct``: selected directly, else the delegates plan), or three launches for long rows
+    (delegates ``G`` per row in ``cols``-column programs, ``chunk``-column candidate programs, ``slots`` candidate
+    slots, a pairwise rank of up to ``pair`` keys); ``force_fallback``: k too wide for delegates, the whole-row
+    radix select on every row."""
+
+    register: bool
+    direct: bool
+    n_pad: int
+    G: int
+    slots: int
+    chunk: int
+    cols: int
+    pair: int
+    force_fallback: bool
+
+
+def plan(R: int, N: int, width: int) -> Plan:
+    """The plan for R rows of N columns and at most ``width`` winners."""
     n_pad = max(32, triton.next_power_of_2(N))  # (at least one bitmask word)
     G = max(TUNING["min_delegates"], triton.next_power_of_2(max(2 * width, 1)))
     register = N <= TUNING["register_row"]
@@ -205,106 +226,130 @@ def plan(R: int, N: int, width: int) -> dict:
     slots = TUNING["slots"] or G
     chunk, cols = max(32, min(TUNING["chunk"], n_pad, 1 << 15)), min(TUNING["delegate_cols"], G)  # (chunk: whole
     # bitmask words; < 2**16: two counts packed in one int32)
-    while R * triton.cdiv(N, chunk) < MIN_PROGRAMS and chunk > 1024:  # few rows: more, smaller
-        chunk //= 2  # programs per row
+    while R * triton.cdiv(N, chunk) < MIN_PROGRAMS and chunk > 1024:  # few rows: more, smaller programs per row
+        chunk //= 2
     while R * (G // cols) < MIN_PROGRAMS and cols > 64:
         cols //= 2
     slots = min(slots, n_pad, 1 << 14)  # (< 2**15: the select program packs two counts in one int32)
     pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
-    return dict(register=register, direct=register and use_direct(n_pad, G, TUNING["direct_ratio"]), n_pad=n_pad,
-                G=G, slots=slots, chunk=chunk, cols=cols, pair=pair,
-                force_fallback=not register and G > TUNING["max_delegates"])
+    return Plan(register, register and use_direct(n_pad, G, TUNING["direct_ratio"]), n_pad, G, slots, chunk, cols,
+                pair, not register and G > TUNING["max_delegates"])
 
 
-def launches(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None) -> list:
-    """The kernel launches of one top-k call (no checks), as ``[(name, fn), ...]``: calling every ``fn``
-    in order writes the ids of each row's winners in ascending order into ``out``. Separate so that a
-    benchmark can time each launch on its own (``sparse_ref.bench.topk``). Private: ``topk`` checks first.
+@dataclass
+class TopkRun:
+    """One top-k call: its plan, buffers and launches, in order (``launch`` runs ``names``). What they leave for a
+    reader, once run: each row's path ``flags`` (0 = exact select on the candidates, or directly on a short row,
+    2 = tie path, 3 = the keys above the threshold selected again, 1 = whole-row radix) and, on long rows, the
+    ``threshold`` keys, each chunk's keys ``above`` it and equal to it (``ties``), the mode (``bitmask``), the
+    candidate ``slots``, the select programs' ``span`` and the ``bits`` (bitmask mode) or each chunk's ``counts``
+    and ``run_starts`` (runs mode). ``grids``: each launch's programs and warps as a GPU runs it."""
 
-    ``stats`` (a dict) receives the plan, the per-row path ``flags`` (0 = exact select on the candidates, or
-    directly on a short row, 2 = tie path, 3 = exact select on the keys above the threshold, copied again,
-    1 = whole-row radix select) and on the long-row path the ``threshold`` keys, the per-chunk counts of keys
-    ``above`` it and equal to it (``ties``; their sum is the chunk's candidates), the mode (``bitmask``), the candidate
-    ``slots``, the select programs' ``span`` of columns, and the bitmask (``bits``) or each chunk's run
-    (``counts``, ``run_starts``), valid after the launches ran; and ``grids``: each launch's programs and
-    warps per program as a GPU runs it (known before the launches run).
-    """
+    plan: Plan
+    names: tuple
+    grids: dict
+    flags: torch.Tensor
+    args: dict  # scores, stride, out, N, W, k, lengths: what every launch reads
+    work: torch.Tensor | None = None
+    cand: torch.Tensor | None = None
+    sync: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
+    above: torch.Tensor | None = None
+    ties: torch.Tensor | None = None
+    bitmask: bool = False
+    slots: torch.Tensor | None = None
+    bits: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    run_starts: torch.Tensor | None = None
+    span: int = 0
+    shape: dict | None = None  # the long-row launches' shared constexprs and sizes
+
+    def launch(self) -> TopkRun:
+        for name in self.names:
+            getattr(self, name)()
+        return self
+
+    def short_row(self) -> None:
+        p, a = self.plan, self.args
+        _short_row_kernel[(a["R"],)](
+            a["scores"], a["stride"], a["out"], self.work, self.flags, a["N"], a["W"], a["k"], a["lengths"],
+            N_PAD=p.n_pad, G=p.G, SLOTS=p.slots, PAIR=self.shape["pair"],
+            BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(a["W"]))),
+            DIRECT=direct_mode(p.direct, TUNING["value_bins"]), num_warps=self.grids["short_row"][1] if a["gpu"] else 1)
+
+    def whole_row(self) -> None:
+        a = self.args
+        select.whole_row_kernel[(a["R"],)](a["scores"], a["stride"], a["out"], a["N"], a["W"], a["k"], a["lengths"],
+                                           BLOCK=self.shape["block"], num_warps=DELEGATE_WARPS if a["gpu"] else 1)
+
+    def delegates(self) -> None:
+        p, a, sh = self.plan, self.args, self.shape
+        threshold.delegates_kernel[(a["R"] * (p.G // p.cols),)](
+            a["scores"], a["stride"], self.work, self.sync, a["N"], a["W"], a["k"], a["lengths"], G=p.G, COLS=p.cols,
+            ROWS=sh["rows"], LOG_C=sh["LOG_C"], LOCAL=p.G // p.cols <= TUNING["local_threshold"],
+            num_warps=DELEGATE_WARPS if a["gpu"] else 1, **sh["pdl"])
+
+    def candidates(self) -> None:
+        p, a, sh = self.plan, self.args, self.shape
+        candidates.candidates_kernel[(a["R"] * sh["C"],)](
+            a["scores"], a["stride"], self.cand, self.work, self.sync, a["N"], a["W"], a["k"], a["lengths"],
+            G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=sh["LOG_C"], BITMASK=self.bitmask,
+            REVERSE=TUNING["reverse_rows"], num_warps=TUNING["candidate_warps"] if a["gpu"] else 1, **sh["pdl"])
+
+    def select(self) -> None:
+        p, a, sh = self.plan, self.args, self.shape
+        select.select_kernel[(a["R"], triton.cdiv(a["N"], self.span))](
+            a["scores"], a["stride"], a["out"], self.cand, self.work, self.sync, a["N"], a["W"], a["k"], a["lengths"],
+            G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=sh["LOG_C"], BITMASK=self.bitmask, PAIR=p.pair, SPAN=self.span,
+            TILE=sh["tile"], num_warps=SELECT_WARPS if a["gpu"] else 1, **sh["pdl"])
+
+
+def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
+    """The plan, buffers and launch shapes of one top-k call (no checks, nothing launched: ``launch`` runs it).
+    ``topk`` checks first; tests, the bench and notebook 05 read the run."""
     R, N = scores.shape
-    W = out.shape[1]
-    device = scores.device
+    W, device = out.shape[1], scores.device
+    gpu = device.type == "cuda"
     p = plan(R, N, W)
-    stats = {} if stats is None else stats
-    stats["plan"] = p
-    row_args = dict(k=k_tensor if k_tensor is not None else min(k_scalar, N), lengths=lengths)
-    stride = scores.stride(0)
-    if p["register"]:
-        nw = (short_row_warps(p["n_pad"]) if p["direct"] else TUNING["num_warps"]) if device.type == "cuda" else 1
-        stats["grids"] = {"short_row": (R, nw)}
-        pair = TUNING["short_pair"] if p["direct"] else p["pair"]
-        scratch = torch.empty((R, max(pair, 1) if p["direct"] else p["slots"]), dtype=torch.int32, device=device)
-        stats["flags"] = flags = torch.empty((R,), dtype=torch.int32, device=device)
-        return [("short_row", lambda: _short_row_kernel[(R,)](
-            scores, stride, out, scratch, flags, N, W, **row_args, N_PAD=p["n_pad"], G=p["G"], SLOTS=p["slots"],
-            PAIR=pair, BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
-            DIRECT=direct_mode(p["direct"], TUNING["value_bins"]), num_warps=nw))]
-    nw = DELEGATE_WARPS if device.type == "cuda" else 1
-    block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p["n_pad"])
-    G, cols, chunk = p["G"], p["cols"], p["chunk"]
-    C = triton.cdiv(N, chunk)
+    args = dict(scores=scores, stride=scores.stride(0), out=out, N=N, W=W, R=R, gpu=gpu, lengths=lengths,
+                k=k_tensor if k_tensor is not None else min(k_scalar, N))
+    if p.register:
+        pair = TUNING["short_pair"] if p.direct else p.pair
+        warps = short_row_warps(p.n_pad) if p.direct else TUNING["num_warps"]
+        return TopkRun(p, ("short_row",), {"short_row": (R, warps)}, torch.empty(R, dtype=torch.int32, device=device),
+                       args, work=torch.empty((R, max(pair, 1) if p.direct else p.slots), dtype=torch.int32,
+                                              device=device), shape={"pair": pair})
+    block = TUNING["block"] if gpu else min(TUNING["block"], p.n_pad)
+    if p.force_fallback:  # every row takes the whole-row radix: flag 1
+        return TopkRun(p, ("whole_row",), {"whole_row": (R, DELEGATE_WARPS)},
+                       torch.ones(R, dtype=torch.int32, device=device), args, shape={"block": block})
+    C = triton.cdiv(N, p.chunk)
     log_c = max(1, (C - 1).bit_length())
-    if p["force_fallback"]:  # every row takes the whole-row radix: flag 1, as the stats report it
-        stats["flags"] = torch.ones((R,), dtype=torch.int32, device=device)
-        stats["grids"] = {"whole_row": (R, DELEGATE_WARPS)}
-        return [("whole_row", lambda: select.whole_row_kernel[(R,)](
-            scores, stride, out, N, W, **row_args, BLOCK=block, num_warps=nw))]
-
-    def warps(knob):
-        return TUNING[knob] if device.type == "cuda" else 1
-
-    pdl = pdl_options(device)
-
-    sync = _sync_buffer(device, R)
-    work = torch.empty((R, work_width(1 << log_c, G)), dtype=torch.int32, device=device)
+    work = torch.empty((R, work_width(1 << log_c, p.G)), dtype=torch.int32, device=device)
     bitmask = R * C >= TUNING["bitmask_programs"]
-    n_words = C * (chunk // 32) if bitmask else 0
-    cand = torch.empty((R, 2 * n_words + p["slots"]), dtype=torch.int32 if bitmask else torch.int64, device=device)
+    n_words = C * (p.chunk // 32) if bitmask else 0
+    cand = torch.empty((R, 2 * n_words + p.slots), dtype=torch.int32 if bitmask else torch.int64, device=device)
     head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: common.py)
-    stats.update(above=work[:, head[0]:head[0] + C], ties=work[:, head[1]:head[1] + C], threshold=work[:, T_.value],
-                 flags=work[:, FLAG.value], bitmask=bitmask, slots=cand[:, 2 * n_words:])
-    if bitmask:
-        stats["bits"] = cand[:, :n_words]
-    else:
-        stats.update(counts=work[:, head[2]:head[2] + C], run_starts=work[:, head[3]:head[3] + C])
-    rows = max(1, min(DELEGATE_TILE // cols, triton.next_power_of_2(triton.cdiv(N, G))))
-    shape = dict(G=G, CHUNK=chunk, SLOTS=p["slots"], LOG_C=log_c, BITMASK=bitmask)
-    tile = max(chunk, min(TUNING["tie_tile"], p["n_pad"]))  # a flagged row: its select programs' loads
+    tile = max(p.chunk, min(TUNING["tie_tile"], p.n_pad))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
     span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
     # bitmask words, and bits_to_slots' blocks of words must be a power of two)
-    assert span % chunk == 0 and chunk % 32 == 0
-    stats["span"] = span
-    stats["grids"] = {"delegates": (R * (G // cols), DELEGATE_WARPS),
-                      "candidates": (R * C, TUNING["candidate_warps"]),
-                      "select": (R * triton.cdiv(N, span), SELECT_WARPS)}
-    return [
-        ("delegates", lambda: threshold.delegates_kernel[(R * (G // cols),)](
-            scores, stride, work, sync, N, W, **row_args, G=G, COLS=cols, ROWS=rows, LOG_C=log_c,
-            LOCAL=G // cols <= TUNING["local_threshold"], num_warps=nw, **pdl)),
-        ("candidates", lambda: candidates.candidates_kernel[(R * C,)](
-            scores, stride, cand, work, sync, N, W, **row_args, **shape, REVERSE=TUNING["reverse_rows"],
-            num_warps=warps("candidate_warps"), **pdl)),
-        ("select", lambda: select.select_kernel[(R, triton.cdiv(N, span))](
-            scores, stride, out, cand, work, sync, N, W, **row_args, **shape, PAIR=p["pair"], SPAN=span, TILE=tile,
-            num_warps=SELECT_WARPS if device.type == "cuda" else 1, **pdl)),
-    ]
+    assert span % p.chunk == 0 and p.chunk % 32 == 0
+    grids = {"delegates": (R * (p.G // p.cols), DELEGATE_WARPS), "candidates": (R * C, TUNING["candidate_warps"]),
+             "select": (R * triton.cdiv(N, span), SELECT_WARPS)}
+    rows = max(1, min(DELEGATE_TILE // p.cols, triton.next_power_of_2(triton.cdiv(N, p.G))))
+    shape = dict(C=C, LOG_C=log_c, rows=rows, tile=tile, pdl=pdl_options(device))
+    return TopkRun(p, ("delegates", "candidates", "select"), grids, work[:, FLAG.value], args, work=work, cand=cand,
+                   sync=_sync_buffer(device, R), threshold=work[:, T_.value], above=work[:, head[0]:head[0] + C],
+                   ties=work[:, head[1]:head[1] + C], bitmask=bitmask, slots=cand[:, 2 * n_words:],
+                   bits=cand[:, :n_words] if bitmask else None,
+                   counts=None if bitmask else work[:, head[2]:head[2] + C],
+                   run_starts=None if bitmask else work[:, head[3]:head[3] + C], span=span, shape=shape)
 
 
-def _launch_topk(scores, k_scalar, k_tensor, lengths, out, stats: dict | None = None):
-    """Run the kernels (no checks; see ``launches``). Returns the per-row path flags, for tests."""
-    stats = {} if stats is None else stats
-    for _, fn in launches(scores, k_scalar, k_tensor, lengths, out, stats):
-        fn()
-    return stats.get("flags")
+def launch_topk(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
+    """``prepare(...).launch()``: the ids of each row's winners in ascending order written into ``out``."""
+    return prepare(scores, k_scalar, k_tensor, lengths, out).launch()
 
 
 def _sort_winners(scores, out):
@@ -349,7 +394,7 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
         return out
     if N == 0:
         return out.fill_(-1)
-    _launch_topk(scores, k_scalar, k_tensor, lengths, out)
+    launch_topk(scores, k_scalar, k_tensor, lengths, out)
     if order == "score":
         _sort_winners(scores, out)
     return out

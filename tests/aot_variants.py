@@ -9,8 +9,8 @@ module-level ``triton.JITFunction`` named ``*_kernel`` in ``sparse_ref.kernels``
 import torch
 
 from sparse_ref.kernels import decode_attention, dsa, page_select, page_table, quest, quest_bounds, swap_in
-from sparse_ref.kernels import topk as topk_pkg
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
+from sparse_ref.kernels.topk import rows as topk_rows
 
 
 def aot_variant(kernel, constexprs, options=None, **types):
@@ -30,11 +30,11 @@ AOT_ROWS = [(dict(k="i32"), dict(lengths=None)), (dict(k="*i32", lengths="*i64")
 
 # ----------------------------------------------------------------------------- the top-k
 TOPK = [  # the short rows: 8192 columns at k = 2048 (direct, 16 warps), k = 128 (delegates); bf16, rounds only
-    *[aot_variant(topk_pkg._short_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b, DIRECT=d),
+    *[aot_variant(topk_rows.short_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b, DIRECT=d),
                   {"num_warps": nw}, scratch="*i32", flags="*i32", **rt, **AOT_PTRS)
       for (rt, rc), g, b, pr, d, nw in zip(AOT_ROWS, (4096, 256), (1024, 128), (256, 128), (128, 0), (16, 8),
                                            strict=True)],
-    aot_variant(topk_pkg._short_row_kernel, dict(lengths=None, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16,
+    aot_variant(topk_rows.short_row_kernel, dict(lengths=None, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16,
                                                  DIRECT=1), {"num_warps": 8}, scratch="*i32", flags="*i32",
                 k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
 ]

@@ -49,7 +49,7 @@ The design, in five steps:
 ``order="score"`` then sorts the <= k winners of each row (``sort.py``).
 
 Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that keeps it in
-registers (``_short_row_kernel``, one launch; ``rows.py``). When k is a large share of the row it skips steps 2-5:
+registers (``rows.short_row_kernel``, one launch). When k is a large share of the row it skips steps 2-5:
 window rounds over the whole row and a pairwise rank give ``t``, one prefix sum places the winners; else it runs steps
 2-5 in registers (a bitmask word per 32 columns gives the slots, the tie path too). Longer rows use three launches:
 delegates (``threshold.py``: a few programs per row; the last one to finish computes ``T``), candidates
@@ -72,7 +72,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from sparse_ref.checks import (
     INDEX_DTYPES,
@@ -88,9 +87,9 @@ from sparse_ref.checks import (
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import Knob, Knobs
 from sparse_ref.kernels import pdl_options as kernel_pdl_options
-from sparse_ref.kernels.topk import candidates, select, sort, threshold
-from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_, pad_row, row_k_len
-from sparse_ref.kernels.topk.rows import direct_mode, select_direct, select_in_registers, use_direct
+from sparse_ref.kernels.topk import candidates, rows, select, sort, threshold
+from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_
+from sparse_ref.kernels.topk.rows import direct_mode, use_direct
 
 NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 W_, P2, OFF = 1 << 20, 1 << 16, True  # launch knobs' declared ranges: powers of two where a kernel tiles by them
@@ -132,32 +131,6 @@ DELEGATE_WARPS, SELECT_WARPS, SORT_WARPS = 8, 16, 16  # the delegates (and whole
 MIN_PROGRAMS = 256  # fewer rows than this fills: smaller chunks / delegate slices per program
 DELEGATE_TILE = 8192  # scores per load of a delegates program (ROWS x COLS)
 ORDERS = ("score", "index", "none")
-
-
-# --------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
-                      N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                      BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
-    """One program = one row of at most N_PAD columns, held in registers: the whole top-k in one launch
-    (``rows.py``). DIRECT (> 1: a first round of DIRECT bins on the float values): window rounds over the row
-    and the kept bin ranked (``scratch``: PAIR int32 per row); 0: the delegates plan (``scratch``: SLOTS int32 per row),
-    which stores its path in ``flags``."""
-    r = tl.program_id(0)
-    k, length = row_k_len(r, N, W, k, lengths)
-    out_row = out + r.to(tl.int64) * W
-    row = scores + r.to(tl.int64) * stride_r
-    if DIRECT:
-        k_eff = select_direct(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR,
-                              DIRECT)
-        tl.store(flags + r, 0)
-    else:
-        k_eff, path = select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,
-                                           G, SLOTS, PAIR)
-        tl.store(flags + r, path)
-    pad_row(out_row, k_eff, W, BLOCK_OUT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,7 +244,7 @@ class TopkRun:
 
     def short_row(self) -> None:
         p, a = self.plan, self.args
-        _short_row_kernel[(a["R"],)](
+        rows.short_row_kernel[(a["R"],)](
             a["scores"], a["stride"], a["out"], self.work, self.flags, a["N"], a["W"], a["k"], a["lengths"],
             N_PAD=p.n_pad, G=p.G, SLOTS=p.slots, PAIR=self.shape["pair"],
             BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(a["W"]))),
@@ -352,31 +325,6 @@ def launch_topk(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
     return prepare(scores, k_scalar, k_tensor, lengths, out).launch()
 
 
-def _sort_winners(scores, out):
-    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id. Rows wider
-    than ``TUNING["sort_run"]``: runs of that many sorted by parallel programs, then merged (two launches).
-
-    The first sort launch waits for the selection the plain way, without programmatic dependent launch:
-    launched early, its programs would be placed while the selection's long programs still hold most
-    SMs, crowd onto the free ones, and then sort there (measured on an H200: PDL there made score order
-    6.5 µs slower at 64 x 65536)."""
-    R, W = out.shape
-    w_pad = max(16, triton.next_power_of_2(W))
-    run = TUNING["sort_run"]
-    if 0 < run < w_pad:
-        runs = torch.empty((R, w_pad), dtype=torch.int64, device=out.device)
-        nw = TUNING["sort_run_warps"] if scores.is_cuda else 1
-        pdl = pdl_options(out.device)
-        sort.sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
-                                                       num_warps=nw, PDL=False)
-        sort.merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw, **pdl)
-        return out
-    num_warps = (SORT_WARPS if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
-    sort.sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps,
-                                         PDL=False)
-    return out
-
-
 def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order: str = "score",
          width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k ids per row: int32 ``[R, width]``, -1 padded; matches ``topk_reference``.
@@ -396,7 +344,8 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
         return out.fill_(-1)
     launch_topk(scores, k_scalar, k_tensor, lengths, out)
     if order == "score":
-        _sort_winners(scores, out)
+        sort.sort_winners(scores, out, TUNING["sort_run"], TUNING["sort_run_warps"], SORT_WARPS,
+                          pdl_options(out.device))
     return out
 
 

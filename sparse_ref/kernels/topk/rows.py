@@ -1,5 +1,5 @@
 """The whole top-k of one row held in registers by one program: the short rows of the top-k
-(``__init__.py``'s ``_short_row_kernel``) and the page histories of ``sparse_ref.kernels.page_select``.
+(``short_row_kernel``, below) and the page histories of ``sparse_ref.kernels.page_select``.
 
 Two plans, chosen on the host from the shape (``use_direct``):
 
@@ -22,8 +22,10 @@ from sparse_ref.kernels.topk.common import (
     key_range,
     keys_of,
     narrow_window,
+    pad_row,
     pairwise_kth,
     radix_rounds,
+    row_k_len,
     walk_histogram,
     words_to_slots,
     write_above_and_ties,
@@ -254,3 +256,26 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
             k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
             path = path + 1
     return k_eff, path
+
+
+@triton.jit
+def short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
+                     N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
+                     BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
+    """One program = one row of at most N_PAD columns, held in registers: the whole top-k in one launch
+    (below). DIRECT (> 1: a first round of DIRECT bins on the float values): window rounds over the row
+    and the kept bin ranked (``scratch``: PAIR int32 per row); 0: the delegates plan (``scratch``: SLOTS int32 per row),
+    which stores its path in ``flags``."""
+    r = tl.program_id(0)
+    k, length = row_k_len(r, N, W, k, lengths)
+    out_row = out + r.to(tl.int64) * W
+    row = scores + r.to(tl.int64) * stride_r
+    if DIRECT:
+        k_eff = select_direct(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR,
+                              DIRECT)
+        tl.store(flags + r, 0)
+    else:
+        k_eff, path = select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,
+                                           G, SLOTS, PAIR)
+        tl.store(flags + r, path)
+    pad_row(out_row, k_eff, W, BLOCK_OUT)

@@ -6,6 +6,7 @@ runs sorted by parallel programs, then merged by binary searches. Launched by ``
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -75,3 +76,26 @@ def merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL:
     place = tl.sum(tl.reshape(larger, [NR, RUN]), axis=0)
     tl.store(out_row + place, (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=valid)
     tl.store(out_row + i, tl.full([RUN], -1, tl.int32), mask=(i >= n_valid) & (i < W))
+
+
+def sort_winners(scores, out, run: int, run_warps: int, warps: int, pdl: dict):
+    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id. Rows wider
+    than ``run`` (> 0): runs of that many sorted by parallel programs (``run_warps``), then merged (two
+    launches); else one sort a row (``warps`` from 2048 winners; ``pdl``: the merge's launch options).
+
+    The first sort launch waits for the selection the plain way, without programmatic dependent launch:
+    launched early, its programs would be placed while the selection's long programs still hold most
+    SMs, crowd onto the free ones, and then sort there (measured on an H200: PDL there made score order
+    6.5 µs slower at 64 x 65536)."""
+    R, W = out.shape
+    w_pad = max(16, triton.next_power_of_2(W))
+    if 0 < run < w_pad:
+        runs = torch.empty((R, w_pad), dtype=torch.int64, device=out.device)
+        nw = run_warps if scores.is_cuda else 1
+        sort_runs_kernel[(R, w_pad // run)](scores, scores.stride(0), out, runs, W, RUN=run, W_PAD=w_pad,
+                                            num_warps=nw, PDL=False)
+        merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw, **pdl)
+        return out
+    num_warps = (warps if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
+    sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps, PDL=False)
+    return out

@@ -130,7 +130,7 @@ SCORES_PER_WARP = 512  # a register row held directly: warps = N_PAD / this, fro
 DELEGATE_WARPS, SELECT_WARPS, SORT_WARPS = 8, 16, 16  # the delegates (and whole-row) launch; select; a 2048+ sort
 MIN_PROGRAMS = 256  # fewer rows than this fills: smaller chunks / delegate slices per program
 DELEGATE_TILE = 8192  # scores per load of a delegates program (ROWS x COLS)
-ORDERS = ("score", "index", "none")
+ORDERS = ("score", "index")
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,8 +332,7 @@ def topk(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *, order:
     ``k``: an int (then ``width = k`` and the call never syncs with the host: CUDA-graph safe),
     or an int tensor ``[R]`` (pass ``width``; without it, ``width = k.max()`` is read eagerly).
     ``lengths``: int32/int64 ``[R]`` valid lengths (None: every row is full).
-    ``order``: ``"score"`` (descending score, ties by lower id), ``"index"`` (ascending ids) or
-    ``"none"`` (the cheapest: here also ascending ids).
+    ``order``: ``"score"`` (descending score, ties by lower id) or ``"index"`` (ascending ids, the cheaper).
     """
     k_scalar, k_tensor, lengths, width, out = check_topk(scores, k, lengths, order, width, out,
                                                                 ORDERS, MAX_SORT_WIDTH)

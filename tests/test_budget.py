@@ -2,6 +2,8 @@
 
 The reading set is the table of ``docs/structures.md`` under "The reading set"; each module splits at its
 ``# ------------------------------ argument checks`` line into code (above) and checks (below), raw lines.
+(The reviews also count ``device.py`` and ``engine_graph.py``, listed "around" the set: by that count the code
+is still over its budget, which ``docs/structures.md`` says; this test holds the table's count from growing.)
 """
 
 from __future__ import annotations

@@ -1,69 +1,10 @@
 """Exact batched top-k: one read of the row, then exact work on a few thousand candidates only.
 
-Semantics: ``sparse_ref.selection.topk_reference`` (candidates are ``j < length`` whose score is
-not NaN and not -inf; ties go to the lower id; -0.0 == +0.0; -1 padding at the end).
-
-The design, in five steps:
-
-1. **Keys.** Each score becomes an int32 key whose *signed* order is the float order
-   (``i ^ ((i >> 31) & 0x7FFFFFFF)`` on the float bits, -0.0 folded into +0.0). Entries that may
-   not be selected (NaN, -inf, past the row's length) get ``NONE = INT32_MIN``, below every real key.
-2. **Delegates.** View the row as ``[N / G, G]`` and take the maximum of every column: delegate
-   ``j`` is the largest of the strided elements ``j, j + G, j + 2G, ...`` (strided, so a sorted row
-   cannot hide its top in a few columns). With ``G >= 2k`` this is one plain read of the row.
-3. **Threshold.** ``T`` = (a lower bound of) the k-th largest delegate. The k delegates at or above
-   ``T`` are row elements, so **at least k elements are >= T**: the top-k is inside ``{x >= T}``. For
-   random rows that set holds ``~0.7 G`` candidates (a few percent of a long row). ``T`` need not be
-   exact, only tight: it is the lower edge of the bin holding the k-th delegate in one 256-bin histogram
-   round over the delegates' own range [min, max] (``narrow_window``, a *window round*: unlike radix rounds on
-   fixed bits, it adapts to values packed within a few percent). More rounds, each over the kept bin's
-   own range, run only when too many delegates share the bin (ties, clusters, plateaus: then ``T``
-   becomes the exact k-th delegate, so that equal keys *equal* ``T``). With at most
-   ``TUNING["local_threshold"]`` delegates programs per row, each program finds that threshold for its
-   own delegates and its share ``ceil(k / S)`` of k, and T is the highest of those that k delegates
-   reach: no histogram round over the G delegates waits at the end. With more programs per row (few
-   rows), the row's last program takes the k-th delegate cut to 16 bits (two radix rounds, the first
-   from the programs' merged histograms), exact when many delegates share the cut.
-4. **Candidates.** Every element ``>= T`` is a candidate; only candidates are searched for the exact
-   k-th key ``t``. Long rows: every chunk program counts its keys > T and == T and adds its candidates
-   to the row's count (one atomic add). Then the candidates reach the row's slots in one of two modes,
-   chosen by the number of chunk programs (``TUNING["bitmask_programs"]``). **Runs** (few rows: the
-   chunk programs are few, and whatever they do costs little): each chunk copies its candidates (key
-   and id, ascending id) to the run of slots its atomic add returned, and the select launch's first
-   program per row selects among them at once. **Bitmask** (many rows, where the per-chunk prefix sum and
-   scattered stores cost 7-28 µs): each chunk only marks them in the row's bitmask (a dense store), the
-   select launch's programs each copy their span's set bits into the slots at the offset the chunk counts
-   give (``bits_to_slots``: ascending ids, a store per candidate, no prefix sum over the columns), and
-   the row's last program selects. Either way the selecting program bins the slots' keys in a 256-bin
-   histogram over ``[T, row max]`` (atomic adds into a zeroed histogram in memory), walks it to the bin
-   holding the k-th key, ranks the few keys of that bin pairwise (``TUNING["pair_rank"]``) to get ``t``,
-   and stores every ``key > t`` plus the first ``key == t`` (ties to the lower id) at its place in id
-   order (one prefix sum over the slots; the runs mode corrects for the order the runs landed in).
-   Ascending ids, no sort. A crossing bin of more than ``pair_rank`` keys (ties, bf16 scores) first
-   narrows by window rounds over its own range.
-5. **Fallback.** A row whose candidates do not fit the slots (plateaus or clusters of equal values,
-   a period of G, more than half the row wanted) is flagged on the device and takes an exact
-   fallback (``select.py``): the tie path; or, when k or more keys are above ``T`` and
-   they fit the slots, the selection again on those keys only; or at worst a whole-row radix select.
-
-``order="score"`` then sorts the <= k winners of each row (``sort.py``).
-
-Launch shapes: a row of at most ``TUNING["register_row"]`` columns is handled by ONE program that keeps it in
-registers (``rows.short_row_kernel``, one launch). When k is a large share of the row it skips steps 2-5:
-window rounds over the whole row and a pairwise rank give ``t``, one prefix sum places the winners; else it runs steps
-2-5 in registers (a bitmask word per 32 columns gives the slots, the tie path too). Longer rows use three launches:
-delegates (``threshold.py``: a few programs per row; the last one to finish computes ``T``), candidates
-(``candidates.py``: a light program per chunk, no serial tail) and select (``select.py``: a few programs per row,
-``select_programs`` in all, each a span of the row: in the runs mode the first writes the row's answer while the
-others return at once; in the bitmask mode every one copies its span's candidates and the last one selects; on a
-flagged row every program writes its span of the fallback). The selection is a launch of its own so that the wide
-per-chunk pass runs with few warps and the one serial step per row with many; the fallback shares the select launch
-because a launch of its own cost 3-10 µs even when no row needed it. "Last program of the row" is an atomic counter
-that the last program resets, and the select launch resets the row's candidate count, so nothing is read back to the
-host and the call can be captured in a CUDA graph. This module plans the launches and checks the inputs; the device
-helpers every kernel shares (keys, radix and window rounds, ranks, ordered writes, the per-row state) are in
-``common.py``, the one module the others import from, and the two plans of a row held in registers in ``rows.py``
-(shared with ``sparse_ref.kernels.page_select``).
+Semantics: ``sparse_ref.selection.topk_reference``. The design (keys, delegates, threshold, candidates,
+fallback), the launch shapes and the per-row state are in ``docs/topk.md``. This module checks the inputs,
+plans from the shapes alone (``plan``), allocates and launches in order (``prepare``, ``TopkRun.launch``):
+a row of at most ``register_row`` columns in one program (``rows.py``), a longer one in three launches
+(``threshold.py``, ``candidates.py``, ``select.py``), then ``sort.py`` for score order.
 """
 
 from __future__ import annotations
@@ -85,13 +26,11 @@ from sparse_ref.checks import (
     fail,
 )
 from sparse_ref.errors import SparseRefError
-from sparse_ref.kernels import Knob, Knobs
-from sparse_ref.kernels import pdl_options as kernel_pdl_options
+from sparse_ref.kernels import Knob, Knobs, pdl_options
 from sparse_ref.kernels.topk import candidates, rows, select, sort, threshold
 from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_
 from sparse_ref.kernels.topk.rows import direct_mode, use_direct
 
-NONE = -2147483648  # key of an entry that may not be selected (INT32_MIN)
 W_, P2, OFF = 1 << 20, 1 << 16, True  # launch knobs' declared ranges: powers of two where a kernel tiles by them
 RANGES = {
     "register_row": Knob(1, 16384, zero=OFF), "direct_ratio": Knob(1, W_, zero=OFF),
@@ -104,7 +43,7 @@ RANGES = {
     "block": Knob(16, P2, pow2=True), "sort_run": Knob(16, 4096, pow2=True, zero=OFF),
     "sort_run_warps": Knob(1, 32, pow2=True), "pair_rank": Knob(16, 256, pow2=True, zero=OFF),
     "value_bins": Knob(16, 256, pow2=True, zero=OFF)}
-TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them, benchmarks try variants
+TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them (docs/topk.md)
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers (rows.py)
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
     "short_pair": 256,  # directly: rounds over the row until the kept bin holds this many (0: to one value)
@@ -112,13 +51,12 @@ TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them,
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback; else G, ~0.7 G expected)
     "chunk": 2048,  # columns per candidate program
     "bitmask_programs": 1024,  # at least this many candidates programs (rows x chunks): the bitmask mode
-    "delegate_cols": 2048,  # delegate columns per delegate program (at most; halved while the programs are fewer
-    # than MIN_PROGRAMS: 1024 at 64 rows and G = 4096, 2048 at 128 rows, where two programs per row fit in one wave)
+    "delegate_cols": 2048,  # delegate columns per delegate program (at most: halved while programs < MIN_PROGRAMS)
     "num_warps": 8,  # register rows by the delegates plan, and the Quest bounds update
     "candidate_warps": 4,  # the candidates launch: a program per chunk, no serial tail
     "reverse_rows": True,  # the candidates launch takes the rows last-first (the delegates launch read them last)
     "select_programs": 256,  # the select launch: about this many programs (at least one per row), each a span
-    "tie_tile": 2048,  # columns per load of a flagged row's select program and per tile of its -1 padding (pow2)
+    "tie_tile": 2048,  # columns per load of a flagged row's select program and per tile of its -1 padding
     "local_threshold": 4,  # up to this many delegates programs per row: T from their own thresholds
     "block": 1024,  # tile of the whole-row kernel's loops (k too wide for delegates)
     "sort_run": 512, "sort_run_warps": 4,  # > 0: order="score" sorts runs of this many in parallel, then merges
@@ -131,19 +69,10 @@ DELEGATE_WARPS, SELECT_WARPS, SORT_WARPS = 8, 16, 16  # the delegates (and whole
 MIN_PROGRAMS = 256  # fewer rows than this fills: smaller chunks / delegate slices per program
 DELEGATE_TILE = 8192  # scores per load of a delegates program (ROWS x COLS)
 ORDERS = ("score", "index")
-
-
-# --------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------
-_SYNC: dict = {}
+_SYNC: dict = {}  # per device: the zeroed per-row counters and histograms [R, SYNC] the kernels leave at zero
 
 
 def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
-    """Zeroed per-row counters and histograms [R, SYNC]; the kernels leave them at zero again.
-
-    One buffer per device: two top-k calls running at the same time on different streams would
-    share it (not supported)."""
     key = str(device)
     buf = _SYNC.get(key)
     if buf is None or buf.shape[0] < R:
@@ -153,30 +82,17 @@ def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
     return buf
 
 
-def work_width(c_pad: int, G: int) -> int:
-    """Ints per row of the long-row kernels' ``work`` buffer (the layout in ``common.py``; as ``work_row_of``)."""
-    return HEAD.value + 4 * c_pad + G + PAIR_SCRATCH.value
-
-
-def pdl_options(device: torch.device) -> dict:
-    """Launch options for programmatic dependent launch between the long-row launches (Hopper and later)."""
-    return kernel_pdl_options(device)
-
-
 def short_row_warps(n_pad: int) -> int:
-    """Warps of a program that holds a row of ``n_pad`` scores in registers (``select_direct``): one per
-    ``SCORES_PER_WARP`` scores, 8 to 32 (on an H200, 64 x 2048: 4 warps 16.5 us, 8 warps 14.4;
-    64 x 8192: 8 warps 51.8, 16 warps 28.7; 16384: 16 warps 65.4, 32 warps 56.5)."""
+    """Warps of a program holding ``n_pad`` scores in registers (``select_direct``): one per 512, 8 to 32."""
     return min(32, max(8, n_pad // SCORES_PER_WARP))
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How one top-k call runs, from the shapes alone (see ``TUNING``): each row held in registers by one program
-    (``register``; ``direct``: selected directly, else the delegates plan), or three launches for long rows
-    (delegates ``G`` per row in ``cols``-column programs, ``chunk``-column candidate programs, ``slots`` candidate
-    slots, a pairwise rank of up to ``pair`` keys); ``force_fallback``: k too wide for delegates, the whole-row
-    radix select on every row."""
+    """How one call runs, from the shapes alone: a row held in registers (``register``; ``direct`` or the
+    delegates plan), or three launches (``G`` delegates per row in ``cols``-column programs, ``chunk``-column
+    candidate programs, ``slots`` slots, a pairwise rank of up to ``pair`` keys); ``force_fallback``: k too
+    wide for delegates, the whole-row radix select on every row."""
 
     register: bool
     direct: bool
@@ -196,14 +112,13 @@ def plan(R: int, N: int, width: int) -> Plan:
     register = N <= TUNING["register_row"]
     if register:
         G = min(G, n_pad)
-    slots = TUNING["slots"] or G
     chunk, cols = max(32, min(TUNING["chunk"], n_pad, 1 << 15)), min(TUNING["delegate_cols"], G)  # (chunk: whole
     # bitmask words; < 2**16: two counts packed in one int32)
     while R * triton.cdiv(N, chunk) < MIN_PROGRAMS and chunk > 1024:  # few rows: more, smaller programs per row
         chunk //= 2
     while R * (G // cols) < MIN_PROGRAMS and cols > 64:
         cols //= 2
-    slots = min(slots, n_pad, 1 << 14)  # (< 2**15: the select program packs two counts in one int32)
+    slots = min(TUNING["slots"] or G, n_pad, 1 << 14)  # (< 2**15: the select program packs two counts in an int32)
     pair = min(TUNING["pair_rank"], slots, PAIR_SCRATCH.value) if slots >= 16 else 0  # PAIR <= slots
     return Plan(register, register and use_direct(n_pad, G, TUNING["direct_ratio"]), n_pad, G, slots, chunk, cols,
                 pair, not register and G > TUNING["max_delegates"])
@@ -211,12 +126,12 @@ def plan(R: int, N: int, width: int) -> Plan:
 
 @dataclass
 class TopkRun:
-    """One top-k call: its plan, buffers and launches, in order (``launch`` runs ``names``). What they leave for a
-    reader, once run: each row's path ``flags`` (0 = exact select on the candidates, or directly on a short row,
-    2 = tie path, 3 = the keys above the threshold selected again, 1 = whole-row radix) and, on long rows, the
-    ``threshold`` keys, each chunk's keys ``above`` it and equal to it (``ties``), the mode (``bitmask``), the
-    candidate ``slots``, the select programs' ``span`` and the ``bits`` (bitmask mode) or each chunk's ``counts``
-    and ``run_starts`` (runs mode). ``grids``: each launch's programs and warps as a GPU runs it."""
+    """One call: its plan, buffers and launches in order (``launch`` runs ``names``; ``grids``: each launch's
+    programs and warps on a GPU). Left for a reader once run: each row's path ``flags`` (0 exact select on the
+    candidates or directly, 2 tie path, 3 the keys above T selected again, 1 whole-row radix) and, on long
+    rows, the ``threshold`` keys, each chunk's keys ``above`` it and equal to it (``ties``), the mode
+    (``bitmask``), the candidate ``slots`` and the ``bits`` (bitmask mode) or each chunk's ``counts`` and
+    ``run_starts`` (runs mode)."""
 
     plan: Plan
     names: tuple
@@ -234,7 +149,7 @@ class TopkRun:
     bits: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     run_starts: torch.Tensor | None = None
-    span: int = 0
+    span: int = 0  # columns per select program
     shape: dict | None = None  # the long-row launches' shared constexprs and sizes
 
     def launch(self) -> TopkRun:
@@ -278,8 +193,7 @@ class TopkRun:
 
 
 def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
-    """The plan, buffers and launch shapes of one top-k call (no checks, nothing launched: ``launch`` runs it).
-    ``topk`` checks first; tests, the bench and notebook 05 read the run."""
+    """The plan, buffers and launch shapes of one checked call; nothing launched (``launch`` runs it)."""
     R, N = scores.shape
     W, device = out.shape[1], scores.device
     gpu = device.type == "cuda"
@@ -298,11 +212,11 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
                        torch.ones(R, dtype=torch.int32, device=device), args, shape={"block": block})
     C = triton.cdiv(N, p.chunk)
     log_c = max(1, (C - 1).bit_length())
-    work = torch.empty((R, work_width(1 << log_c, p.G)), dtype=torch.int32, device=device)
+    head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: docs/topk.md)
+    work = torch.empty((R, head[3] + (1 << log_c) + p.G + PAIR_SCRATCH.value), dtype=torch.int32, device=device)
     bitmask = R * C >= TUNING["bitmask_programs"]
     n_words = C * (p.chunk // 32) if bitmask else 0
     cand = torch.empty((R, 2 * n_words + p.slots), dtype=torch.int32 if bitmask else torch.int64, device=device)
-    head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: common.py)
     tile = max(p.chunk, min(TUNING["tie_tile"], p.n_pad))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
     span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
@@ -321,7 +235,7 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
 
 
 def launch_topk(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
-    """``prepare(...).launch()``: the ids of each row's winners in ascending order written into ``out``."""
+    """``prepare(...).launch()``: each row's winners' ids, ascending, written into ``out``."""
     return prepare(scores, k_scalar, k_tensor, lengths, out).launch()
 
 

@@ -1,12 +1,4 @@
-"""Launch 2 of the long-row top-k: the candidates, every element ``>= T`` of a row.
-
-One light program per chunk of a row. It counts its keys above and equal to ``T`` (the select
-launch's offsets, and the tie path's plan if the row overflows) and adds its candidates to the row's
-count (one atomic add). Then, in the *bitmask* mode (many rows), it marks them in the row's bitmask
-(a dense store: nothing over the read), and its keys equal to ``T`` in a second one when it has any (a
-row that overflows takes its tie path from the words, reading no key again); in the *runs* mode (few
-rows) it copies them as ``key << 32 | id`` to the run of the row's slots its atomic add returned.
-"""
+"""Launch 2 of the long-row top-k (``docs/topk.md``, step 4): the candidates, every element ``>= T``."""
 
 from __future__ import annotations
 
@@ -32,15 +24,11 @@ def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
                        G: tl.constexpr, CHUNK: tl.constexpr,
                        SLOTS: tl.constexpr, LOG_C: tl.constexpr, BITMASK: tl.constexpr, REVERSE: tl.constexpr,
                        PDL: tl.constexpr):
-    """One program = one CHUNK of a row: its elements >= T are the candidates. It adds their count to the
-    row's (one atomic add) and stores its counts of keys > T and == T (the select launch's offsets, and the
-    tie path's plan if the row overflows). Then, BITMASK: it marks them in the row's bitmask (CHUNK / 32
-    words, a dense store: nothing over the read); else it copies them (``key << 32 | id``, ascending id)
-    to the run of the row's slots that its atomic add returned (each at its rank from bitmask words,
-    ``hit_ranks``, and a store per candidate: with few rows there are few programs and this costs
-    little; with many, several µs).
-    No tail and no histogram, so this one runs with light programs. Row-major order, the last rows first
-    when REVERSE: the delegates launch read those last, so more of them are still in L2."""
+    """One light program = one CHUNK of a row (no tail, few warps). It stores its counts of keys
+    > T and == T and adds its candidates to the row's count (one atomic add). BITMASK: it marks them in the
+    row's bitmask (a dense store), and its keys == T in a second one when it has any; else it copies them
+    (``key << 32 | id``, ascending, placed by ``hit_ranks``) to the run of slots its atomic add returned.
+    REVERSE: the last rows first (the delegates launch read them last: more of them in L2)."""
     after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     WORDS: tl.constexpr = CHUNK // 32

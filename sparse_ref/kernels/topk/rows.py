@@ -1,16 +1,8 @@
 """The whole top-k of one row held in registers by one program: the short rows of the top-k
-(``short_row_kernel``, below) and the page histories of ``sparse_ref.kernels.page_select``.
-
-Two plans, chosen on the host from the shape (``use_direct``):
-
-* ``select_direct``: window rounds over the whole row and a pairwise rank give the exact k-th key, one
-  prefix sum writes the winners. Its cost hardly depends on k. The plan of rows where k is a large share
-  of the row (64 x 4096 at k = 2048: 15-16 us on an H200, against 36 us for the delegates plan).
-* ``select_in_registers``: the delegate threshold of the long rows, in registers: the max of G strided
-  sub-ranges, a threshold from window rounds over them, the candidates (``>= T``) compacted through
-  bitmask words into slots, and the exact selection on those few. Cheaper when k is small against the
-  row (32 x 8192 at k = 128: 15.3 us, against 25.9 direct), since the exact work is on ~2k candidates.
-"""
+(``short_row_kernel``) and the page histories of ``sparse_ref.kernels.page_select``. Two plans, chosen
+on the host (``use_direct``): ``select_direct`` (window rounds over the whole row, cost nearly independent of
+k: rows where k is a large share) and ``select_in_registers`` (the long rows' delegate threshold, in
+registers: cheaper when k is small against the row). ``docs/topk.md`` has the design."""
 
 from __future__ import annotations
 
@@ -33,31 +25,24 @@ from sparse_ref.kernels.topk.common import (
 
 
 def use_direct(n_pad: int, G: int, ratio: int) -> bool:
-    """Whether a row of ``n_pad`` scores in registers takes ``select_direct`` (else the delegates plan with
-    ``G`` delegates): when the delegates would keep at least 1/ratio of the row (the top-k's
-    ``TUNING["direct_ratio"]``), they save little. On an H200 direct wins at 2048 pages, k = 123 (10.6 vs
-    15.1 us) and at 8192 scores, k = 2048 (26 vs 40), and loses at 8192 scores, k = 128 (25.9 vs 15.3)."""
+    """Whether a row of ``n_pad`` scores takes ``select_direct`` (else the delegates plan with ``G``
+    delegates): when the delegates would keep at least 1/ratio of the row they save little."""
     return n_pad <= ratio * G
 
 
 def direct_mode(direct: bool, value_bins: int) -> int:
-    """The DIRECT constexpr of a kernel that holds rows in registers: 0 the delegates plan
-    (``select_in_registers``), else ``select_direct`` with a value round of DIRECT bins (1: none; top-k's
-    ``TUNING["value_bins"]``)."""
+    """The DIRECT constexpr: 0 the delegates plan, else ``select_direct`` with a first round of
+    DIRECT value bins (1: none)."""
     return max(1, value_bins) if direct else 0
 
 
 @triton.jit
 def value_round(x, ok, n, k_rem, BINS: tl.constexpr):
-    """The direct plan's first round on the float values: BINS equal-width bins over [min, max] of the ``ok``
-    values, the walk to the bin of the k_rem-th largest. Returns ``(member, m, k_rem)``: that bin's keys,
-    their count, how many of them the k-th takes. Key-space bins are coarse where the row spans both signs
-    (a bin of randn keys near the 75th percentile holds 2 binades, ~25% of the row: a second round over the
-    whole row); equal-width value bins keep a few hundredths of that (8192 randn scores, 128 bins: ~160
-    keys), which ``_kth_in_bin`` takes at once. Halves, a difference and a positive scale all round
-    monotonically, so a larger key never gets a lower bin. Skipped (every ok key kept) when a score is +inf,
-    when all are equal, or when the span is below 2**-99 (the scale would overflow): the key rounds that
-    follow handle those rows."""
+    """The direct plan's first round on the float values: BINS equal-width bins over [min, max] of the
+    ``ok`` values, walked to the bin of the k_rem-th largest; returns ``(member, m, k_rem)``. Key bins are coarse
+    where a row spans both signs; value bins keep a few hundredths of the row. Halves, a difference and a
+    positive scale round monotonically, so a larger key never gets a lower bin. Skipped (every ok key kept)
+    on +inf, all-equal rows, or a span below 2**-99 (the scale would overflow)."""
     lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
     hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
     finite = (hi <= 3.4028234663852886e38) & (lo <= hi)  # (-inf is never ok; no ok key: lo > hi)
@@ -77,9 +62,8 @@ def value_round(x, ok, n, k_rem, BINS: tl.constexpr):
 
 @triton.jit
 def _gather_hits(row, hit, count, scratch, N_PAD: tl.constexpr, SLOTS: tl.constexpr):
-    """``(ids, keys)`` [SLOTS] of the ``count`` <= SLOTS columns where ``hit`` is set in a row held in
-    registers, ascending (then NONE keys): the ids reach ``scratch`` through bitmask words (a word per 32
-    columns, ``words_to_slots``: no prefix sum over the row), and the keys come back from ``row``."""
+    """``(ids, keys)`` [SLOTS] of the ``count`` <= SLOTS columns where ``hit`` is set, ascending (then
+    NONE keys): ids through bitmask words into ``scratch`` (no prefix sum over the row), keys from ``row``."""
     words_to_slots(bitmask_words(hit, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32), scratch, 0)
     tl.debug_barrier()
     s = tl.arange(0, SLOTS)
@@ -89,10 +73,9 @@ def _gather_hits(row, hit, count, scratch, N_PAD: tl.constexpr, SLOTS: tl.conste
 
 @triton.jit
 def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.constexpr):
-    """``(t, ties)``: the k_rem-th largest of the m <= PAIR ``member`` keys of a row held in registers, and how
-    many keys equal to ``t`` it takes (``scratch``: PAIR free int32). Their keys reach a [PAIR] tensor
-    (``_gather_hits``), and window rounds on those few (cheap: PAIR keys, not the row) leave at most 16 to
-    rank pairwise. A [PAIR, PAIR] rank of them all measured ~7 µs slower at PAIR = 128 (16 warps)."""
+    """``(t, ties)``: the k_rem-th largest of the m <= PAIR ``member`` keys and how many keys equal
+    to ``t`` it takes: their keys gathered (``_gather_hits``), window rounds on those few down to 16, a
+    pairwise rank of the 16 (``scratch``: PAIR free int32)."""
     s = tl.arange(0, PAIR)
     _, key = _gather_hits(row, member, m, scratch, N_PAD, PAIR)
     lo, hi = key_range(key, s < m)
@@ -108,18 +91,12 @@ def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.co
 @triton.jit
 def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr,
                   VALUE_BINS: tl.constexpr):
-    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]; ties
-    to the lower id. Returns how many were written: min(k, valid keys). The short rows of the top-k and the
-    page histories of ``sparse_ref.kernels.page_select``.
-
-    The exact k-th key ``t`` comes from window rounds over the row's own range (``narrow_window``: one round on
-    random rows and on page scores packed within ~2%; up to four, which always end on one key value, on ties
-    and clusters) until the kept bin holds at most PAIR keys, which ``_kth_in_bin`` ranks (``scratch_row``:
-    PAIR free int32). VALUE_BINS > 1: the first round bins the float values instead (``value_round``). Then
-    one prefix sum of ``(key > t) << 16 | (key == t)`` gives every key both of its ranks (N_PAD <= 2**14
-    keeps the packed sum below 2**31): its place is the keys > t before it plus the ties before it, capped at
-    the ties the row takes. No delegates and no candidates. When k is small
-    against the row, ``select_in_registers`` (below) is cheaper (``use_direct``)."""
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at
+    out_row[base:], ties to the lower id; returns min(k, valid keys). The exact k-th key ``t``: a value round
+    (VALUE_BINS > 1), window rounds over the kept keys' own range until at most PAIR remain (or one key
+    value), then ``_kth_in_bin``. One prefix sum of ``(key > t) << 16 | (key == t)`` then gives every key both
+    of its ranks (N_PAD <= 2**14 keeps it below 2**31): its place is the keys > t before it plus the ties
+    before it, capped at the ties the row takes."""
     tl.static_assert(N_PAD <= 16384)  # (the packed prefix sum: no int32 overflow)
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
@@ -151,47 +128,21 @@ def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.const
 
 
 @triton.jit
-def _rank_members(key, member, k_rem, ut, scratch, PAIR: tl.constexpr, FIRST: tl.constexpr):
-    """``(t, ties)``: the k_rem-th largest key among the ``member`` keys, and how many members equal to
-    ``t`` it takes. At most PAIR members (random rows: a few dozen): copy them to ``scratch`` and count,
-    for each, the members above it. More (ties, clusters): radix rounds FIRST..3 on the members (whose
-    digits before round FIRST are ``ut``)."""
-    m = tl.sum(member.to(tl.int32), axis=0)
-    if PAIR > 0:
-        if m <= PAIR:
-            tl.debug_barrier()  # the caller's reads of scratch are done
-            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
-            tl.debug_barrier()
-            t, ties = pairwise_kth(scratch, m, k_rem, PAIR)
-        else:
-            ut, ties = radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
-            t = ut ^ -2147483648
-    else:
-        ut, ties = radix_rounds(tl.where(member, key, -2147483648), ut, k_rem, FIRST, 4)
-        t = ut ^ -2147483648
-    return t, ties
-
-
-@triton.jit
-def _write_winners(key, ids, k, out_row, base, W, scratch, PAIR: tl.constexpr):
-    """Store the ids of the k largest keys (ties: lower id) at out_row[base:], in the order of ``ids``
-    (ascending). Returns how many were written: min(k, #valid keys). The exact k-th key: two radix
-    rounds, then a pairwise rank of the keys sharing its top 16 bits (``scratch``: PAIR free int32)."""
+def _write_winners(key, ids, k, out_row, base, W):
+    """Store the ids of the k largest keys (ties: lower id) at out_row[base:] in the order of ``ids``; returns
+    min(k, valid keys). Four radix rounds give the k-th key and how many keys equal to it the row takes."""
     k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    ut, k_rem = radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 2)
-    member = ((key >> 16) == ((ut ^ -2147483648) >> 16)) & (key != -2147483648)
-    t, ties = _rank_members(key, member, k_rem, ut, scratch, PAIR, 2)
-    t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
+    ut, ties = radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 4)
+    t = tl.where(k_eff > 0, ut ^ -2147483648, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
     write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
 
 
 @triton.jit
 def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, PAIR: tl.constexpr):
-    """Store the ids (in the order of ``ids``: ascending) of the k largest of the ``count`` candidate keys
-    (the others are NONE), all in [lo, hi], at out_row[base:]; ties to the lower id. Returns how many:
-    min(k, count). The exact k-th key ``t``: window rounds (``narrow_window``) until its bin holds at most PAIR
-    keys, which are then ranked pairwise (``scratch``: PAIR free int32), or a single key value."""
+    """Store the ids (order of ``ids``) of the k largest of the ``count`` candidate keys, all
+    in [lo, hi], at out_row[base:], ties to the lower id; returns min(k, count). Window rounds until the bin
+    holds at most PAIR keys, then a pairwise rank (``scratch``: PAIR free int32)."""
     k_eff = tl.minimum(k, count)
     ok = key != -2147483648
     t, member, m, ties = narrow_window(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
@@ -209,22 +160,12 @@ def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, 
 @triton.jit
 def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
                          N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
-    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
-    (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: how many were written, and the path
-    taken (0 candidates in the slots, 2 tie path, 1 exact radix select over the whole register row).
-
-    Delegates (the max of each of G strided sub-ranges) give a threshold T that at least k keys reach;
-    the keys >= T (the candidates) are compacted into SLOTS slots and the exact top-k is taken among
-    them. T is the lower edge of the bin holding the k-th delegate, in histogram rounds over the
-    delegates' own range (``narrow_window``: one round on random rows; more while over k / 8 extra delegates
-    share the bin, as when the range spans both signs and the bins are coarse); when that lets more keys
-    through than the slots hold, more rounds make T the exact k-th delegate Te. The candidates reach the
-    slots through a bitmask (a word per 32 columns, ``words_to_slots``: no prefix sum over the row), and
-    the exact k-th candidate comes from window rounds over [T, row max] and a pairwise rank
-    (``_write_top_in_window``). Only when even Te overflows (ties, rows that defeat the delegates): keys
-    > Te plus the lowest-id ties == Te when that is the answer (fewer than k keys > Te), else the whole
-    row.
-    """
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at
+    out_row[base:] (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: 0 candidates in the slots,
+    2 tie path, 1 a radix select over the whole row. Steps 2-5 of ``docs/topk.md`` in registers: the max of G
+    strided sub-ranges, T from window rounds over them (the exact k-th delegate when the bin's edge lets more
+    keys through than the slots hold), the candidates through bitmask words into the slots, the exact
+    selection among them; when even the exact T overflows, the tie path or the whole row."""
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
     key = keys_of(tl.load(row + j, mask=valid, other=0.0), valid)
@@ -253,7 +194,7 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
             k_eff = write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
             path = path + 2
         else:  # exact radix select over the whole register row
-            k_eff = _write_winners(key, j, k, out_row, base, W, scratch_row, 0)
+            k_eff = _write_winners(key, j, k, out_row, base, W)
             path = path + 1
     return k_eff, path
 
@@ -262,10 +203,9 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
 def short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
                      N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
                      BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
-    """One program = one row of at most N_PAD columns, held in registers: the whole top-k in one launch
-    (below). DIRECT (> 1: a first round of DIRECT bins on the float values): window rounds over the row
-    and the kept bin ranked (``scratch``: PAIR int32 per row); 0: the delegates plan (``scratch``: SLOTS int32 per row),
-    which stores its path in ``flags``."""
+    """One program = one row of at most N_PAD columns in registers: DIRECT (> 1, the value bins)
+    ``select_direct`` (``scratch``: PAIR int32 a row), 0 ``select_in_registers`` (SLOTS int32 a row, its path
+    in ``flags``)."""
     r = tl.program_id(0)
     k, length = row_k_len(r, N, W, k, lengths)
     out_row = out + r.to(tl.int64) * W

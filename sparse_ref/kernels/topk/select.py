@@ -1,23 +1,9 @@
-"""Launch 3 of the long-row top-k: the exact selection on the candidates, or the exact fallback.
-
-**Select** (a few programs per row, each a span of the row's columns): when the candidates fit the
-slots, the row's exact top-k is found among them alone: a 256-bin histogram over ``[T, row max]``, the
-bin of the k-th key, a pairwise rank of that bin's few keys gives the k-th key ``t``, and one prefix
-sum places every winner at its place in ascending id order. The row's last program to finish resets
-its counters for the next call (CUDA graphs).
-
-**Fallback** (rows whose candidates do not fit the slots: plateaus and clusters of equal values, a
-period of G, more than half the row wanted), chosen on the device. Most such rows overflow because
-many keys EQUAL the threshold ``T``. At least k keys are >= T, so if fewer than k are > T, ``T`` is the
-k-th key and the answer is "every key > T, plus the lowest-id keys == T": the *tie path*. Every select
-program of the row turns the chunk counts into its span's offsets (``_plan_tie_path``) and writes its
-share: in the bitmask mode from the candidates launch's words of keys >= T and == T (``_tie_bits_span``,
-no key read again), in the runs mode from the keys of the chunks that hold something to write
-(``_tie_path_span``). Rows with k or more
-keys above ``T`` copy those keys into the slots when they fit and select among them (flag 3); when
-they do not (e.g. a period of G), the row takes the whole-row radix select (``_radix_select_row``:
-one program per row, slow; also ``whole_row_kernel``, when k is too wide for the delegates).
-"""
+"""Launch 3 of the long-row top-k (``docs/topk.md``, steps 4-5): a few programs a row, each a span of its
+columns. When the candidates fit the slots, the exact selection among them alone (runs mode: the first
+program at once; bitmask mode: every program copies its span's candidates into the slots, the last one
+selects). When they do not, the fallback the row's counts choose: the tie path (flag 2), the keys above T
+selected again (flag 3), or the whole-row radix select (flag 1, also ``whole_row_kernel``). The row's last
+program resets its counters for the next call (CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -55,14 +41,10 @@ from sparse_ref.kernels.topk.common import (
 # ----------------------------------------------------------------------------- the fallback
 @triton.jit
 def _plan_tie_path(work_row, k, C, SLOTS: tl.constexpr, C_PAD: tl.constexpr):
-    """The plan of an overflowing row, from the counts every chunk program of the candidates launch
-    stored: its keys > T (``above``) and == T (``ties``), per chunk. At least k keys are >= T, so if
-    fewer than k are > T, the k-th key IS T and the answer is every key > T plus the ``need`` lowest-id
-    keys == T: sums over the chunks give any tile's offsets, no pass over the row. Every program of the
-    row computes the plan itself (nothing is written, so no program waits for another). Returns (T, need,
-    flag, above, ties). flag 2 = the tie path; 3 = k or more keys > T, and they fit the slots: copy them
-    there and select among them (the candidates of the threshold T + 1); 1 = the whole-row radix select
-    (more keys > T than slots, or T = NONE: fewer than k delegates)."""
+    """The fallback of an overflowing row, from the chunk counts of keys > T (``above``) and == T
+    (``ties``); every program of the row computes it itself. Returns ``(T, need, flag, above, ties)``: flag 2
+    when fewer than k keys are > T (the answer is those plus the ``need`` lowest-id keys == T), 3 when k or
+    more are and they fit the slots, 1 otherwise (or T = NONE: fewer than k delegates)."""
     te = tl.load(work_row + T_)
     ci = tl.arange(0, C_PAD)
     above = tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
@@ -99,8 +81,8 @@ def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr)
 
 @triton.jit
 def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
-    """Exact top-k of a row in memory by one program: 4 radix histogram rounds over the whole row, then
-    an ordered compaction (the last resort: rows that defeat the delegates, or k too wide for them)."""
+    """Exact top-k of a row in memory by one program: 4 radix rounds over the row, then an ordered
+    compaction (the last resort)."""
     valid_count = tl.zeros([], tl.int32)
     for t in range(0, length, BLOCK):
         offs = t + tl.arange(0, BLOCK)
@@ -117,8 +99,7 @@ def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
 
 @triton.jit
 def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
-    """One program stores, in ascending id order, the ids of a row's keys > t and of its first ``need``
-    keys == t (tile loop over the row)."""
+    """Store, ids ascending, a row's keys > t and its first ``need`` keys == t (tile loop, one program)."""
     done = tl.zeros([], tl.int32)
     ties_seen = tl.zeros([], tl.int32)
     for t0 in range(0, length, BLOCK):
@@ -131,11 +112,8 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 @triton.jit
 def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.constexpr, TILE: tl.constexpr,
                    CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Span f (SPAN columns, whole chunks) of a tie-path row: store, tile by tile, its keys > T and its
-    share of the lowest-id keys == T at the offsets the plan gives (every tile independent of the others,
-    ids ascending). Only the columns between the row's first and last chunk with something to store are
-    read: a chunk with no key > T and no tie the row still needs (plateaus need only their first ties)
-    is skipped."""
+    """Span f of a tie-path row (runs mode): its keys > T and its share of the lowest-id keys == T, at
+    the offsets the chunk counts give, tile by tile; only the chunks with something to store are read."""
     c = tl.arange(0, C_PAD)
     lo, hi = _busy_columns((above > 0) | ((tl.cumsum(ties, axis=0) - ties < need) & (ties > 0)), f, length, SPAN,
                            CHUNK, C_PAD)
@@ -153,9 +131,8 @@ def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.c
 @triton.jit
 def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN: tl.constexpr, CHUNK: tl.constexpr,
                    C_PAD: tl.constexpr, WB: tl.constexpr):
-    """``_tie_path_span`` in the bitmask mode, from the candidates launch's words (keys >= T; keys == T where
-    a chunk has any), not the keys: every key > T and the ``need`` lowest-id ties, ids ascending, at the
-    chunk counts' offsets; no key is read again. need = 0: the keys > T alone (flag 3, into the slots)."""
+    """``_tie_path_span`` in the bitmask mode, from the candidates launch's words (keys >= T; keys == T
+    where a chunk has any): no key is read again. need = 0: the keys > T alone (flag 3, into the slots)."""
     c = tl.arange(0, C_PAD)
     ties_before = tl.sum(tl.where(c < f * (SPAN // CHUNK), ties, 0), axis=0)
     done = tl.sum(tl.where(c < f * (SPAN // CHUNK), above, 0), axis=0) + tl.minimum(ties_before, need)
@@ -180,10 +157,8 @@ def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN:
 @triton.jit
 def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPAN: tl.constexpr, TILE: tl.constexpr,
                     CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Span f of an overflowing row whose keys > T fit the slots (flag 3, runs mode): copy them into the slots
-    as the candidates launch copies its candidates (each tile a run of slots from the row's second slot
-    counter, ascending ids; every chunk's count and first slot), so that the row's last program can
-    select among them. Chunks without keys > T get empty runs and are not read."""
+    """Span f of a flag-3 row in the runs mode: copy its keys > T into runs of slots from the row's
+    second slot counter (``CNT2``), with every chunk's count and first slot, for the row's last program."""
     c = tl.arange(0, C_PAD)
     start = c * CHUNK  # each chunk's first column
     tl.store(work_row + HEAD + 2 * C_PAD + c, 0, mask=(start >= f * SPAN) & (start < (f + 1) * SPAN))
@@ -205,13 +180,10 @@ def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPA
 @triton.jit
 def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr, C_PAD: tl.constexpr,
                    PAIR: tl.constexpr):
-    """``(t, need)``: the k_eff-th largest of the candidate keys ``key`` (``ok``: a real slot) and how many
-    keys == t the row takes. Bin them (256 bins of width 2**shift over [T, row max]: L2 atomic adds into the
-    row's zeroed histogram in memory; ``tl.histogram``, a ballot per key bit and a loop over the bins per
-    key, was the select program's largest step), walk the histogram to the bin of the k-th key, and rank
-    that bin's keys pairwise when they are few (random rows: a few dozen). When they are more (ties,
-    clusters, bf16 scores), window rounds over their own range first (``narrow_window``: none at all when they
-    are one value)."""
+    """``(t, need)``: the k_eff-th largest candidate key and how many keys == t the row takes. 256 bins
+    of width 2**shift over [T, row max] by L2 atomic adds into the row's zeroed histogram (``tl.histogram``
+    was the select program's largest step), the walk to the k-th key's bin, window rounds when the bin holds
+    more than PAIR keys, then a pairwise rank of the bin's keys."""
     bins = key_bins(key, T, shift)
     tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
     tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
@@ -239,10 +211,9 @@ def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr
 @triton.jit
 def select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G: tl.constexpr,
                      SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """The exact selection of a row whose ``total`` <= SLOTS candidates' columns sit in its slots in
-    ascending order (the bitmask mode): gather their keys from the row (in L2), find ``t`` and ``need``
-    (``_kth_candidate``), then store every winner at its place in the ascending output: the keys > t
-    before it, plus the keys == t before it up to ``need`` (one prefix sum over the slots)."""
+    """The exact selection among ``total`` <= SLOTS candidate columns in the slots, ascending (the
+    bitmask mode): their keys from the row (in L2), ``t`` and ``need``, then one prefix sum over the slots
+    places every winner in the ascending output."""
     s = tl.arange(0, SLOTS)
     ok = s < total
     ids = tl.load(slots_row + s, mask=ok, other=0, cache_modifier=".cg")  # (other programs wrote them)
@@ -265,13 +236,10 @@ def select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G:
 @triton.jit
 def _select_from_runs(cand_row, work_row, sync_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """The exact selection of a row whose ``total`` <= SLOTS candidates sit in its slots as ``key << 32 |
-    id`` in runs, one per chunk, ascending ids inside a run, the runs in any order (the runs mode): find
-    ``t`` and ``need`` (``_kth_candidate``), then store every winner at its place in the ascending output.
-    A slot's place is its rank in id order among the keys > t, plus its rank among the keys == t (capped
-    at ``need``). Both ranks are "the same keys in the chunks before mine" plus "the same keys before me
-    in my run": one prefix sum over the slots gives both, read at the first and last slot of every run
-    (``tl.gather``; the runs landed in any order)."""
+    """The exact selection among ``total`` <= SLOTS candidates stored as ``key << 32 | id`` in runs
+    (one per chunk, ascending ids inside a run, the runs in any order: the runs mode). A slot's place is its
+    rank in id order among the keys > t plus its rank among the keys == t (capped at ``need``): one prefix sum
+    over the slots, read at the first and last slot of every run (``tl.gather``), gives both."""
     s = tl.arange(0, SLOTS)
     ci = tl.arange(0, C_PAD)
     # Every load goes out together, past L1 (.cg: on a flag-3 row other programs of this launch wrote the slots).
@@ -315,17 +283,8 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
                    G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, BITMASK: tl.constexpr, PAIR: tl.constexpr,
                    SPAN: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
-    """One program = one SPAN of a row's columns (whole chunks). Every program reads the row's candidate
-    count first.
-
-    When the candidates fit the slots: BITMASK, every program copies its span's candidate columns from
-    the bitmask into the slots, at the offset the chunks before it give (``bits_to_slots``), and the
-    row's last program to finish (an atomic counter) selects among them (``select_from_ids``); else the
-    program of span 0 selects among the runs at once (``_select_from_runs``) and the others return.
-    When they do not (the row is flagged), every program writes its span's share of the tie path, or
-    copies its span's keys > T into the slots for the row's last program to select among (flag 3), or
-    the program of span 0 runs the whole-row radix select (the plan decides). The program that selects
-    last resets the row's candidate count (and the counter) for the next call: the others have read it."""
+    """One program = one SPAN of a row's columns (whole chunks); the module docstring says what each
+    does. The program that selects last resets the row's candidate count and counter: the others have read it."""
     after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     WB: tl.constexpr = SPAN // 32 if SPAN // 32 < 2048 else 2048  # bitmask words per block of bits_to_slots

@@ -1,8 +1,6 @@
-"""``order="score"`` for the top-k: reorder each row's winners (ids in ascending order, -1 padded)
-by descending score, ties by ascending id. Keys are packed ``score key << 32 | (2**32 - 1 - id)`` so
-that one descending int64 order is the contract's order. One ``tl.sort`` per row, or for wide rows
-runs sorted by parallel programs, then merged by binary searches. Launched by ``sparse_ref.kernels.topk``.
-"""
+"""``order="score"`` for the top-k: each row's winners (ids ascending, -1 padded) reordered by descending
+score, ties by ascending id, as one descending int64 order of ``key << 32 | (2**32 - 1 - id)``: one
+``tl.sort`` a row, or for wide rows sorted runs merged by binary searches."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ from sparse_ref.kernels.topk.common import after_previous_launch, keys_of
 
 @triton.jit
 def _packed_winners(scores, stride_r, out, r, j, W):
-    """The winners out[r, j] (ids, -1 padded) as int64 ``key << 32 | (2**32 - 1 - id)``: descending order
-    of these is descending score, ties by ascending id; INT64_MIN for padding."""
+    """The winners out[r, j] as int64 ``key << 32 | (2**32 - 1 - id)``; INT64_MIN for padding."""
     ids = tl.load(out + r.to(tl.int64) * W + j, mask=j < W, other=-1)
     valid = ids >= 0
     x = tl.load(scores + r.to(tl.int64) * stride_r + tl.where(valid, ids, 0), mask=valid, other=0.0)
@@ -38,8 +35,7 @@ def sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr, PDL: tl.c
 
 @triton.jit
 def sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
-    """One program = RUN consecutive winners of a row, sorted (as ``_packed_winners``, descending) into
-    ``runs`` [R, W_PAD]: the first half of the two-step sort for wide rows."""
+    """One program = RUN consecutive winners of a row, sorted descending into ``runs``."""
     after_previous_launch(PDL)
     r = tl.program_id(0)
     j = tl.program_id(1) * RUN + tl.arange(0, RUN)
@@ -49,10 +45,9 @@ def sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: t
 
 @triton.jit
 def merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
-    """One program = one sorted run of a row: an entry's place in the row's order is the number of larger
-    entries, counted in every run by a binary search (runs are descending; valid entries are distinct).
-    The row's runs are loaded once and searched in registers (``tl.gather``: no dependent load from memory
-    per halving). Stores each valid entry's id there, and -1 on the run's share of the padding."""
+    """One program = one sorted run of a row: an entry's place is the number of larger entries,
+    counted in every run by a binary search over the row's runs held in registers (``tl.gather``); -1 on the
+    run's share of the padding."""
     after_previous_launch(PDL)
     NR: tl.constexpr = W_PAD // RUN
     r = tl.program_id(0)
@@ -79,14 +74,9 @@ def merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL:
 
 
 def sort_winners(scores, out, run: int, run_warps: int, warps: int, pdl: dict):
-    """Reorder each row of ``out`` (ids, -1 padded) by descending score, ties by ascending id. Rows wider
-    than ``run`` (> 0): runs of that many sorted by parallel programs (``run_warps``), then merged (two
-    launches); else one sort a row (``warps`` from 2048 winners; ``pdl``: the merge's launch options).
-
-    The first sort launch waits for the selection the plain way, without programmatic dependent launch:
-    launched early, its programs would be placed while the selection's long programs still hold most
-    SMs, crowd onto the free ones, and then sort there (measured on an H200: PDL there made score order
-    6.5 µs slower at 64 x 65536)."""
+    """Reorder each row of ``out`` by descending score, ties by ascending id: runs of ``run`` sorted
+    in parallel then merged (two launches) when rows are wider, else one sort a row. The first launch waits
+    for the selection without PDL (placed early, its programs crowd onto the SMs the selection frees)."""
     R, W = out.shape
     w_pad = max(16, triton.next_power_of_2(W))
     if 0 < run < w_pad:

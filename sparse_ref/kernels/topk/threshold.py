@@ -1,12 +1,7 @@
-"""Launch 1 of the long-row top-k (``sparse_ref.kernels.topk``): the delegates of each row and its threshold T.
-
-Delegate ``j`` of a row is the largest of its strided elements ``j, j + G, j + 2G, ...``: one plain
-read of the row, a maximum per column of its ``[N / G, G]`` view. The k-th largest delegate is a row
-element with at least k row elements at or above it, so ``T`` (a lower bound of it, found in histogram
-rounds over the delegates) keeps the whole top-k among the elements ``>= T``: the candidates of the
-next launch. The row's last program to finish (an atomic counter it resets) stores ``T`` and the bin
-width of the select program's histogram, so nothing goes back to the host.
-"""
+"""Launch 1 of the long-row top-k (``docs/topk.md``, steps 2-3): the delegates of each row (the maximum of
+every column of its ``[N / G, G]`` view, one plain read) and its threshold T, which at least k row
+elements reach. The row's last program stores T and the select histogram's bin width: nothing goes back
+to the host."""
 
 from __future__ import annotations
 
@@ -37,13 +32,10 @@ from sparse_ref.kernels.topk.common import (
 def delegates_kernel(scores, stride_r, work, sync, N, W, k, lengths,
                       G: tl.constexpr, COLS: tl.constexpr,
                       ROWS: tl.constexpr, LOG_C: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
-    """One program = COLS delegate columns of one row (max over the strided [N/G, COLS] slice); then T.
-    LOCAL (at most ``TUNING["local_threshold"]`` programs per row): each program finds its own threshold
-    and T is the highest of them that k delegates reach (``_local_threshold``). Else each program adds
-    the histogram of its delegates' top 8 bits to the row's and the row's last program finds the k-th
-    delegate (``_row_threshold``). Either way at least k delegates reach T (NONE if the row has fewer than
-    k), and the row's last program sets the width 2**SHIFT of the select program's histogram bins (256
-    bins cover [T, row max])."""
+    """One program = COLS delegate columns of one row; then T. LOCAL (few programs a row): each
+    finds its own threshold (``_local_threshold``); else each adds its delegates' top-8-bit histogram to the
+    row's and the last program finds the k-th delegate (``_row_threshold``). T is NONE when the row has fewer
+    than k delegates."""
     after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     S: tl.constexpr = G // COLS  # programs per row
@@ -69,16 +61,11 @@ def delegates_kernel(scores, stride_r, work, sync, N, W, k, lengths,
 
 @triton.jit
 def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
-    """T from the programs' own delegates (LOCAL), with no histogram round over the G delegates at the end.
-    Program c finds T_c, the lower edge of the bin holding the ceil(k / S)-th largest of its delegates, in
-    histogram rounds over the delegates' own range (``narrow_window``: one round on random rows; more, up to the
-    exact value, while over k / 8 too many delegates share the bin). So it holds ceil(k / S) delegates
-    >= T_c, and the lowest T_c is reached by at least S * ceil(k / S) >= k delegates, each a row element:
-    T = the lowest T_c would do. The row's last program takes the highest T_c that k delegates reach
-    instead (one count over the G delegates per T_c): on a sorted row the programs' T_c differ widely and
-    the lowest lets far more keys through; on a row with a cluster of equal values that one program's T_c
-    sits on, T is the cluster's value, so the row keeps its ties at T (the tie path). T_c goes through the
-    row's pair scratch, the row max through an atomic maximum (``TMAX``)."""
+    """T from the programs' own delegates: program c finds T_c, the edge of the bin holding the
+    ceil(k / S)-th of its delegates (window rounds). The lowest T_c is reached by at least k delegates; the
+    row's last program takes the highest T_c that k delegates reach (tighter on sorted rows; on a cluster,
+    the cluster's value, so its ties sit at T). T_c passes through the pair scratch, the row max through an
+    atomic maximum (``TMAX``)."""
     k_c = tl.cdiv(k, S)
     ok = acc != -2147483648
     n_c = tl.sum(ok.to(tl.int32), axis=0)
@@ -103,8 +90,8 @@ def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, 
 
 @triton.jit
 def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
-    """T from all G delegates of the row: each program adds its delegates' histogram of radix round 1 to
-    the row's; the row's last program walks it and finishes (``_kth_delegate``)."""
+    """T from all G delegates: each program adds its radix-round-1 histogram to the row's; the last
+    program walks it and finishes (``_kth_delegate``)."""
     h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
     tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
@@ -119,9 +106,8 @@ def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl
 
 @triton.jit
 def _kth_delegate(h, dkey, k):
-    """T from the G delegates ``dkey`` and the histogram ``h`` of their top 8 bits: the k-th delegate
-    cut to 16 bits (radix round 2), exact (``exact_delegate``) when more than k + k/8 delegates reach the
-    cut; NONE when there are fewer than k delegates."""
+    """The k-th delegate cut to 16 bits (radix round 2), exact (``exact_delegate``) when more than
+    k + k/8 delegates reach the cut; NONE when there are fewer than k delegates."""
     n = tl.sum(h, axis=0)  # valid delegates
     d, k_rem = walk_histogram(h, tl.maximum(tl.minimum(k, n), 1))
     ut, k_rem = radix_rounds(dkey, d << 24, k_rem, 1, 2)
@@ -132,6 +118,6 @@ def _kth_delegate(h, dkey, k):
 
 @triton.jit
 def _store_threshold(work_row, T, row_max):
-    """Store T and the width 2**SHIFT of the select program's histogram bins (256 bins cover [T, row max])."""
+    """Store T and the width 2**SHIFT of the select histogram's 256 bins over [T, row max]."""
     tl.store(work_row + T_, T)
     tl.store(work_row + SHIFT, bin_shift(T, row_max))

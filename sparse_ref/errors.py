@@ -36,3 +36,7 @@ class ShapeError(SparseRefError):
 
 class UnknownAlgorithmError(SparseRefError):
     """``create_sparse_algorithm`` was given a name the registry does not know."""
+
+
+class RankError(SparseRefError):
+    """Tensor parallel: a call failed on a rank with an error that is not a project error (out of memory, say)."""

@@ -24,7 +24,13 @@ rank 0's selection instead, the fix SGLang adopted when its ranks disagreed (CUD
 
 Every exchange first agrees on a tag (what, layer, sequence number) across the ranks, eagerly: a rank
 that calls the engine out of order makes every rank raise ``BatchError`` instead of pairing the wrong
-collectives or hanging.
+collectives or hanging. Every public call agrees twice on every rank's outcome: after the checks the call
+makes before it changes anything (a refusal on one rank, say pages taken out of band there, is raised on
+every rank, naming that rank, and nothing changes anywhere), and after it ran (an error on one rank only,
+project error or not, is raised on every rank; the ranks where it passed kept its changes, so the engine
+then refuses every later call: build a new one). One failure no exchange can report: an error inside a
+step's forward on one rank while the others wait in that step's exchange (global Quest, DSA); they wait
+for the process group's timeout.
 """
 
 from __future__ import annotations
@@ -36,9 +42,20 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from sparse_ref.checks import capturing, check_choice, check_device, describe, fail
-from sparse_ref.engine import DecodeEngine, StepResult
-from sparse_ref.errors import BatchError, ConfigError, PoolError, RetrievalError, SparseRefError
+from sparse_ref.batch import check_decode_step
+from sparse_ref.checks import capturing, check_choice, check_device, check_int, describe, fail
+from sparse_ref.engine import DecodeEngine, StepResult, check_engine_step, check_finish
+from sparse_ref.errors import (
+    BatchError,
+    ConfigError,
+    PoolError,
+    RankError,
+    RetrievalError,
+    ShapeError,
+    SparseRefError,
+    UnknownAlgorithmError,
+)
+from sparse_ref.memory import check_admit
 from sparse_ref.workloads import PlantedEngineWorkload
 
 QUEST_MODES = ("per_rank", "global")
@@ -46,6 +63,22 @@ DSA_MODES = ("check", "broadcast")
 _KINDS = {"config": 1, "pools": 2, "scores": 3, "selection": 4, "outputs": 5}
 _ERRORS = {"config": ConfigError, "pools": PoolError, "selection": RetrievalError}
 _CALLS = {"init": 1, "add_request": 2, "finish": 3, "step": 4}
+_OUTCOMES = (ConfigError, PoolError, BatchError, RetrievalError, ShapeError, UnknownAlgorithmError, SparseRefError)
+
+
+def outcome_code(error: BaseException | None) -> int:
+    """0: the call passed; 1 + the index of its class in ``_OUTCOMES``: a project error; past them: any other."""
+    if error is None:
+        return 0
+    return next((i + 1 for i, cls in enumerate(_OUTCOMES) if isinstance(error, cls)), len(_OUTCOMES) + 1)
+
+
+def attempt(fn):
+    """``(error, value)`` of ``fn()``: the error it raised (any ``Exception``), or None and its value."""
+    try:
+        return None, fn()
+    except Exception as e:  # noqa: BLE001 (every rank must learn this rank's outcome before it raises)
+        return e, None
 
 
 class RankWorkload:
@@ -95,7 +128,7 @@ class RankGroup:
     def __init__(self, group=None):
         self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
         self.root = dist.get_global_rank(group, 0) if group is not None else 0
-        self.calls = 0
+        self.calls, self.failed = 0, []  # failed: the ranks the last call failed on
         self.stats: dict[str, list] = {}  # what -> [exchanges, bytes sent per rank, host seconds] (eager calls)
 
     def _count(self, what: str, t: torch.Tensor, start: float) -> None:
@@ -104,20 +137,24 @@ class RankGroup:
         entry[1] += t.numel() * t.element_size()
         entry[2] += time.perf_counter() - start  # CPU (gloo): the exchange; CUDA (NCCL): its launch only
 
-    def begin(self, call: str, args, device, error: SparseRefError | None = None) -> None:
-        """Before a public call changes anything, one exchange: every rank makes the same call (its name and
-        sequence number), with the same arguments (a hash), and passed its own checks (``error`` is this rank's
-        refusal, or None). Otherwise every rank raises before any state changes: this rank its own error, the
-        others a ``ConfigError`` (a rank refused) or a ``BatchError`` (the ranks are out of step or disagree)."""
+    def begin(self, call: str, args, device, error: Exception | None = None, ran: bool = False) -> None:
+        """One exchange: every rank makes the same call (its name and sequence number), with the same arguments (a
+        hash), and every rank's outcome (``error``: this rank's, or None). Returns when every rank passed; else
+        every rank raises: ``BatchError`` when the ranks are out of step or pass other arguments; else this rank
+        its own error (a ``RankError`` when it is not a project error), the others the failing rank's error
+        class, naming that rank.
+        ``ran``: the call has run (``self.failed`` then says which ranks it failed on)."""
         self.calls += 1
         tag, h = self.calls * 16 + _CALLS[call], int(settings_hash(call, args)) >> 2  # (>> 2: -h fits int64)
-        v = torch.tensor([tag, -tag, h, -h, int(error is not None)], dtype=torch.int64, device=device)
+        codes = [outcome_code(error) if r == self.rank else 0 for r in range(self.world)]
+        v = torch.tensor([tag, -tag, h, -h, *codes], dtype=torch.int64, device=device)
         dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
-        if error is not None:
-            raise error
-        if int(v[4]):
-            raise ConfigError(f"tensor parallel: another rank refused its {call} (its own error says why); rank "
-                              f"{self.rank} stops too, with nothing changed. Fix: make the call valid on every rank.")
+        codes = v[4:].tolist()
+        self.failed = [r for r, code in enumerate(codes) if code]
+        kept = 0 < len(self.failed) < self.world and ran
+        after = ("; the ranks where it passed kept its changes, so the engine refuses every later call. Fix: build "
+                 "a new engine on every rank" if kept else "" if ran else ", with nothing changed. Fix: make the "
+                 "call valid on every rank")
         if int(v[0]) != -int(v[1]):
             raise BatchError(f"tensor parallel: rank {self.rank} calls {call} (call {self.calls}) but another rank "
                              "calls something else: the ranks are out of step; nothing was changed. Fix: call "
@@ -126,6 +163,16 @@ class RankGroup:
             raise BatchError(f"tensor parallel: the ranks call {call} with different arguments (rank {self.rank}: "
                              f"{args!r}); nothing was changed. Fix: pass the same prompt, key, needles and "
                              "requests on every rank (as torchrun runs one script).")
+        if isinstance(error, SparseRefError):
+            raise error
+        if error is not None:
+            raise RankError(f"tensor parallel: {call} failed on rank {self.rank} with {type(error).__name__}: "
+                            f"{error}; every rank stops{after}.") from error
+        if self.failed:
+            code = codes[self.failed[0]]
+            cls = _OUTCOMES[code - 1] if code <= len(_OUTCOMES) else RankError
+            raise cls(f"tensor parallel: rank {self.failed[0]} {'failed in' if cls is RankError else 'refused'} its "
+                      f"{call} (its own error says why); rank {self.rank} stops too{after}.")
 
     def _agree(self, what: str, layer: int, device) -> None:
         """Every rank is at the same exchange (what, layer, how many before it); else all raise BatchError."""
@@ -208,14 +255,10 @@ class TensorParallelEngine:
         self.comm.begin("init", None, exchange, error)
         self.comm.same_everywhere("config", settings_hash(workload, list(algorithms), config, quest_mode, dsa_mode,
                                                           sorted(shared.items(), key=str)).to(device))
-        error, engine = None, None
-        try:  # the engine's own checks (pool sizes, algorithms): agreed on too
-            engine = DecodeEngine(RankWorkload(workload, self.comm.rank, self.comm.world), algorithms, config,
-                                  **engine_kwargs)
-        except SparseRefError as e:
-            error = e
+        error, engine = attempt(lambda: DecodeEngine(RankWorkload(workload, self.comm.rank, self.comm.world),
+                                                     algorithms, config, **engine_kwargs))  # its own checks too
         self.comm.begin("init", "engine", device, error)
-        self.engine, self.device = engine, device
+        self.engine, self.device, self.broken = engine, device, None
         for algo in self.engine.coordinator.algorithms:  # the two exchanges, wrapped around the algorithms
             if algo is not None and algo.name == "quest" and quest_mode == "global":
                 algo.score_pages = self._summed_over_ranks(algo.score_pages)
@@ -248,35 +291,53 @@ class TensorParallelEngine:
         """req_to_token and the free pages are the same on every rank (deterministic allocation)."""
         m = self.engine.manager
         value = tensor_hash(m.req_to_token_pool.req_to_token) + m.allocator.available_pages()
-        self.comm.same_everywhere("pools", value, detail=" (req_to_token or the free pages)")
-
-    def _on_every_rank(self, call: str, args, fn):
-        """``fn()`` after every rank agreed on the call and its arguments; if it raises a project error on one
-        rank, every rank raises (each ``DecodeEngine`` call is all or nothing, so every rank is as before)."""
-        self.comm.begin(call, args, self.device)
-        error, value = None, None
         try:
-            value = fn()
-        except SparseRefError as e:
-            error = e
-        self.comm.begin(call, "done", self.device, error)
+            self.comm.same_everywhere("pools", value, detail=" (req_to_token or the free pages)")
+        except PoolError:
+            self.broken = "the ranks' pools differ"
+            raise
+
+    def _on_every_rank(self, call: str, args, check, apply):
+        """``apply()`` on every rank, after every rank agreed on the call, its arguments and the outcome of its
+        ``check()`` (what the call checks before it changes anything); then every rank learns every rank's outcome.
+        Each ``DecodeEngine`` call is all or nothing on its rank: a call that failed on some ranks only leaves the
+        ranks apart, so the engine refuses every later call (``broken``)."""
+        if self.broken is not None:
+            raise RankError(f"tensor parallel: this engine is unusable: {self.broken}. Fix: build a new "
+                            "TensorParallelEngine on every rank.")
+        self.comm.begin(call, args, self.device, attempt(check)[0])
+        error, value = attempt(apply)
+        try:
+            self.comm.begin(call, "done", self.device, error, ran=True)
+        except SparseRefError:
+            if 0 < len(self.comm.failed) < self.comm.world:
+                self.broken = f"{call} failed on rank {self.comm.failed[0]} only"
+            raise
         return value
 
     def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None):
-        args = (prompt_len, key, None if needle_depths is None else list(needle_depths), self.engine.manager.next_rid)
-        req = self._on_every_rank("add_request", args, lambda: self.engine.add_request(prompt_len, key, needle_depths))
+        e = self.engine
+        args = (prompt_len, key, None if needle_depths is None else list(needle_depths), e.manager.next_rid)
+
+        def check():  # DecodeEngine.add_request's checks, before it changes anything
+            n = check_int("prompt_len", prompt_len, low=1, fix="a request needs at least one prompt token.")
+            e.workload.request(e.manager.next_rid if key is None else key, n, needle_depths)
+            check_admit(e.manager, n)
+
+        req = self._on_every_rank("add_request", args, check, lambda: e.add_request(prompt_len, key, needle_depths))
         self._check_pools()
         return req
 
     def finish(self, req) -> None:
         self._on_every_rank("finish", (getattr(req, "rid", None), getattr(req, "req_pool_idx", None)),
-                            lambda: self.engine.finish(req))
+                            lambda: check_finish(self.engine, req), lambda: self.engine.finish(req))
         self._check_pools()
 
     def step(self) -> tuple[StepResult, list[torch.Tensor]]:
         """One decode step on every rank: this rank's result, and each layer's output over all heads."""
-        self.comm.begin("step", [(r.rid, r.seq_len) for r in self.engine.live], self.device)
-        result = self.engine.step()
+        e = self.engine
+        result = self._on_every_rank("step", [(r.rid, r.seq_len) for r in e.live],
+                                     lambda: (check_engine_step(e), check_decode_step(e.manager, e.live)), e.step)
         return result, [self.comm.gather_heads(t.out, t.layer) for t in result.layers]
 
 

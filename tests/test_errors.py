@@ -9,7 +9,7 @@ from sparse_ref.checks import check_tensor, describe
 from sparse_ref.errors import ShapeError
 
 SUBCLASSES = [errors.PoolError, errors.ConfigError, errors.BatchError, errors.RetrievalError, errors.ShapeError,
-              errors.UnknownAlgorithmError]
+              errors.UnknownAlgorithmError, errors.RankError]
 
 
 @pytest.mark.parametrize("cls", SUBCLASSES)

@@ -81,7 +81,7 @@ def test_a_call_one_rank_makes_differently_is_refused_on_every_rank_before_anyth
     results = tp_scenarios.run_ranks(tp_scenarios.agreement)
     values(results)
     ranks = [results[rank][1] for rank in sorted(results)]  # in rank order
-    assert ranks[0]["mode on one rank"].startswith("ConfigError: tensor parallel: another rank refused")
+    assert ranks[0]["mode on one rank"].startswith("ConfigError: tensor parallel: rank 1 refused its init")
     assert ranks[1]["mode on one rank"].startswith("ConfigError: quest_mode")
     for name in ("key", "needles", "prompt", "too long on one rank", "step against finish"):
         assert all(r[name].startswith("BatchError: tensor parallel") for r in ranks), (name, ranks)
@@ -90,6 +90,33 @@ def test_a_call_one_rank_makes_differently_is_refused_on_every_rank_before_anyth
         assert r["step against finish state"] == [(0, 21)]  # neither stepped nor finished (refused adds took no rid)
         assert r["after"] == "ok" and r["after state"] == [(0, 22)]
     assert ranks[0]["after state"] == ranks[1]["after state"]
+
+
+def test_a_call_that_fails_on_one_rank_only_raises_on_every_rank_naming_it():
+    """Same arguments, one rank fails: refused by its checks (pages taken out of band), nothing changes anywhere
+    and the ranks go on; failed with an error that is not a project error (out of memory), every rank raises a
+    RankError naming rank 1 at once (no collective timeout), and the engine, now apart, refuses later calls."""
+    results = tp_scenarios.run_ranks(tp_scenarios.outcomes, timeout=90)
+    ranks = [r for _, r in (results[rank] for rank in sorted(results))]
+    assert all(status == "ok" for status, _ in results.values()), results
+    for name in ("add, pages out of band", "step, pages out of band"):
+        assert ranks[1][name].startswith("PoolError: ") and "rank" not in ranks[1][name].split(":")[1], ranks[1]
+        assert ranks[0][name].startswith(f"PoolError: tensor parallel: rank 1 refused its {name.split(',')[0]}"), \
+            ranks[0][name]
+        assert "with nothing changed" in ranks[0][name]
+        assert ranks[0][name + " state"] == ranks[1][name + " state"] == [(0, 20)]
+    assert ranks[0]["step after"] == ranks[1]["step after"] == "ok"
+    assert ranks[0]["step after state"] == ranks[1]["step after state"] == [(0, 21)]
+    for name, call in (("add, out of memory", "add_request"), ("step, out of memory", "step")):
+        assert ranks[1][name].startswith(f"RankError: tensor parallel: {call} failed on rank 1 with RuntimeError: "
+                                         "CUDA out of memory (simulated)"), ranks[1][name]
+        assert ranks[0][name].startswith(f"RankError: tensor parallel: rank 1 failed in its {call}"), ranks[0][name]
+        assert all("refuses every later call" in r[name] for r in ranks)
+    assert ranks[0]["add, out of memory state"] == [(0, 21), (1, 9)]  # rank 0 admitted it, rank 1 rolled back
+    assert ranks[1]["add, out of memory state"] == [(0, 21)]
+    for name in ("after the failed add", "after the failed step"):
+        assert all(r[name].startswith("RankError: tensor parallel: this engine is unusable") for r in ranks), name
+    assert ranks[0]["after the failed add state"] == ranks[0]["add, out of memory state"]  # nothing more ran
 
 
 def test_the_exchange_tag_includes_the_layer():

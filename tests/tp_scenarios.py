@@ -138,6 +138,46 @@ def agreement(rank, world):
     return out
 
 
+def outcomes(rank, world):
+    """Calls that fail on rank 1 only, with the same arguments on every rank: pages taken out of band there (its
+    add_request, then its step, refused), an error that is not a project error during rank 1's add_request, and
+    one during its step's forward with no exchange inside (per-rank Quest and a dense layer). Returns what each
+    attempt raised on this rank and the live requests after it."""
+    out = {}
+
+    def attempt(name, fn, tp):
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " state"] = [(r.rid, r.seq_len) for r in tp.live]
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    tp = TensorParallelEngine(workload(), LAYERS, config(), **ENGINE)
+    tp.add_request(20)  # 5 full pages: its next step needs a page
+    allocator = tp.engine.manager.allocator
+    taken = allocator.alloc(allocator.available_pages() - 2) if rank == 1 else []  # room for 8 tokens, not 21
+    attempt("add, pages out of band", lambda: tp.add_request(21), tp)
+    taken += allocator.alloc(2) if rank == 1 else []  # none left: the step cannot grow the request
+    attempt("step, pages out of band", tp.step, tp)
+    allocator.free(taken[::-1])  # back as they were (the free list is a stack)
+    attempt("step after", tp.step, tp)
+    if rank == 1:
+        tp.engine.workload.prefill = oom
+    attempt("add, out of memory", lambda: tp.add_request(9), tp)
+    attempt("after the failed add", tp.step, tp)
+    tp = TensorParallelEngine(workload(), ["quest", None, None], config(), quest_mode="per_rank", **ENGINE)
+    tp.add_request(20)
+    if rank == 1:
+        tp.engine.attend = oom
+    attempt("step, out of memory", tp.step, tp)
+    attempt("after the failed step", tp.step, tp)
+    return out
+
+
 def layer_tag(rank, world):
     """Both ranks at a Quest scores all-reduce, but of different layers: the tag (with the layer) tells them apart."""
     layers = ["quest", "quest", None]

@@ -224,3 +224,19 @@ def test_a_freed_ids_owner_is_forgotten():
     assert m.allocator.available_pages() == 2
     with pytest.raises(PoolError, match="double free"):
         m.allocator.free(again[:1], owner=a)  # and the old owner is no owner of them any more
+
+
+@pytest.mark.parametrize("valid", [15, 16, 17])
+def test_the_direct_plan_ranks_a_kept_bin_of_exactly_sixteen_keys(valid):
+    """The direct plan's last step ranks the kept bin pairwise when it holds at most 16 keys. With no value round
+    (``value_bins=0``), a row of exactly 16 distinct valid keys reaches that rank with no window round before it:
+    a bound of ``< 16`` would skip the rank and keep the window's lower edge as the k-th key."""
+    g = torch.Generator().manual_seed(valid)
+    x = torch.full((2, 40), float("-inf"))
+    x[:, :valid] = torch.randn(2, valid, generator=g)
+    x[1] = x[1, torch.randperm(40, generator=g)]  # the valid keys anywhere in the row
+    with tuning(topk_module.TUNING, value_bins=0):
+        run = topk_module.prepare(x.to(DEVICE), 5, None, None, torch.empty(2, 5, dtype=torch.int32, device=DEVICE))
+        assert run.plan.direct and run.names == ("short_row",)
+        got = topk(x.to(DEVICE), 5, order="index").cpu()
+    assert torch.equal(got, topk_reference(x, 5, order="index"))

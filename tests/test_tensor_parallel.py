@@ -119,6 +119,20 @@ def test_a_call_that_fails_on_one_rank_only_raises_on_every_rank_naming_it():
     assert ranks[0]["after the failed add state"] == ranks[0]["add, out of memory state"]  # nothing more ran
 
 
+def test_changes_made_outside_the_engine_on_one_rank_are_caught_on_every_rank():
+    """The exchange's kind is in its tag; the pools are compared after every join and leave, free pages included;
+    a step agrees on the live requests and their lengths."""
+    ranks = values(tp_scenarios.run_ranks(tp_scenarios.out_of_band, timeout=90))
+    for r in ranks:
+        assert r["kind"].startswith("BatchError: tensor parallel: rank "), r["kind"]
+        assert "(scores, layer 0)" in r["kind"] or "(selection, layer 0)" in r["kind"], r["kind"]
+        for name in ("join", "leave"):
+            assert r[name].startswith("PoolError: tensor parallel: the ranks' pools differ"), (name, r[name])
+        assert r["after the join"].startswith("RankError: tensor parallel: this engine is unusable"), r
+        for name in ("step, other live", "step, other lengths"):
+            assert r[name].startswith("BatchError: tensor parallel: the ranks call step with different arguments"), r
+
+
 def test_the_exchange_tag_includes_the_layer():
     ranks = values(tp_scenarios.run_ranks(tp_scenarios.layer_tag))
     assert all(r.startswith("BatchError: tensor parallel") for r in ranks), ranks

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
-from sparse_ref.tensor_parallel import RankWorkload, TensorParallelEngine
+from sparse_ref.tensor_parallel import RankGroup, RankWorkload, TensorParallelEngine
 from sparse_ref.workloads import PlantedEngineWorkload
 
 LAYERS = ["quest", "deepseek_dsa", None]
@@ -175,6 +175,43 @@ def outcomes(rank, world):
         tp.engine.attend = oom
     attempt("step, out of memory", tp.step, tp)
     attempt("after the failed step", tp.step, tp)
+    return out
+
+
+def out_of_band(rank, world):
+    """Changes rank 1 makes outside the tensor-parallel engine, each caught on every rank at the next exchange: two
+    different exchanges at one layer, a page taken before a join (the pools differ), a page taken before a leave
+    (only the free pages differ), a request finished, or a step run, on rank 1's engine alone (the next step's
+    live requests or lengths differ). Returns what each attempt raised on this rank."""
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
+            out[name] = f"{type(e).__name__}: {e}"
+
+    comm, t = RankGroup(), torch.zeros(4)
+    attempt("kind", lambda: comm.all_reduce_sum(t, "scores", 0) if rank == 0 else comm.broadcast(t, "selection", 0))
+    tp = TensorParallelEngine(workload(), LAYERS, config(), **ENGINE)
+    if rank == 1:
+        tp.engine.manager.allocator.alloc(1)
+    attempt("join", lambda: tp.add_request(20))
+    attempt("after the join", tp.step)
+    tp = TensorParallelEngine(workload(), LAYERS, config(), **ENGINE)
+    tp.add_request(20)
+    if rank == 1:
+        tp.engine.manager.allocator.alloc(1)
+    attempt("leave", lambda: tp.finish(tp.live[0]))
+    per_rank = (workload(), ["quest", None, None], config())
+    for name, change in (("live", lambda e: e.finish(e.live[1])), ("lengths", lambda e: e.step())):
+        tp = TensorParallelEngine(*per_rank, quest_mode="per_rank", **ENGINE)
+        tp.add_request(20)
+        tp.add_request(13)
+        if rank == 1:
+            change(tp.engine)
+        attempt(f"step, other {name}", tp.step)
     return out
 
 

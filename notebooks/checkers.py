@@ -245,6 +245,19 @@ def check_row_argmax(fn):
     _passed("row_argmax")
 
 
+def check_row_max(fn):
+    """``fn(x [R, N])``: the Triton launcher of a row-max kernel, ``[R]``, equal to ``x.amax(1)`` (``-inf`` and
+    masked tails included: N not a multiple of the block)."""
+    g = _gen(10)
+    device = sparse_ref.default_device()
+    for r, n in ((3, 5), (1, 1), (4, 1000), (2, 130)):
+        x = torch.randn(r, n, generator=g)
+        x[0, 0] = float("-inf")
+        got = fn(x.to(device)).cpu()
+        assert torch.equal(got, x.amax(1)), f"[{r}, {n}]: got {got.tolist()}, want {x.amax(1).tolist()}"
+    _passed("row_max")
+
+
 # ------------------------------------------------------------------ 06_triton_scoring
 def check_sign_split_scores(fn):
     """``fn(q [bs, H_kv, D], page_min, page_max [pages, H_kv, D])``: Quest scores ``[bs, pages]`` as
@@ -261,17 +274,25 @@ def check_sign_split_scores(fn):
     _passed("sign_split_scores")
 
 
-def check_row_max(fn):
-    """``fn(x [R, N])``: the Triton launcher of a row-max kernel, ``[R]``, equal to ``x.amax(1)`` (``-inf`` and
-    masked tails included: N not a multiple of the block)."""
-    g = _gen(10)
-    device = sparse_ref.default_device()
-    for r, n in ((3, 5), (1, 1), (4, 1000), (2, 130)):
-        x = torch.randn(r, n, generator=g)
-        x[0, 0] = float("-inf")
-        got = fn(x.to(device)).cpu()
-        assert torch.equal(got, x.amax(1)), f"[{r}, {n}]: got {got.tolist()}, want {x.amax(1).tolist()}"
-    _passed("row_max")
+def check_score_from_pages(fn):
+    """``fn(buf, block_row, s, q, w, page, d)``: the DSA index score of logical token ``s`` of a request whose
+    logical page ``j`` is physical page ``block_row[j]`` of the paged FP8 key cache ``buf`` (uint8
+    ``[num_pages, page * (d + 4)]``: per page its ``page`` FP8 keys, then their fp32 scales), for one query token
+    ``q`` ``[H, d]`` with head weights ``w`` ``[H]``: ``scale[s] * sum_h w[h] * relu(q[h] . k[s])``."""
+    g = _gen(11)
+    for page, d, heads, pages, s in ((4, 16, 2, 5, 13), (64, 128, 4, 3, 130), (1, 8, 1, 6, 5), (16, 32, 3, 2, 0)):
+        keys, scales = quantize_fp8(torch.randn(pages * page, d, generator=g) * 3, d)
+        by_page = torch.cat([keys.view(torch.uint8).reshape(pages, page * d),
+                             scales.reshape(pages, page).contiguous().view(torch.uint8)], dim=1)
+        physical = torch.randperm(pages + 2, generator=g)[:pages]  # scattered pages, never in order
+        buf = torch.zeros(pages + 2, page * (d + 4), dtype=torch.uint8)
+        buf[physical] = by_page
+        q, w = torch.randn(heads, d, generator=g), torch.rand(heads, generator=g)
+        want = scales[s, 0] * (w * (q @ keys[s].float()).clamp(min=0)).sum()
+        got = torch.as_tensor(fn(buf, physical.to(torch.int32), s, q, w, page, d)).float().reshape(())
+        _close(got, want, f"page {page}, D={d}, {heads} heads, token {s} (physical pages {physical.tolist()})",
+               rtol=1e-4, atol=1e-5)
+    _passed("score_from_pages")
 
 
 # ------------------------------------------------------------------ 07_end_to_end

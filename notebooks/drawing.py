@@ -357,21 +357,22 @@ def topk_launch_timeline(rows: list, grids: dict, result: dict):
     """The package top-k's launches one after another, one bar per shape: each launch as wide as its measured
     time (the bench's ``parts_us``); under each bar, every launch's time, programs and warps."""
     colours = {"delegates": "tab:blue", "candidates": "tab:orange", "select": "tab:green", "short_row": "tab:purple"}
+    names = {"short_row": "one program a row, in registers"}
     fig, ax = plt.subplots(figsize=(12, 1.4 + 1.0 * len(rows)))
     for y, row in enumerate(rows):
         t, parts = 0.0, []
         for name, us in row["parts_us"].items():
             ax.barh(y, us, left=t, color=colours.get(name, "0.6"), edgecolor="white", height=0.45,
-                    label=name if y == 0 or name == "short_row" else None)
+                    label=names.get(name, name) if y == 0 or name == "short_row" else None)
             programs, warps = grids[row["shape"]].get(name, ("?", "?"))
-            parts.append(f"{name} {us:.1f} µs ({programs} programs × {warps} warps)")
+            parts.append(f"{names.get(name, name)} {us:.1f} µs ({programs} programs × {warps} warps)")
             t += us
         ax.text(t + 0.8, y, f"{row['ours_us']:.1f} µs in all (torch.topk {row['torch_us']:.1f})", va="center",
                 fontsize=8.5)
-        ax.text(0, y + 0.42, "  →  ".join(parts), va="center", fontsize=7.5, color="0.25")
+        ax.text(0.5, y + 0.42, "  →  ".join(parts), va="center", fontsize=8.5, color="0.2")
     ax.set_yticks(range(len(rows)), [f"{r['shape'].split()[0]}\nk={r['k']}" for r in rows])
     ax.set_ylim(len(rows) - 0.35, -0.6)  # first shape on top; room for the last line of text
-    ax.set_xlim(0, max(r["ours_us"] for r in rows) * 1.45)
+    ax.set_xlim(0, max(r["ours_us"] for r in rows) * 1.3)
     ax.set_xlabel("µs (each launch captured and replayed alone, L2 cold)")
     ax.set_title(f"The package top-k, launch by launch (committed {result.get('gpu', '?')} results, "
                  f"{str(result.get('date', '?'))[:10]}, randn rows, index order)")
@@ -551,9 +552,146 @@ def break_even(batches, device_tps, offload_tps, device_max: int, offload_max: i
     fig, ax = plt.subplots(figsize=(8, 3.8))
     ax.plot(batches[:device_max], device_tps[:device_max], "C3-", label=f"all on the device (fits {device_max})")
     ax.plot(batches[:offload_max], offload_tps[:offload_max], "C2-", label=f"offload (fits {offload_max})")
-    ax.axhline(device_tps[device_max - 1], color="C3", ls=":", lw=1)
+    best = device_tps[device_max - 1]
+    ax.axhline(best, color="C3", ls=":", lw=1, label="the device's best")
+    even = next((b for b, t in zip(batches[:offload_max], offload_tps[:offload_max], strict=False)
+                 if b > device_max and t > best), None)  # the first batch where offload beats it
+    if even is not None:
+        ax.axvline(even, color="C2", ls="--", lw=1)
+        ax.annotate(f"break-even: {even} requests", (even, best), (12, -28), textcoords="offset points",
+                    fontsize=9, color="C2", arrowprops=dict(arrowstyle="->", color="C2"))
     ax.set(xlabel="requests in the batch", ylabel="decode tokens / s (model)",
            title="The break-even batch: where offload's larger batch beats the device's best")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def stale_row_image(req_to_token, pages_of_requests, seq_lens, rows, page_size: int):
+    """req_to_token as an image, each slot coloured by the request owning its page (``pages_of_requests``: each
+    request's physical pages), pale past each row's length (a black bar): a reused row's stale tail stands out."""
+    from matplotlib.colors import ListedColormap
+
+    pages = max([int(req_to_token.max()) // page_size] + [max(p, default=0) for p in pages_of_requests]) + 1
+    owner = torch.zeros(pages, dtype=torch.long)  # physical page -> request + 1, 0 = nobody
+    for i, owned in enumerate(pages_of_requests):
+        owner[torch.tensor(owned)] = i + 1
+    show = min(req_to_token.shape[1], max(2048, max(seq_lens) + 1024))  # enough to see the stale tails
+    img = 2 * owner[(req_to_token[:, :show].long().cpu() // page_size)].numpy()
+    for row, n in zip(rows, seq_lens, strict=True):  # odd values: past the row's length (drawn pale)
+        img[row, n:] += 1
+    fig, ax = plt.subplots(figsize=(11, 2.6))
+    cmap = ListedColormap(["white", "white", "tab:blue", "#c6dbef", "tab:orange", "#fdd0a2", "tab:green",
+                           "#c7e9c0", "tab:red", "#fcbba1"])  # per request: solid, then pale past seq_len
+    ax.imshow(img, aspect="auto", cmap=cmap, vmin=-0.5, vmax=9.5, interpolation="nearest")
+    total = img.shape[0]
+    for row, n in zip(rows, seq_lens, strict=True):
+        ax.axvline(n, ymin=1 - (row + 1) / total, ymax=1 - row / total, color="k", lw=2)
+    ax.set_xlabel("logical token position t")
+    ax.set_ylabel("req_to_token row")
+    ax.set_title("req_to_token: colour = request that owns the slot's page (white = padding page 0); "
+                 "pale = past seq_len (black bar)")
+    return fig
+
+
+def causal_scores(scores, selected, shown: int, topk: int):
+    """The indexer's causal score matrix of a prompt (first ``shown`` tokens), beside the positions each token
+    keeps."""
+    img = scores[:shown, :shown].cpu().clone()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    im = axes[0].imshow(img.masked_fill(torch.isinf(img), float("nan")), cmap="viridis", interpolation="nearest")
+    axes[0].set(title=f"index scores I[t, s] (first {shown} tokens)", xlabel="key position s", ylabel="query token t")
+    fig.colorbar(im, ax=axes[0], fraction=0.046)
+    mask = torch.zeros(shown, shown)
+    for t in range(shown):
+        kept = selected[t][selected[t] >= 0].cpu()
+        mask[t, kept[kept < shown]] = 1
+    axes[1].imshow(mask, cmap="Greys", interpolation="nearest")
+    axes[1].set(title=f"selected positions (top {topk} per row)", xlabel="key position s")
+    fig.suptitle("The lightning indexer on the prompt: causal index scores, and the top-k each token keeps")
+    fig.tight_layout()
+    return fig
+
+
+def radix_round_zero(hist0, at_or_above, digit0: int, k: int, n: int):
+    """Round 0 of a radix select on one row: keys per top digit (log scale), the running count from the top, the
+    threshold's bin (red) and the bins surely in (green)."""
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    colors = ["C3" if b == digit0 else ("C2" if b > digit0 else "C0") for b in range(256)]
+    ax.bar(range(256), hist0.numpy(), color=colors, width=1.0)
+    ax.step(range(256), at_or_above.numpy(), where="mid", color="k", lw=0.8, label="keys in this bin or higher")
+    ax.axhline(k, color="C3", ls=":", label=f"k = {k}")
+    ax.set(title=f"Round 0 on a randn row of {n}: the threshold's top digit is bin {digit0} (red); "
+                 "green bins are surely in", xlabel="top digit of the key", ylabel="keys", yscale="log",
+           xlim=(digit0 - 14, digit0 + 6))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def hot_buffer_row(token, last_used, slot_of, clock: int, seq_len: int):
+    """One request row of the hot buffer after a step: its slots (the token each holds; read this step, held from
+    before, or empty) and the reserved slot of the newest token, above the row's slot table (token -> slot)."""
+    from matplotlib.patches import Rectangle
+
+    size = len(token)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 3.6), gridspec_kw={"height_ratios": [1, 1.1]})
+    kinds = {"read this step": "tab:green", "held from before": "#9ecae1", "empty": "white",
+             "reserved: the newest token": "tab:purple"}
+    for s in range(size + 1):
+        if s == size:
+            kind, label = "reserved: the newest token", f"t={seq_len - 1}"
+        elif token[s] < 0:
+            kind, label = "empty", "-"
+        else:
+            kind, label = ("read this step" if last_used[s] == clock else "held from before"), f"t={token[s]}"
+        top.add_patch(Rectangle((s, 0), 1, 1, facecolor=kinds[kind], edgecolor="k"))
+        top.text(s + 0.5, 0.5, label, ha="center", va="center", fontsize=8,
+                 color="w" if kind.startswith("reserved") else "k")
+    top.set(xlim=(0, size + 1), ylim=(0, 1), yticks=[], xticks=[s + 0.5 for s in range(size + 1)],
+            xticklabels=[str(s) for s in range(size)] + ["B"], title="the row's hot slots (slot id below)")
+    top.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="k", label=k) for k, c in kinds.items()],
+               fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, frameon=False)
+    held = [(t, int(slot_of[t])) for t in range(seq_len) if slot_of[t] >= 0]
+    bottom.broken_barh([(t, 1) for t, _ in held], (0, 1), facecolors="tab:blue")
+    for t, s in held:
+        bottom.text(t + 0.5, 1.15, str(s), ha="center", fontsize=7)
+    bottom.set(xlim=(0, seq_len), ylim=(0, 1.6), yticks=[], xlabel="token position t",
+               title="slot_of: the slot each held token is in (blank: on the host only; the newest: slot B)")
+    fig.suptitle(f"One row of the hot buffer after a step: {size} slots plus the reserved one")
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------- 07_end_to_end
+METHOD_STYLE = {"dense": {"fmt": "k-", "mfc": None}, "quest (mean)": {"fmt": "o-", "mfc": None},
+                "quest (per_kv_head)": {"fmt": "s--", "mfc": "none"}, "dsa": {"fmt": "^:", "mfc": None}}
+
+
+def accuracy_against_budget(rows, methods, context: int):
+    """Recall, needles kept, mass kept and output error against the token budget, one line per method: open
+    markers and dashes, and one legend under the panels, so that no line hides another."""
+    fields = [("recall", "recall of the true top pages / tokens"), ("needles_found", "planted needles kept"),
+              ("mass_kept", "attention mass kept"), ("output_error", "relative output error")]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for label in methods:
+        mine, style = [r for r in rows if r.method == label], METHOD_STYLE[label]
+        for ax, (field, title) in zip(axes, fields, strict=True):
+            ax.plot([r.budget for r in mine], [getattr(r, field) for r in mine], style["fmt"], label=label,
+                    mfc=style["mfc"])
+            ax.set(title=title, xscale="log", xlabel="budget (tokens per request)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(methods), frameon=False)
+    fig.suptitle(f"Accuracy against budget, {context}-token requests")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def step_time_against_context(contexts, times: dict, title: str, ylabel: str):
+    """Milliseconds per decode step against the context (log-log), one line per method, each its own style."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for label, ms in times.items():
+        ax.plot(contexts, ms, METHOD_STYLE[label]["fmt"], label=label, mfc=METHOD_STYLE[label]["mfc"])
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel=ylabel, title=title)
+    ax.legend()
     fig.tight_layout()
     return fig

@@ -138,9 +138,9 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
         ax.set_ylabel(ylabel)
         ax.set_title(name)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, frameon=False)  # below: no line hidden
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -116,6 +116,20 @@ WRONG = {
         ("the tail padded with 0, not -inf",
          lambda x: torch.nn.functional.pad(x, (0, (-x.shape[1]) % 128 or 128)).amax(1)),
     ],
+    "check_score_from_pages": [
+        ("132 bytes per token (the API's shape), key then scale",
+         lambda buf, row, s, q, w, page, d: (lambda t: t[d:].view(torch.float32)[0] * (w * (
+             q @ t[:d].view(torch.float8_e4m3fn).float()).clamp(min=0)).sum())(
+             buf[int(row[s // page])][(s % page) * (d + 4):(s % page + 1) * (d + 4)].clone())),
+        ("the pages taken in order, not through the block table",
+         lambda buf, row, s, q, w, page, d: (lambda p: p[page * d:].view(torch.float32)[s % page] * (w * (
+             q @ p[(s % page) * d:(s % page + 1) * d].view(torch.float8_e4m3fn).float()).clamp(min=0)).sum())(
+             buf[s // page].clone())),
+        ("the scale left out",
+         lambda buf, row, s, q, w, page, d: (lambda p: (w * (
+             q @ p[(s % page) * d:(s % page + 1) * d].view(torch.float8_e4m3fn).float()).clamp(min=0)).sum())(
+             buf[int(row[s // page])].clone())),
+    ],
     "check_mass_kept": [
         ("the mass of the first pages, not the kept ones",
          lambda probs, kept, P: torch.stack([probs[i, : len(k) * P].sum() for i, k in enumerate(kept)])),

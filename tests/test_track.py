@@ -48,3 +48,58 @@ def test_estimate_counts_what_is_read():
     assert shown["triton"] >= 6 and shown["minutes"] >= 2  # the lesson's lines, at the kernel pace
     figure = track.estimate(Cell("code", "fig, ax = plt.subplots()\nax.plot([1])\nshow_figure(fig, 'alt')"))
     assert figure["figures"] == 1 and figure["torch"] == 0
+
+
+def shown_lessons(row) -> dict:
+    """The lesson functions the row's cells print (``drawing.show_lesson``), by name, with their modules."""
+    import ast
+    import importlib
+
+    sys.path[:0] = [str(ROOT / "kernels")]
+    nb, shown = track.load(row.notebook), {}
+    for i in row.cells:
+        if nb.cells[i].cell_type != "code":
+            continue
+        tree = ast.parse("\n".join(s for s in nb.cells[i].source.splitlines() if not s.startswith(("%", "!"))))
+        imported = {a.asname or a.name: node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "drawing.show_lesson":
+                for arg in node.args:
+                    shown[arg.id] = importlib.import_module(imported[arg.id])
+    return shown
+
+
+@pytest.mark.parametrize("row", track.TRACK, ids=lambda r: f"{r.notebook} c{r.cells[0]}")
+def test_every_lesson_helper_a_shown_kernel_calls_is_shown_too(row):
+    """A kernel on the screen calls only helpers the audience has seen in the same row (the radix select's
+    ``sortable_key`` and ``walk_from_top`` before its kernel)."""
+    import ast
+    import inspect
+
+    shown = shown_lessons(row)
+    for name, module in shown.items():
+        fn = getattr(module, name)
+        while hasattr(fn, "fn"):
+            fn = fn.fn
+        calls = {ast.unparse(n.func) for n in ast.walk(ast.parse(inspect.getsource(fn))) if isinstance(n, ast.Call)}
+        helpers = {c for c in calls if hasattr(getattr(module, c, None), "fn")}  # the module's own jit helpers
+        assert helpers <= set(shown), f"{row.notebook}: {name} calls {sorted(helpers - set(shown))}, not shown"
+
+
+def test_the_track_tells_the_story_in_order():
+    """The stale row before the first seed error; the indexer's formula before the top-k; the radix select with its
+    helpers; the decode kernels' picture; the close on offload's memory against bandwidth."""
+    rows = [(r.notebook, r.cells) for r in track.TRACK]
+    order = [n for n, _ in rows]
+    assert order.index("02_retrieval_contract") < order.index("05_triton_topk")
+    stale, first_error = 5, 10  # 02: the stale row (c5-c7) comes before the seed error (c10)
+    cells_02 = dict(rows)["02_retrieval_contract"]
+    assert stale in cells_02 and first_error in cells_02 and cells_02.index(stale) < cells_02.index(first_error)
+    dsa = [i for i, (n, c) in enumerate(rows) if n == "04_dsa_indexer" and 0 in c]
+    assert dsa and dsa[0] < order.index("05_triton_topk"), "the indexer's formula comes before the top-k"
+    assert {"sortable_key", "walk_from_top", "radix_topk_kernel"} <= set(shown_lessons(track.TRACK[order.index(
+        "05_triton_topk")]))
+    assert "split_softmax_mass" in "".join(track.load("09_decode_kernels").cells[i].source
+                                           for i in dict(rows)["09_decode_kernels"])
+    assert order[-1] == "10_offload" and "memory_and_bandwidth" in track.load("10_offload").cells[rows[-1][1][0]].source

@@ -5,8 +5,9 @@
 #   notebooks in build/exercises/, every solution a stub), homework (exercises, then JupyterLab on them), track
 #   (the 55-minute track, counted and timed), lint,
 #   clean-notebooks, clean,
-#   distclean (also removes .venv), tritons (a second Triton for the compile check), gpu-check (the one GPU
-#   check: kernel tests, notebooks at GPU sizes, a bench smoke; on a CUDA machine, no set-up needed).
+#   distclean (also removes .venv), tritons (a second Triton for the compile check), peers (SGLang's top-k
+#   library for the bench to time beside ours; network), gpu-check (the one GPU check: kernel tests, notebooks
+#   at GPU sizes, a bench smoke; on a CUDA machine, no set-up needed).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -37,7 +38,8 @@ QUIET_KERNEL := "--ExecutePreprocessor.extra_arguments=['--IPKernelApp.log_level
 # too (tests/test_aot_compile.py finds it in build/tritons/<version>/). Only its compiler is used: no GPU.
 TRITON_OTHER ?= 3.6.0
 
-.PHONY: setup tutorial demo test lab exercises homework track lint clean-notebooks clean distclean tritons gpu-check
+.PHONY: setup tutorial demo test lab exercises homework track lint clean-notebooks clean distclean tritons peers \
+  gpu-check
 
 setup: $(VENV)/.installed
 
@@ -82,6 +84,18 @@ test: setup
 tritons: setup
 	@test -d $(BUILD)/tritons/$(TRITON_OTHER)/triton || $(BIN)/python -m pip install --quiet --no-deps \
 	  --target $(BUILD)/tritons/$(TRITON_OTHER) triton==$(TRITON_OTHER)
+
+# The production top-k the bench times beside ours (sparse_ref/bench/peers.py): only the sm90 library of the
+# sglang-kernel wheel built for torch 2.11 / CUDA 13 (18 MiB of a 365 MiB wheel, which is then deleted).
+SGL_KERNEL_VERSION ?= 0.4.5
+SGL_LIB := $(BUILD)/peers/sgl_kernel_sm90/common_ops.abi3.so
+peers: setup
+	@test -f $(SGL_LIB) || ( $(BIN)/python -m pip download --quiet --no-deps -d $(BUILD)/peers/wheels \
+	  sglang-kernel==$(SGL_KERNEL_VERSION) && mkdir -p $(dir $(SGL_LIB)) && $(BIN)/python -c "import glob, sys, \
+	  zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1])[0]); open(sys.argv[2], 'wb').write(z.read( \
+	  'sgl_kernel/sm90/common_ops.abi3.so'))" "$(BUILD)/peers/wheels/sglang_kernel-*.whl" $(SGL_LIB) \
+	  && rm -rf $(BUILD)/peers/wheels )
+	@echo "export SPARSE_REF_SGL_KERNEL_LIB=$(abspath $(SGL_LIB))  (scripts/gpu_check.sh finds it there itself)"
 
 # On a CUDA machine, with or without network (carry nbmake's wheels in .whl/, README): uses .venv if there is one.
 gpu-check:

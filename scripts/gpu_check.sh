@@ -28,6 +28,9 @@ KERNEL_TESTS="tests/test_topk.py tests/test_page_select.py tests/test_page_table
   tests/test_bench.py tests/test_isolation.py tests/test_offload.py tests/test_swap_in.py tests/test_lessons.py
   tests/test_aot_compile.py"
 log() { echo "$*" | tee -a "$OUT/gpu_check.log"; }
+# SGLang's top-k library (make peers), when carried: the bench times it beside ours (sparse_ref/bench/peers.py).
+SGL_LIB="build/peers/sgl_kernel_sm90/common_ops.abi3.so"
+[[ -z "${SPARSE_REF_SGL_KERNEL_LIB:-}" && -f "$SGL_LIB" ]] && export SPARSE_REF_SGL_KERNEL_LIB="$PWD/$SGL_LIB"
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's sparse_ref, whatever else is installed
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -144,3 +144,31 @@ def test_offload_suite_reports_hit_rates_bytes_and_both_sides(tmp_path):
     assert step["torch_us"] > 0 and step["ours_us"] > 0 and step["misses_per_replay"] >= 0
     assert set(step["parts_us"]) == {"device", "offload"} and "swap-in (both launches)" in step["parts_us"]["offload"]
     assert all(v > 0 for p in step["parts_us"].values() for v in p.values())
+
+
+def test_a_missing_peer_is_null_with_its_reason(monkeypatch, tmp_path):
+    """The production peers: on CPU each is None with "needs a CUDA GPU"; a library path that does not exist, or
+    that is not set, gives its reason instead of a number (the row records no made-up time)."""
+    from sparse_ref.bench import peers
+
+    rows = peers.time_peers(bench.Timer(torch.device("cpu"), 3), [torch.randn(2, 64)], 8)
+    assert rows["sglang fast_topk"] is None and rows["flashinfer top_k"] is None
+    assert rows["sglang fast_topk (why not)"] == "needs a CUDA GPU"
+    for value, why in (("", "is not set"), (str(tmp_path / "none.so"), "no such file")):
+        monkeypatch.setattr(peers, "_LOADED", {})  # (a peer is looked for once a process)
+        monkeypatch.setenv(peers.SGL_LIB_ENV, value)
+        ops, reason = peers.sglang_ops()
+        assert ops is None and why in reason
+
+
+def test_a_peers_ids_are_exact_in_any_order_and_any_tie_rule_but_not_wrong():
+    """A peer's ids are compared by the scores they select: its own order and tie rule pass, a wrong id does not."""
+    from sparse_ref.bench.peers import exact
+    from sparse_ref.selection import topk_reference
+
+    x = torch.tensor([[3.0, 1.0, 3.0, 2.0, 3.0, 0.0]])
+    want = topk_reference(x, 2, order="index")  # ids 0 and 2: ties to the lower id
+    assert exact(want, x, 2) and exact(want.flip(1), x, 2)
+    assert exact(torch.tensor([[4, 2]]), x, 2), "another two of the tied 3.0s: a valid top-2"
+    assert not exact(torch.tensor([[0, 3]]), x, 2), "2.0 is not among the top 2"
+    assert not exact(torch.tensor([[0, 6]]), x, 2) and not exact(torch.tensor([[0, -1]]), x, 2), "ids out of range"

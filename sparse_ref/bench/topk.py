@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from sparse_ref.bench.peers import time_peers
 from sparse_ref.bench.timing import row
 from sparse_ref.config import SparseConfig
 from sparse_ref.workloads import make_distribution
@@ -41,9 +42,12 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
                 t_ours = timer.cold([partial(topk, x, k, order=order, out=out) for x in copies])
                 parts = launch_breakdown(copies, k, timer) if (dist, order) == ("randn", "index") and not on_cpu else {}
+                m_ours = timer.mode
+                peers = time_peers(timer, copies, k) if order == "index" else {}  # the production kernels, same run
                 rows.append(row(f"{R}x{N} fp32", k, dist, "cold", t_torch, t_ours, nbytes, copy_bw,
                                 f"topk({order})", baseline=f"torch.topk(sorted={torch_sorted})",
-                                torch_timing=m_torch, ours_timing=timer.mode, **({"parts_us": parts} if parts else {})))
+                                torch_timing=m_torch, ours_timing=m_ours, **({"parts_us": parts} if parts else {}),
+                                **({"peers": peers} if peers else {})))
             if dist == "randn" and not quick and not on_cpu:
                 x = copies[0]
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
@@ -76,9 +80,10 @@ def bench_topk_sweep(device, timer, copy_bw, quick, on_cpu):
                 m_torch = timer.mode
                 out = torch.empty(R, kk, dtype=torch.int32, device=device)
                 t_ours = timer.cold([partial(topk, x, kk, order="index", out=out) for x in copies])
+                m_ours, peers = timer.mode, time_peers(timer, copies, kk)
                 rows.append(row(f"{R}x{N} fp32", kk, dist, "cold", t_torch, t_ours, R * N * 4 + R * kk * 4, copy_bw,
-                                "topk(index)", baseline="torch.topk(sorted=False)", torch_timing=m_torch,
-                                ours_timing=timer.mode, sweep=True))
+                                "topk(index)", baseline="torch.topk(sorted=False)", peers=peers, torch_timing=m_torch,
+                                ours_timing=m_ours, sweep=True))
                 del copies
     return rows
 

@@ -35,11 +35,6 @@ from sparse_ref.errors import SEED_TOPK_NEEDS_SEQ_LENS, BatchError, ConfigError,
 from sparse_ref.selection import ceil_div, select_pages_row, select_pages_unchecked, selection_width
 
 
-def forward_batch_with_seq_lens(kwargs: dict):
-    """The ``forward_batch`` keyword, checked to carry ``seq_lens``; else the seed error, then what arrived."""
-    return check_forward_batch_kwarg(kwargs)
-
-
 class SparseAlgorithm:
     """Base class: the lifecycle hooks and the default page-granular ``retrieve_topk``.
 

@@ -695,3 +695,275 @@ def step_time_against_context(contexts, times: dict, title: str, ylabel: str):
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- 00-04: figures moved out of the lesson cells
+def page_scores_kept(scores, num_pages: int, best, page_size: int, seq_len: int, kept: int):
+    """One request's page scores as bars: the sink, the best history pages and the recent ones coloured as kept."""
+    fig, ax = plt.subplots(figsize=(11, 2.8))
+    role = ["sink" if p == 0 else "recent" if p >= num_pages - 2 else "top-k" if p in best else "skipped"
+            for p in range(num_pages)]
+    colors = {"sink": "#4c72b0", "recent": "#55a868", "top-k": "#dd8452", "skipped": "#cccccc"}
+    ax.bar(range(num_pages), scores, color=[colors[r] for r in role], edgecolor="0.3")
+    for name, c in colors.items():
+        ax.bar([0], [0], color=c, label=name)
+    ax.axhline(0, color="0.3", linewidth=0.8)
+    ax.set_xticks(range(num_pages))
+    ax.set(xlabel=f"logical page (P = {page_size} tokens; the request has {seq_len} tokens)", ylabel="page score",
+           title=f"kept {kept} of {num_pages} pages: attention reads {kept / num_pages:.0%} of the KV")
+    ax.legend(ncol=4, fontsize=8, loc="lower left")
+    return fig
+
+
+def pages_kept_per_request(img, needle_pages, config, page_size: int):
+    """One row per request along its logical pages (``img``: 0 past the sequence, 1 not read, 2 sink, 3 top-k,
+    4 recent), crosses on the planted needle pages."""
+    from matplotlib.colors import ListedColormap
+
+    fig, ax = plt.subplots(figsize=(11, 2.8))
+    ax.imshow(img, aspect="auto", interpolation="nearest",
+              cmap=ListedColormap(["white", "#e0e0e0", "tab:purple", "tab:orange", "tab:green"]), vmin=-0.5, vmax=4.5)
+    for i, needles in enumerate(needle_pages):
+        ax.scatter(needles, [i] * len(needles), marker="x", color="k", s=30, label="planted needle" if i == 0 else None)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:purple", "tab:orange", "tab:green", "#e0e0e0")]
+    ax.legend(handles + [ax.collections[0]], ["sink", "top-k (Quest)", "recent", "not read", "planted needle"],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5)
+    ax.set(xlabel="logical page", ylabel="request",
+           title=f"Pages kept per request (page {page_size}, budget {config.page_budget}, "
+                 f"{config.num_sink_pages} sink, {config.num_recent_pages} recent)")
+    return fig
+
+
+def bound_against_true_max(best_dot, bound):
+    """Quest's bound against the true max of q·k over each page's keys: every point on or above the diagonal."""
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.scatter(best_dot.flatten(), bound.flatten(), s=3, alpha=0.4)
+    lim = [float(best_dot.min()), float(bound.max())]
+    ax.plot(lim, lim, "k--", lw=1, label="bound = true max")
+    ax.set(xlabel="true max of q·k over the page's keys", ylabel="Quest bound",
+           title="Every point lies above the diagonal")
+    ax.legend()
+    return fig
+
+
+def quantisation_error(sizes, errors: dict, head_dim: int):
+    """Relative error of q·k after FP8 and INT8 round trips as one outlier channel grows, with and without a
+    Hadamard rotation first (``errors[grid, rotated]``)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    for ax, grid in zip(axes, ("FP8 e4m3", "INT8"), strict=True):
+        ax.semilogx(sizes, errors[grid, False], "o-", label="no rotation")
+        ax.semilogx(sizes, errors[grid, True], "s--", mfc="none", label="Hadamard rotation first")
+        ax.set(title=f"{grid}, one scale per {head_dim}-value vector", xlabel="outlier channel size (x a typical "
+               "channel)")
+        ax.legend()
+    axes[0].set_ylabel("relative error of q·k")
+    fig.tight_layout()
+    return fig
+
+
+def fp8_score_error(ratio, overlap):
+    """Histograms: the FP8 scores' error against the bound B, and each query token's top-k overlap with fp32."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+    axes[0].hist(ratio.cpu().numpy(), bins=50)
+    axes[0].set(xlabel="|I_fp8 - I_fp32| / B", ylabel="(t, s) pairs")
+    axes[1].hist(overlap.cpu().numpy(), bins=20, range=(0.5, 1.0))
+    axes[1].set(xlabel="top-k overlap, FP8 vs full precision", ylabel="query tokens")
+    fig.tight_layout()
+    return fig
+
+
+def key_page_bytes(page_size: int, head_dim: int):
+    """One page of the indexer key cache as a strip of bytes: the keys (token-major), then the fp32 scales."""
+    P, D = page_size, head_dim
+    fig, ax = plt.subplots(figsize=(11, 1.9))
+    colors = plt.cm.viridis(np.linspace(0, 1, P))
+    for t in range(P):
+        ax.barh(0, D, left=t * D, color=colors[t], edgecolor="white", linewidth=0.3)
+        ax.barh(0, 4, left=P * D + 4 * t, color=colors[t], edgecolor="black", linewidth=0.3, hatch="//")
+    ax.axvline(P * D, color="red")
+    ax.set(title=f"one page of the indexer key cache: {P} keys of {D} FP8 bytes, then {P} fp32 scales "
+                 f"({P * (D + 4)} bytes; same colour = same token)", xlabel="byte offset in the page", yticks=[])
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------- 05_triton_topk: figures out of the lesson cells
+def topk_pass_costs(costs, cheap, read_us: float):
+    """Measured costs of top-k building blocks as horizontal bars (log scale), the cheap ones green."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    names, us = zip(*costs, strict=True)
+    ax.barh(names, us, color=["C2" if any(c in n for c in cheap) else "C3" for n in names])
+    ax.axvline(read_us, color="k", ls=":", lw=1, label=f"one plain read of the input ({read_us} µs)")
+    for i, v in enumerate(us):
+        ax.text(v * 1.05, i, f"{v:g}", va="center", fontsize=8)
+    ax.set(xscale="log", xlabel="µs (H200, median, L2 flushed)", xlim=(5, 700),
+           title="Measured on an H200: what a Triton top-k pass costs over 64 x 64K fp32 (green: free over the read)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def delegate_threshold(row, cand, top, threshold: float, delegates, k: int, g: int):
+    """Left: a row, its candidates above the delegate threshold and its top-k. Right: the row as [N/G, G] with
+    each column's maximum (its delegate) marked, the k largest in red."""
+    n = row.shape[0]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    ax, ids = axes[0], torch.arange(n)
+    ax.scatter(ids[~cand], row[~cand], s=5, color="0.7", label="below T")
+    ax.scatter(ids[cand], row[cand], s=14, color="C1", label=f"candidates x >= T ({int(cand.sum())})")
+    ax.scatter(ids[top], row[top], s=40, facecolors="none", edgecolors="C3", label=f"the top-{k}")
+    ax.axhline(threshold, color="k", ls=":", label="T = k-th largest delegate")
+    ax.set(title=f"a row of {n}: candidates above the delegate threshold", xlabel="id", ylabel="score")
+    ax.legend(fontsize=7, loc="lower right")
+    ax = axes[1]
+    view = row.view(n // g, g)
+    ax.imshow(view.numpy(), aspect="auto", cmap="viridis")
+    arg, in_top = view.argmax(dim=0), delegates >= threshold
+    ax.scatter(torch.arange(g)[~in_top], arg[~in_top], s=8, color="w", label="delegate (column max)")
+    ax.scatter(torch.arange(g)[in_top], arg[in_top], s=18, color="C3", label=f"the {k} largest delegates")
+    ax.set(title=f"the same row as [N/G, G] = [{n // g}, {g}]", xlabel="column j (ids j, j+G, ...)",
+           ylabel="sub-range row")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("Delegate threshold: one max per strided sub-range, T = the k-th largest of them")
+    fig.tight_layout()
+    return fig
+
+
+def candidates_per_row(counts: dict, slots: int, k: int, n: int, g: int):
+    """Candidates per row for several kinds of rows (log scale): red ones overflow the slots."""
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    ax.bar(list(counts), list(counts.values()), color=["C2" if c <= slots else "C3" for c in counts.values()])
+    for i, c in enumerate(counts.values()):
+        ax.text(i, c * 1.08, str(c), ha="center", fontsize=8)
+    ax.axhline(slots, color="k", ls=":", label=f"slots per row = G = {slots}")
+    ax.axhline(k, color="C0", ls="--", lw=0.8, label=f"k = {k}")
+    ax.set(yscale="log", ylabel="candidates x >= T", ylim=(1000, 150000),
+           title=f"Candidates per row of {n} (k = {k}, G = {g}): red rows need the exact fallback")
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def bitmask_words(bits, popc, starts, n_bits: int, k: int, g: int, m: int):
+    """A row's candidate bitmask as a grid of words, each word's popcount and first slot written beside it."""
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    ax.imshow(bits.numpy(), cmap="Greys", aspect="auto", vmin=0, vmax=1)
+    for w in range(n_bits // 32):
+        ax.text(32.5, w, f"popc {int(popc[w])}, starts at slot {int(starts[w])}", va="center", fontsize=8)
+    ax.set(title=f"Bitmask of a row of {n_bits} (k = {k}, G = {g}): {m} candidates, one bit each",
+           xlabel="bit b (element 32 w + b)", ylabel="word w", xlim=(-0.5, 48))
+    fig.tight_layout()
+    return fig
+
+
+def thresholds_compared(passed: dict):
+    """Candidates each threshold lets through (``passed[row kind] = (16-bit cut, window rounds)``), log scale."""
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    pos = np.arange(len(passed))
+    ax.bar(pos - 0.2, [c for c, _ in passed.values()], 0.4, label="k-th delegate cut to 16 bits (two radix rounds)")
+    ax.bar(pos + 0.2, [w for _, w in passed.values()], 0.4, label="window rounds over the delegates' own range")
+    ax.set_xticks(pos, list(passed), fontsize=8)
+    ax.set(yscale="log", ylabel="candidates x >= T", title="Candidates let through by each threshold")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def topk_by_distribution(per_dist: dict, names, baseline: str, source: str):
+    """torch.topk against the package top-k in index order, per score distribution, as paired bars."""
+    pos = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.bar(pos - 0.2, [per_dist[d][0] for d in names], 0.4, color="C0", alpha=0.45, label=baseline)
+    ax.bar(pos + 0.2, [per_dist[d][1] for d in names], 0.4, color="C0", label="topk order='index'")
+    ax.set_xticks(pos, names)
+    ax.set(ylabel="µs (median)", title=f"64 x 64K, k = 2048, by score distribution: {source}",
+           ylim=(0, 1.3 * max(max(v) for v in per_dist.values())))
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------- 06_triton_scoring: figures out of the lesson cells
+
+def key_page_layouts(page: int, d: int):
+    """The same bytes of one DSA key page coloured by token, twice: as rows of ``d`` bytes (the real layout: the
+    keys, then the scales) and as the API shape's rows of ``d + 4`` bytes, which are not tokens."""
+    byte = np.arange(page * (d + 4))
+    owner = np.where(byte < page * d, byte // d, (byte - page * d) // 4)  # the token of each byte
+    is_scale = byte >= page * d
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    for ax, width, title in ((axes[0], d, f"real layout: {page * (d + 4) // d} rows of {d} B"),
+                             (axes[1], d + 4, f"the API shape [{page}, 1, {d + 4}]: rows are not tokens")):
+        rows = len(byte) // width
+        colour = (owner % 10).reshape(rows, width)  # neighbouring tokens get different colours
+        ax.imshow(np.ma.masked_array(colour, is_scale.reshape(rows, width)), cmap="tab10", vmin=0, vmax=9,
+                  aspect="auto", interpolation="nearest")
+        ax.imshow(np.ma.masked_array((owner % 2).reshape(rows, width), ~is_scale.reshape(rows, width)), cmap="Greys",
+                  vmin=-2, vmax=1.5, aspect="auto", interpolation="nearest")
+        ax.set_title(title)
+        ax.set_xlabel("byte within the row")
+        ax.set_ylabel("row")
+    axes[0].annotate(f"{page} keys: row i = token i ({d} FP8 bytes)", (d / 2, page / 2 - 2), color="k", ha="center",
+                     fontsize=9, bbox=dict(fc="w", alpha=0.8))
+    axes[0].annotate(f"{page} fp32 scales (grey): 4 B each", (d / 2, page + 0.5), (d / 2, page - 6), ha="center",
+                     fontsize=9, bbox=dict(fc="w", alpha=0.8), arrowprops=dict(arrowstyle="->"))
+    axes[1].annotate("each row starts 4 B later than a token:\nit holds pieces of two tokens' keys,\n"
+                     "and the last rows read scales", (d / 2 + 2, 20),
+                     ha="center", fontsize=9, bbox=dict(fc="w", alpha=0.8))
+    fig.suptitle("One DSA key page: each byte coloured by its token (10 colours in turn, so neighbours differ; grey: "
+                 "the scales, alternating by token)")
+    fig.tight_layout()
+    return fig
+
+
+def speed_against_floor(rows, title: str):
+    """``rows``: (label, {series: microseconds}, floor_us). Left: time per call (log) with the byte floor marked;
+    right: the floor as a share of each time."""
+    labels = [r[0] for r in rows]
+    series = sorted({name for r in rows for name in r[1]})
+    x = np.arange(len(rows))
+    width = 0.8 / max(len(series), 1)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    for i, name in enumerate(series):
+        t = [r[1].get(name, np.nan) for r in rows]
+        axes[0].bar(x + (i - (len(series) - 1) / 2) * width, t, width, label=name)
+        axes[1].bar(x + (i - (len(series) - 1) / 2) * width, [100 * r[2] / v for r, v in zip(rows, t, strict=True)],
+                    width, label=name)
+    axes[0].scatter(x, [r[2] for r in rows], marker="_", s=600, color="k", zorder=3, label="byte floor")
+    axes[0].set(ylabel="µs (median, L2 cold)", yscale="log", title=title)
+    axes[1].axhline(100, color="k", lw=0.8)
+    axes[1].set(ylabel="byte floor / time (%)", ylim=(0, 110), title="share of the floor reached")
+    for ax in axes:
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def accuracy_against_context(by_context: dict, contexts, fields, budget: int):
+    """Needles kept, mass kept and output error against the context length at a fixed budget, one line a method."""
+    fig, axes = plt.subplots(1, len(fields), figsize=(13, 3.8))
+    for label, runs in by_context.items():
+        style = METHOD_STYLE[label]
+        for ax, (field, title) in zip(axes, fields, strict=True):
+            ax.plot(contexts, [getattr(r, field) for r in runs], style["fmt"], label=label, mfc=style["mfc"])
+            ax.set(title=title, xlabel="context (tokens)")
+            ax.set_xscale("log", base=2)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(by_context), frameon=False)
+    fig.suptitle(f"Accuracy against context length, budget {budget} tokens")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def needle_against_depth(found: dict, depths, budget: int, context: int):
+    """The share of requests that kept a single weak needle, against its depth in the prompt, one line a method."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for label, rate in found.items():
+        ax.plot(depths, rate, METHOD_STYLE[label]["fmt"], label=label, mfc=METHOD_STYLE[label]["mfc"])
+    ax.set(xlabel="needle depth (fraction of the prompt)", ylabel="share of requests that kept it",
+           title=f"Is a weak needle found? budget {budget} tokens, {context}-token prompt")
+    ax.legend()
+    fig.tight_layout()
+    return fig

@@ -8,6 +8,9 @@
 * **sweep**: ``bench_topk_sweep``, the context sweep (bs=1 and 64, 2K-128K, k=2048, four distributions).
 * **select**: the fused page selection (``select_pages_triton``) against the torch batched
   selection (``select_pages``) and ``torch.topk`` alone.
+
+In index order, ``topk`` and ``sweep`` rows also hold the production peers (SGLang's ``fast_topk``, FlashInfer's
+``top_k``) timed on the same inputs when present, each checked exact, else ``null`` with the reason (``peers.py``).
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ def bench_topk(device, timer, copy_bw, quick, on_cpu):
                 m_torch = timer.mode
                 out = torch.empty(R, k, dtype=torch.int32, device=device)
                 t_ours = timer.cold([partial(topk, x, k, order=order, out=out) for x in copies])
-                parts = launch_breakdown(copies, k, timer) if (dist, order) == ("randn", "index") and not on_cpu else {}
                 m_ours = timer.mode
+                parts = launch_breakdown(copies, k, timer) if (dist, order) == ("randn", "index") and not on_cpu else {}
                 peers = time_peers(timer, copies, k) if order == "index" else {}  # the production kernels, same run
                 rows.append(row(f"{R}x{N} fp32", k, dist, "cold", t_torch, t_ours, nbytes, copy_bw,
                                 f"topk({order})", baseline=f"torch.topk(sorted={torch_sorted})",

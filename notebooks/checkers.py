@@ -280,7 +280,14 @@ def check_score_from_pages(fn):
     ``[num_pages, page * (d + 4)]``: per page its ``page`` FP8 keys, then their fp32 scales), for one query token
     ``q`` ``[H, d]`` with head weights ``w`` ``[H]``: ``scale[s] * sum_h w[h] * relu(q[h] . k[s])``."""
     g = _gen(11)
-    for page, d, heads, pages, s in ((4, 16, 2, 5, 13), (64, 128, 4, 3, 130), (1, 8, 1, 6, 5), (16, 32, 3, 2, 0)):
+    cases = [(4, 16, 2, 5, 13), (64, 128, 4, 3, 130), (1, 8, 1, 6, 5), (16, 32, 3, 2, 0)]
+    def draw(options):
+        return options[int(torch.randint(0, len(options), (1,), generator=g))]
+
+    for _ in range(8):  # and random ones: page and head sizes, pages, the token
+        page, d, heads, pages = draw([1, 2, 4, 16, 64]), draw([8, 16, 32, 128]), draw([1, 2, 3, 4]), draw([1, 3, 5])
+        cases.append((page, d, heads, pages, int(torch.randint(0, page * pages, (1,), generator=g))))
+    for page, d, heads, pages, s in cases:
         keys, scales = quantize_fp8(torch.randn(pages * page, d, generator=g) * 3, d)
         by_page = torch.cat([keys.view(torch.uint8).reshape(pages, page * d),
                              scales.reshape(pages, page).contiguous().view(torch.uint8)], dim=1)

@@ -154,7 +154,9 @@ def test_a_missing_peer_is_null_with_its_reason(monkeypatch, tmp_path):
     rows = peers.time_peers(bench.Timer(torch.device("cpu"), 3), [torch.randn(2, 64)], 8)
     assert rows["sglang fast_topk"] is None and rows["flashinfer top_k"] is None
     assert rows["sglang fast_topk (why not)"] == "needs a CUDA GPU"
-    for value, why in (("", "is not set"), (str(tmp_path / "none.so"), "no such file")):
+    (tmp_path / "garbage.so").write_bytes(b"not a library")
+    for value, why in (("", "is not set"), (str(tmp_path / "none.so"), "no such file"),
+                       (str(tmp_path / "garbage.so"), "failed: OSError")):
         monkeypatch.setattr(peers, "_LOADED", {})  # (a peer is looked for once a process)
         monkeypatch.setenv(peers.SGL_LIB_ENV, value)
         ops, reason = peers.sglang_ops()

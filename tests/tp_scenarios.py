@@ -14,6 +14,7 @@ import queue
 import socket
 import time
 import traceback
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,18 @@ def workload(num_kv_heads=4, seed=3, needles=(2, 2)):
 
 def config(gqa_mode="mean", page_budget=2):
     return SparseConfig(page_budget=page_budget, num_recent_pages=1, min_sparse_seq_len=8, gqa_mode=gqa_mode)
+
+
+def record(out: dict, name: str, fn, tp=None) -> None:
+    """``out[name]``: "ok", or the type and message of what ``fn()`` raised on this rank (the tests compare every
+    rank's); with ``tp``, also the live requests after it (``out[name + " state"]``)."""
+    try:
+        fn()
+        out[name] = "ok"
+    except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
+        out[name] = f"{type(e).__name__}: {e}"
+    if tp is not None:
+        out[name + " state"] = [(r.rid, r.seq_len) for r in tp.live]
 
 
 def _apply(engine, op):
@@ -84,12 +97,7 @@ def refusals(rank, world):
     out = {}
     wl, cfg = workload(), config()
 
-    def attempt(name, fn):
-        try:
-            fn()
-            out[name] = "ok"
-        except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
-            out[name] = f"{type(e).__name__}: {e}"
+    attempt = partial(record, out)
 
     attempt("heads", lambda: TensorParallelEngine(workload(num_kv_heads=3), LAYERS, cfg, **ENGINE))
     attempt("config", lambda: TensorParallelEngine(wl, LAYERS, config(page_budget=2 + rank), **ENGINE))
@@ -115,14 +123,7 @@ def agreement(rank, world):
     out = {}
     wl, cfg = workload(), config()
 
-    def attempt(name, fn, tp=None):
-        try:
-            fn()
-            out[name] = "ok"
-        except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
-            out[name] = f"{type(e).__name__}: {e}"
-        if tp is not None:
-            out[name + " state"] = [(r.rid, r.seq_len) for r in tp.live]
+    attempt = partial(record, out)
 
     attempt("mode on one rank", lambda: TensorParallelEngine(wl, LAYERS, cfg, quest_mode="global" if rank == 0
                                                              else "sometimes", **ENGINE))
@@ -144,14 +145,7 @@ def outcomes(rank, world):
     one during its step's forward with no exchange inside (per-rank Quest and a dense layer). Returns what each
     attempt raised on this rank and the live requests after it."""
     out = {}
-
-    def attempt(name, fn, tp):
-        try:
-            fn()
-            out[name] = "ok"
-        except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
-            out[name] = f"{type(e).__name__}: {e}"
-        out[name + " state"] = [(r.rid, r.seq_len) for r in tp.live]
+    attempt = partial(record, out)
 
     def oom(*args, **kwargs):
         raise RuntimeError("CUDA out of memory (simulated)")
@@ -184,13 +178,7 @@ def out_of_band(rank, world):
     (only the free pages differ), a request finished, or a step run, on rank 1's engine alone (the next step's
     live requests or lengths differ). Returns what each attempt raised on this rank."""
     out = {}
-
-    def attempt(name, fn):
-        try:
-            fn()
-            out[name] = "ok"
-        except Exception as e:  # noqa: BLE001 (the test compares the types and messages of every rank)
-            out[name] = f"{type(e).__name__}: {e}"
+    attempt = partial(record, out)
 
     comm, t = RankGroup(), torch.zeros(4)
     attempt("kind", lambda: comm.all_reduce_sum(t, "scores", 0) if rank == 0 else comm.broadcast(t, "selection", 0))

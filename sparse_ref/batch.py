@@ -237,11 +237,9 @@ def check_decode_step(manager, requests) -> None:
 
 
 def check_batch_slots(req_to_token, fb, batch: str = "forward_batch.", error=BatchError) -> None:
-    """Eager: every new token's ``out_cache_loc`` is the slot req_to_token keeps for it (``req_pool_indices``,
-    ``positions``), so a K/V or key write lands where its own request reads it (skipped while capturing)."""
+    """Eager: every new token's ``out_cache_loc`` is the slot req_to_token keeps for it (its request reads it)."""
     if skip_value_checks() or fb.positions.numel() == 0:
         return
-
     counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else torch.ones_like(fb.seq_lens)
     rows = torch.repeat_interleave(fb.req_pool_indices.to(req_to_token.device), counts.to(req_to_token.device))
     positions = fb.positions.to(req_to_token.device)

@@ -300,13 +300,11 @@ class DecodeEngine:
 # ------------------------------ argument checks (each entry point above calls one first)
 def check_engine(workload, algorithms, config, page_size, max_requests, max_context_len, num_pages, compare_dense,
                  dsa_topk, device, known_algorithms):
-    """``(algorithms, configs, num_pages, device)`` of a ``DecodeEngine``: one algorithm and config per workload
-    layer; ``num_pages`` None is enough pages for every request at ``max_context_len``."""
+    """``(algorithms, configs, num_pages, device)`` of a ``DecodeEngine``: one algorithm and config per layer."""
     needs = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "request", "prefill", "decode", "indexer")
     if not all(hasattr(workload, n) for n in needs):
         fail("workload", "a PlantedEngineWorkload (or an object with its attributes, as "
              "tensor_parallel.RankWorkload)", describe(workload), error=ConfigError)
-
     algorithms = list(algorithms)
     if len(algorithms) != workload.num_layers or any(name not in known_algorithms for name in algorithms):
         raise ConfigError(f"algorithms: expected one entry per workload layer ({workload.num_layers}), each entry "
@@ -356,8 +354,7 @@ def check_coordinator_layer(coordinator, layer) -> int:
 
 
 def check_engine_forward(engine, batch, inputs) -> None:
-    """Eager: ``batch`` is the DECODE batch of the engine's live requests as they are now (a batch built before a
-    request left, joined or grew is refused), and ``inputs`` has one entry per layer."""
+    """Eager: ``batch`` is the DECODE batch of the live requests as they are now; ``inputs`` one entry per layer."""
     if not isinstance(batch, ForwardBatch) or batch.forward_mode is not ForwardMode.DECODE:
         fail("batch", "a DECODE ForwardBatch (decode_step)", describe(batch), error=BatchError)
     layers = engine.manager.token_to_kv_pool.num_layers
@@ -389,9 +386,7 @@ def check_engine_forward(engine, batch, inputs) -> None:
 
 
 def check_engine_step(engine) -> None:
-    """Host-side, before ``decode_step`` grows anything: every live request is where the engine left it (its
-    K/V written up to its length). A request grown outside the engine (``manager.grow``) would attend over
-    tokens with no K/V: on a reused page, the previous owner's."""
+    """Before ``decode_step`` grows anything: every live request as the engine left it (K/V written to its length)."""
     for r in engine.live:
         if r.released or r.seq_len != engine.written[r.rid]:
             fail(f"engine.live (request {r.rid})", f"the request as the engine left it: {engine.written[r.rid]} "

@@ -125,8 +125,7 @@ def check_graphed_engine(engine) -> None:
 
 
 def check_graph_current(step) -> None:
-    """The static tensors of a ``GraphedDecodeStep`` still describe the engine's requests: loaded by ``step()``,
-    and no request admitted, grown or released since (the manager's generation). Host-side only."""
+    """The static tensors still describe the engine's requests: loaded, and the manager's generation unchanged."""
     generation = step.engine.manager.generation
     if step.generation is None:
         raise BatchError("GraphedDecodeStep: nothing to replay yet. Fix: call step(), which loads the batch.")

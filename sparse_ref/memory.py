@@ -1,11 +1,9 @@
 """The memory pools of a serving engine, and the bookkeeping that ties them together.
 
-``ReqToTokenPool`` (request row -> logical position -> physical slot), ``PageAllocator`` (whole pages,
-page 0 reserved as padding, free listeners), ``TokenToKVPool`` (paged K/V per layer and the allocator of
-its pages), ``KVCacheManager`` (admit, grow, release, keeping rows and pages in step) and
-``IndexerKeyCache`` (the DSA indexer's FP8 keys, paged like the KV pool). Logical token ``t`` lives at
-slot ``pages[t // P] * P + t % P``. Every public method checks its arguments first (``sparse_ref.checks``);
-a failed check changes nothing. ``docs/design.md`` section 3.1 states the contract.
+``ReqToTokenPool`` (request row -> logical position -> physical slot), ``PageAllocator`` (whole pages, page 0
+reserved), ``TokenToKVPool`` (paged K/V per layer), ``KVCacheManager`` (admit, grow, release) and
+``IndexerKeyCache`` (the DSA indexer's FP8 keys). Token ``t`` lives at slot ``pages[t // P] * P + t % P``. A
+failed check changes nothing. The contract: ``docs/design.md`` section 3.1.
 """
 from __future__ import annotations
 
@@ -32,10 +30,7 @@ from sparse_ref.fp8 import FP8_DTYPE
 
 
 class _FreeList:
-    """Ids ``[first, size)`` handed out and taken back, lowest first; double and foreign frees raise.
-
-    An id taken for an ``owner`` (the ``KVCacheManager`` takes rows and pages for a ``Request``) is given
-    back only by a free that names the same owner: a request's pages cannot be freed under it."""
+    """Ids ``[first, size)`` handed out lowest first; an id taken for an ``owner`` is freed only by naming it."""
 
     def __init__(self, what: str, first: int, size: int):
         self._what, self._first, self._size = what, first, size
@@ -105,13 +100,8 @@ class PageAllocator(_FreeList):
         return self._take(check_page_alloc(self, n), owner)
 
     def free(self, pages, owner=None) -> None:
-        """Give whole pages back, after telling the free listeners. Page 0, double free, out of range raise.
-
-        All or nothing: the pages are checked first, then every listener is called, and only then
-        are the pages marked free. If a listener raises, no page is freed (a listener must
-        tolerate being called again for the same pages when the free is retried). A page taken for an owner
-        (a live request's) is freed only by naming that owner (``KVCacheManager.release`` does).
-        """
+        """Give whole pages back, all or nothing: checked, then every listener told, then freed (a listener that
+        raises frees nothing, and must bear the retry). A page taken for an owner is freed only by naming it."""
         pages = check_free(self, "PageAllocator.free(pages)", pages, owner)
         freed = torch.tensor(pages, dtype=torch.int64)
         for callback in self._free_listeners:
@@ -120,12 +110,8 @@ class PageAllocator(_FreeList):
 
 
 class TokenToKVPool:
-    """Paged K/V buffers: per layer, ``[num_pages * page_size, H_kv, D]``. Slot 0..P-1 is padding.
-
-    ``allocator``: the ``PageAllocator`` of these pages; subscribe to it to hear about frees.
-    ``host_layers``: layers whose buffers live in host memory (pinned when CUDA is there), as KV offload keeps
-    them (``sparse_ref.offload``): the device holds none of their K/V.
-    """
+    """Paged K/V per layer, ``[num_pages * page_size, H_kv, D]`` (slots ``0..P-1``: padding), and ``allocator``,
+    its pages. ``host_layers``: layers kept in (pinned) host memory, as KV offload keeps them."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, device="cpu", host_layers=()):
@@ -164,9 +150,7 @@ class TokenToKVPool:
 
 @dataclass(eq=False)
 class Request:
-    """A live request: its row in req_to_token, its length and the pages it owns (logical order).
-
-    Requests compare by identity: two requests with equal fields (of two managers, say) are two requests."""
+    """A live request: its req_to_token row, length and pages (logical order); compared by identity."""
 
     rid: int
     req_pool_idx: int
@@ -236,11 +220,7 @@ class KVCacheManager:
         return slots.to(self.req_to_token_pool.device)
 
     def release(self, req: Request) -> None:
-        """Free the request's pages and its req_to_token row; both become reusable.
-
-        All or nothing: if the page free fails (e.g. a free listener raised), the request stays
-        live and unchanged, and ``release`` may be retried.
-        """
+        """Free the request's pages and row, all or nothing: if the page free fails, it stays live (retry)."""
         check_release(self, req)
         assert not self.req_to_token_pool._is_free[req.req_pool_idx], "a live request owns its row"
         self.allocator.free(req.pages, owner=req)
@@ -288,12 +268,8 @@ class IndexerKeyCache:
     @classmethod
     def from_pools(cls, token_to_kv_pool, req_to_token_pool, config: IndexerConfig, num_layers: int | None = None,
                    *, page_allocator=None) -> IndexerKeyCache:
-        """A cache with the KV pool's pages, page size and layer count (unless ``num_layers`` is given).
-
-        It subscribes to the page allocator's frees (``page_allocator``, or the pool's own
-        ``token_to_kv_pool.allocator``), so a freed page's keys are forgotten and never pass for the
-        next owner's history; without a reachable allocator it refuses (PoolError).
-        """
+        """A cache with the KV pool's pages, page size and layers, listening to the allocator's frees (a freed
+        page's keys never pass for the next owner's); without an allocator it refuses (PoolError)."""
         allocator = check_cache_allocator(token_to_kv_pool, page_allocator)
         cache = cls(token_to_kv_pool.num_pages, num_layers or token_to_kv_pool.num_layers, config, req_to_token_pool,
                     page_size=token_to_kv_pool.page_size, device=token_to_kv_pool.device)
@@ -351,10 +327,8 @@ class IndexerKeyCache:
         check_cache_history(self, layer_id, req_pool_indices, prefix_lens)
 
     def block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        """int32 ``[bs, ceil(max_context_len / P)]``: the physical page of each logical page of each request.
+        """int32 ``[bs, ceil(max_context_len / P)]``: ``req_to_token[rows, ::P] // P``, as SGLang builds it."""
 
-        ``req_to_token[rows, ::P] // P``, as SGLang builds its page table (unused entries are page 0).
-        """
         req_to_token = self.req_to_token_pool.req_to_token
         return (req_to_token[req_pool_indices.long(), :: self.page_size] // self.page_size).to(torch.int32)
 
@@ -377,8 +351,7 @@ def check_slot_alloc(pool, n) -> int:
 
 
 def check_free(free_list, name: str, ids, owner=None) -> list[int]:
-    """``ids`` as a list, each allocated now (for ``owner``, if it was taken for one) and named once; else
-    PoolError (nothing changes)."""
+    """``ids`` as a list, each allocated now (to ``owner``, if taken for one) and named once; else PoolError."""
     ids = check_index_list(name, ids)
     first, size, what = free_list._first, free_list._size, free_list._what
     for i in ids:
@@ -427,10 +400,8 @@ def call_free_listener(callback, freed: torch.Tensor, pages: list[int]) -> None:
     try:
         callback(freed)
     except Exception as e:
-        raise PoolError(
-            f"PageAllocator.free: the free listener {callback!r} raised {type(e).__name__}: {e}. No page was "
-            f"freed; pages {pages} are still allocated. Fix: fix the listener, then free again."
-        ) from e
+        raise PoolError(f"PageAllocator.free: the free listener {callback!r} raised {type(e).__name__}: {e}. No page "
+                        f"was freed; pages {pages} are still allocated. Fix: fix the listener, then free again.") from e
 
 
 def check_kv_pool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device):
@@ -585,8 +556,7 @@ def check_cache_history(cache, layer_id: int, req_pool_indices: torch.Tensor, pr
     if bool(missing.any()):
         i = int(missing.any(1).nonzero()[0, 0])
         where = missing[i].nonzero().squeeze(1)
-        raise BatchError(
-            f"request {i} (req_to_token row {int(req_pool_indices[i])}): the indexer cache of layer {layer_id} "
-            f"holds no key for positions {where[:8].tolist()}{'...' if where.numel() > 8 else ''} of its "
-            "history. Fix: run the indexer over every earlier chunk (prefix) of the request first."
-        )
+        more = "..." if where.numel() > 8 else ""
+        raise BatchError(f"request {i} (req_to_token row {int(req_pool_indices[i])}): the indexer cache of layer "
+                         f"{layer_id} holds no key for positions {where[:8].tolist()}{more} of its history. Fix: run "
+                         "the indexer over every earlier chunk (prefix) of the request first.")

@@ -188,13 +188,11 @@ def check_selection_width(max_pages, config) -> int:
 
 def check_selection_inputs(scores, seq_lens, sparse_mask, page_size, config) -> int:
     """Type, shape, dtype, device and range checks shared by every page-selection implementation; the page size."""
-    check_tensor("scores", scores, dtype=FLOAT_DTYPES, dims=2,
-                 fix="pass one score per logical page, shape [bs, max_pages].")
+    check_tensor("scores", scores, dtype=FLOAT_DTYPES, dims=2, fix="pass one score per logical page, [bs, max_pages].")
     bs, max_pages = scores.shape
-    check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, dims=1)
-    check_tensor("sparse_mask", sparse_mask, dtype=torch.bool, dims=1)
-    check_rows("seq_lens", seq_lens, bs, "one per row of scores")
-    check_rows("sparse_mask", sparse_mask, bs, "one per row of scores")
+    for name, t, dtype in (("seq_lens", seq_lens, INDEX_DTYPES), ("sparse_mask", sparse_mask, torch.bool)):
+        check_tensor(name, t, dtype=dtype, dims=1)
+        check_rows(name, t, bs, "one per row of scores")
     check_same_device("page selection", "scores", {"scores": scores, "seq_lens": seq_lens, "sparse_mask": sparse_mask})
     page_size = check_int("page_size", page_size, low=1, high=INT32_MAX, error=ShapeError)
     check_config(config)
@@ -209,8 +207,7 @@ def check_select_pages(scores, seq_lens, sparse_mask, page_size, config, width) 
     if width is not None:
         W = config.selection_width(scores.shape[1])
         width = check_int("width", width, low=W, error=ShapeError,
-                          fix=f"leave width=None: selection_width is {W} here, and a narrower output would cut rows "
-                          "off.")
+                          fix=f"leave width=None: selection_width is {W} here (a narrower output cuts rows off).")
     return page_size, width
 
 

@@ -1,9 +1,8 @@
 """The reading set stays readable in an afternoon: its line budget, counted as the docs count it.
 
-The reading set is the table of ``docs/structures.md`` under "The reading set"; each module splits at its
+The reading set is the table of ``docs/structures.md`` under "The reading set" (17 modules, ``device.py`` and
+``engine_graph.py`` among them, as the reviews count it); each module splits at its
 ``# ------------------------------ argument checks`` line into code (above) and checks (below), raw lines.
-(The reviews also count ``device.py`` and ``engine_graph.py``, listed "around" the set: by that count the code
-is still over its budget, which ``docs/structures.md`` says; this test holds the table's count from growing.)
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ def code_and_checks(path: Path) -> tuple[int, int]:
 
 
 def test_every_module_of_the_table_exists_and_counts():
+    names = {p.relative_to(REPO / "sparse_ref").as_posix() for p in reading_set()}
+    assert {"engine.py", "engine_graph.py", "device.py", "memory.py"} <= names, names  # (no module leaves to fit)
     for path in reading_set():
         assert path.is_file(), f"docs/structures.md names {path.relative_to(REPO)}, which does not exist"
         code, checks = code_and_checks(path)

@@ -1,13 +1,10 @@
 """The sparse-algorithm contract (lifecycle hooks) and the default page-granular retrieval.
 
-Hooks, per layer ``start_layer <= layer < end_layer`` (exclusive, everywhere):
-``initialize_representation_pool`` once, ``construct_representations`` after a prefill,
-``update_representations`` after each decode step, ``retrieve_topk`` before attention. A *page*
-algorithm only says how good each page is (``score_pages``: one fp32 score per logical page); the base
-class turns scores into a selection (``sparse_ref.selection.select_pages``). ``retrieve_topk`` needs
-``forward_batch.seq_lens``: past its length a req_to_token row holds zeros or an earlier request's slots
-(SGLang's first seed error). A row goes sparse on its *current* length, decided again every step.
-``docs/design.md`` section 3.4 has the whole contract.
+Hooks, per layer in ``[start_layer, end_layer)``: ``initialize_representation_pool`` once,
+``construct_representations`` after a prefill, ``update_representations`` after each decode step,
+``retrieve_topk`` before attention. A page algorithm only scores pages (``score_pages``); the base class
+selects. ``retrieve_topk`` needs ``forward_batch.seq_lens`` (SGLang's first seed error): past it a row holds
+zeros or an earlier request's slots. The contract: ``docs/design.md`` section 3.4.
 """
 from __future__ import annotations
 
@@ -36,12 +33,8 @@ from sparse_ref.selection import ceil_div, select_pages_row, select_pages_unchec
 
 
 class SparseAlgorithm:
-    """Base class: the lifecycle hooks and the default page-granular ``retrieve_topk``.
-
-    Subclasses implement ``score_pages``. ``backend`` (``sparse_ref.device.resolve_backend``, resolved once)
-    picks torch or Triton for every hook: here, who turns the scores into pages: ``"torch"``
-    (``selection.select_pages``) or ``"triton"`` (``sparse_ref.kernels.page_select``, same output).
-    """
+    """Base class: the lifecycle hooks and the default page-granular ``retrieve_topk``; subclasses implement
+    ``score_pages``. ``backend`` (resolved once) picks torch or Triton for every hook, with the same output."""
 
     name = "base"
 
@@ -81,10 +74,7 @@ class SparseAlgorithm:
 
     def score_pages(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                     forward_batch) -> torch.Tensor:
-        """fp32 ``[bs, max_pages]``: score of logical page ``j`` of request ``r``.
-
-        Pages at or past a row's ``ceil(seq_len / P)`` may hold anything: selection masks them.
-        """
+        """fp32 ``[bs, max_pages]``: score of logical page ``j`` of request ``r`` (past a row's length: masked)."""
         raise NotImplementedError(
             f"{type(self).__name__} does not score pages. Fix: subclass SparseAlgorithm and implement "
             "score_pages(queries, layer_id, req_pool_indices, forward_batch) -> fp32 [bs, max_pages], "
@@ -93,8 +83,7 @@ class SparseAlgorithm:
 
     # ---------------------------------------------------------------- retrieval
     def uses_triton_selection(self, pages: int) -> bool:
-        """Whether the selection runs the fused Triton kernel: the Triton backend, and rows of ``pages`` that fit
-        its registers (``MAX_REGISTER_PAGES``); longer rows take the torch selection."""
+        """The Triton backend, on rows that fit the fused kernel's registers (longer rows: the torch selection)."""
         if self.backend != "triton":
             return False
         from sparse_ref.kernels.page_select import MAX_REGISTER_PAGES  # kernels import only when used
@@ -111,30 +100,17 @@ class SparseAlgorithm:
 
     def retrieve_topk(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                       sparse_mask: torch.Tensor, **kwargs):
-        """Batched page retrieval: ``(selected, lengths)``.
-
-        * ``selected``: int32 ``[bs, W]``, each row's kept logical page ids, ascending, -1 padded,
-          ``W = selection_width(max_pages, config)`` (static);
-        * ``lengths``: int32 ``[bs]``; 0 means the row stays dense (attend to all its pages).
-
-        Needs ``forward_batch=`` with ``seq_lens``. A row goes sparse based on its *current*
-        ``seq_len``, not its prompt length. No Python loop over requests, no ``.item()``, no host
-        sync once the eager checks are skipped (they are, while a CUDA graph captures), so the
-        whole call can be captured and replayed.
-        """
+        """Batched page retrieval: ``(selected, lengths)``: int32 ``[bs, selection_width]`` kept logical pages,
+        ascending, -1 padded, and int32 ``[bs]`` counts (0: the row stays dense). Needs ``forward_batch=``; a row
+        goes sparse on its *current* length. No loop over requests and, while a graph captures, no host sync."""
         forward_batch = check_retrieve(self, queries, layer_id, req_pool_indices, sparse_mask, kwargs)
         scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
         return self._select(scores, forward_batch.seq_lens.to(scores.device), sparse_mask.to(scores.device))
 
     def retrieve_topk_loop(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                            sparse_mask: torch.Tensor, **kwargs):
-        """The same contract as ``retrieve_topk``, as a per-request Python loop shaped like SGLang's.
-
-        Kept to teach (and as the baseline the batched path is timed against). Scores come from
-        one batched ``score_pages`` call: scoring each request alone could round differently in the
-        last bit on a GPU (reductions pick their strategy by shape), and the two paths must return
-        identical tensors. What the loop spells out is the selection, one request at a time.
-        """
+        """``retrieve_topk`` as a per-request loop shaped like SGLang's, to teach: the selection one request at a
+        time (scores from one batched call: scored alone, a row could round differently in the last bit)."""
         forward_batch = check_retrieve(self, queries, layer_id, req_pool_indices, sparse_mask, kwargs)
         seq_lens = forward_batch.seq_lens
         scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
@@ -155,14 +131,9 @@ class SparseAlgorithm:
 
 def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                                 sparse_mask: torch.Tensor, forward_batch, req_to_token: torch.Tensor, out=None):
-    """``algo.retrieve_topk`` then ``adaptor.to_attention_metadata``, as one step of the decode:
-    ``(selected, lengths, page_table, kv_lens, cu_kv_lens)``.
-
-    The results are those of the two calls. Where the selection runs in Triton (a page-scoring algorithm
-    such as Quest, on CUDA) the selection kernel also writes the page table (``select_pages_to_table``):
-    at bs=1 every launch costs a few microseconds of latency, about what the whole table costs to write.
-    ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers, written in place.
-    """
+    """``algo.retrieve_topk`` then ``to_attention_metadata``: ``(selected, lengths, page_table, kv_lens,
+    cu_kv_lens)``. Where the selection runs in Triton its launch also writes the page table (a launch costs
+    about what the table does at bs=1). ``out``: optional int32 ``(page_table, kv_lens, cu_kv_lens)``."""
     forward_batch = check_retrieve_metadata(algo, queries, layer_id, forward_batch, SparseAlgorithm)
     fused = (type(algo).retrieve_topk is SparseAlgorithm.retrieve_topk
              and algo.uses_triton_selection(algo.max_pages))
@@ -227,16 +198,12 @@ def check_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_t
 def check_algorithm_layer(algo, layer_id) -> None:
     """PoolError unless the pools are set up and ``start_layer <= layer_id < end_layer``."""
     if algo.req_to_token_pool is None:
-        raise PoolError(
-            f"{type(algo).__name__}: the representation pool is not initialized. Fix: call "
-            "initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool) first."
-        )
+        raise PoolError(f"{type(algo).__name__}: the representation pool is not initialized. Fix: call initialize_"
+                        "representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool) first.")
     if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not (
             algo.start_layer <= layer_id < algo.end_layer):
-        raise PoolError(
-            f"layer_id: expected an int in [{algo.start_layer}, {algo.end_layer}) (end_layer is exclusive), "
-            f"got {layer_id!r}. Fix: call the algorithm only for the layers it was initialized with."
-        )
+        raise PoolError(f"layer_id: expected an int in [{algo.start_layer}, {algo.end_layer}) (end_layer is exclusive),"
+                        f" got {layer_id!r}. Fix: call the algorithm only for the layers it was initialized with.")
 
 
 def check_algorithm_batch(algo, fn: str, forward_batch) -> None:
@@ -253,10 +220,7 @@ def check_algorithm_batch(algo, fn: str, forward_batch) -> None:
 
 
 def check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, kwargs: dict):
-    """The inputs of a page algorithm's ``retrieve_topk``; returns the checked ``forward_batch``.
-
-    Shape and dtype checks cost no sync; value checks are skipped while a graph captures.
-    """
+    """The inputs of a page algorithm's ``retrieve_topk`` (value checks skipped while a graph captures)."""
     forward_batch = check_forward_batch_kwarg(kwargs)
     check_algorithm_layer(algo, layer_id)
     seq_lens, batch_rows = forward_batch.seq_lens, getattr(forward_batch, "req_pool_indices", None)
@@ -285,7 +249,6 @@ def check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, kwarg
         fail("req_pool_indices", f"forward_batch.req_pool_indices {batch_rows.tolist()} (the same requests, in "
              "the same order: seq_lens bound each row)", str(req_pool_indices.tolist()),
              "pass forward_batch.req_pool_indices, or build the batch for these requests.", RetrievalError)
-
     if isinstance(forward_batch, ForwardBatch):
         check_batch_slots(algo.req_to_token_pool.req_to_token, forward_batch)
     return forward_batch

@@ -1,23 +1,12 @@
 """DeepSeek sparse attention (DSA): the lightning indexer, its FP8 key cache, and ``DSAAlgorithm``.
 
 The lightning indexer picks, for every query token, the ``index_topk`` earlier tokens of its request that
-attention will read, step by step as DeepSeek-V3.2-Exp's reference ``Indexer`` does: project, RoPE
-(non-interleaved by default), Hadamard, FP8 (one scale per token for k, per token and head for q), head
-weights, the causal score ``I[t, s] = k_scale[s] * sum_h w[t, h] * relu(q[t, h] . k[s])`` and the top-k
-(ascending positions, -1 padded). ``docs/design.md`` section 3.6 gives each step's formula; here, the
-projections run in fp64 and round to fp32, so a token's values never depend on the batch it arrives in
-(``LightningIndexer._linear``), and ``use_fp8=False`` runs the same pipeline unquantised.
-
-The FP8 keys live in ``sparse_ref.memory.IndexerKeyCache``, paged and addressed like the KV pool
-(``indexer.attach_cache(IndexerKeyCache.for_manager(manager, config))``). Then ``indexer(x, q_lora,
-positions, forward_batch, layer_id)`` writes the new tokens' keys at ``out_cache_loc`` and scores each
-EXTEND token against its request's keys ``0 .. position``, each DECODE token against the whole history.
-The batch is scored at once through a page table, by the Triton kernel
-``sparse_ref.kernels.dsa.paged_indexer_logits`` (``backend="triton"``; ``"auto"`` on CUDA) or its
-batched torch reference (``"torch"``); neither loops over requests or syncs with the host (CUDA-graph
-safe). ``index_scores_loop`` is the readable per-request version; the tests hold all three equal.
-``DSAAlgorithm`` (``deepseek_dsa``) wraps the call in the retrieval contract, as SGLang's
-``deepseek_dsa.py`` does, and returns ``(selection, None)``.
+attention will read, as DeepSeek-V3.2-Exp's ``Indexer`` does: project, RoPE, Hadamard, FP8, head weights, the
+causal score ``I[t, s] = k_scale[s] * sum_h w[t, h] * relu(q[t, h] . k[s])`` and the top-k (ascending
+positions, -1 padded); ``docs/design.md`` section 3.6 gives each step's formula. The FP8 keys live in
+``memory.IndexerKeyCache``, paged like the KV pool. A batch is scored at once through a page table (the
+Triton kernel or its batched torch reference: no loop over requests, no host sync); ``index_scores_loop`` is
+the readable per-request version. ``DSAAlgorithm`` wraps the call in the retrieval contract, as SGLang does.
 """
 from __future__ import annotations
 
@@ -52,14 +41,9 @@ from sparse_ref.selection import topk_reference
 def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
                                    block_table: torch.Tensor, token_req: torch.Tensor, bounds: torch.Tensor,
                                    width: int, *, chunk_elements: int = 1 << 27) -> torch.Tensor:
-    """Batched torch reference of ``sparse_ref.kernels.dsa.paged_indexer_logits``: fp32 ``[T, width]``.
-
-    Gathers every request's keys through ``block_table`` (one gather for the whole batch), then for
-    each query token ``t`` computes ``scales[s] * sum_h w[t, h] * relu(q[t, h] · k[s])`` for ``s < bounds[t]``
-    and ``-inf`` for ``bounds[t] <= s < width``. No Python loop over requests and no host sync:
-    query tokens are processed in chunks of at most ``chunk_elements`` fp32 intermediates (a loop
-    whose trip count depends only on shapes).
-    """
+    """Batched torch reference of ``kernels.dsa.paged_indexer_logits``: fp32 ``[T, width]``, ``I[t, s]`` for
+    ``s < bounds[t]``, ``-inf`` after. One gather of the keys through ``block_table``; query tokens in chunks of
+    at most ``chunk_elements`` fp32 intermediates (a trip count from shapes alone: no host sync)."""
     T, H, D = q.shape
     P = keys.shape[1]
     n_pages = -(-width // P)
@@ -84,9 +68,8 @@ def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys:
 
 # ----------------------------------------------------------------------------- the indexer
 class IndexerQK(NamedTuple):
-    """What the indexer scores with: per token ``q`` ``[T, H, D]`` with ``q_scale`` ``[T, H]``,
-    head weights ``[T, H]`` (q_scale already folded in) and ``k`` ``[T, D]`` with ``k_scale`` ``[T]``.
-    In FP8 mode ``q``/``k`` are ``float8_e4m3fn``; otherwise fp32 with scales of 1."""
+    """Per token: ``q`` ``[T, H, D]``, ``q_scale`` ``[T, H]``, head ``weights`` ``[T, H]`` (q_scale folded in),
+    ``k`` ``[T, D]``, ``k_scale`` ``[T]``; FP8 ``q``/``k``, or fp32 with scales of 1."""
 
     q: torch.Tensor
     q_scale: torch.Tensor
@@ -96,23 +79,14 @@ class IndexerQK(NamedTuple):
 
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
-    """``I[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q[t, h] · k[s])``, fp32 ``[T, S]``.
-
-    ``q`` ``[T, H, D]``, ``weights`` ``[T, H]``, ``k`` ``[S, D]``, ``k_scale`` ``[S]``; FP8 inputs are
-    read as their exact fp32 values. No causal mask here: the caller applies it.
-    """
+    """``I[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q[t, h] · k[s])``, fp32 ``[T, S]`` (no causal mask)."""
     dots = torch.einsum("thd,sd->ths", q.float(), k.float())
     return torch.einsum("th,ths->ts", weights.float(), dots.clamp_min(0)) * k_scale.float()[None, :]
 
 
 class LightningIndexer(nn.Module):
-    """DeepSeek-V3.2-Exp's lightning indexer (see the module docstring for the pipeline).
-
-    Parameters: ``wq_b`` (``q_lora_rank -> n_heads*head_dim``), ``wk`` (``hidden_size -> head_dim``),
-    ``k_norm`` (LayerNorm over ``head_dim``), ``weights_proj`` (``hidden_size -> n_heads``); all
-    fp32, initialised from ``seed`` (normal with std ``fan_in**-0.5``), so two indexers built with
-    the same config and seed are identical. The key cache is attached with ``attach_cache``.
-    """
+    """DeepSeek-V3.2-Exp's lightning indexer: ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj``, fp32, drawn from
+    ``seed`` (two indexers of one config and seed are identical); keys in the cache ``attach_cache`` sets."""
 
     def __init__(self, config: IndexerConfig, *, seed: int = 0, device="cpu", cache: IndexerKeyCache | None = None,
                  backend: str = "auto"):
@@ -150,14 +124,8 @@ class LightningIndexer(nn.Module):
     # ------------------------------------------------------------------ stages
     @staticmethod
     def _linear(layer: nn.Linear, inp: torch.Tensor) -> torch.Tensor:
-        """``layer(inp)`` computed in fp64 and rounded to fp32: the same bits for a token in any batch.
-
-        A BLAS matmul may round the last bit of a row differently depending on how many rows it
-        multiplies, and one fp32 ulp can move a value across an FP8 rounding boundary (a whole FP8
-        step, 2^-3 relative). Rounding an fp64 product to fp32 makes each token's q, k and head
-        weights independent of the batch it came in, so prefill, chunked prefill and decode give
-        bit-identical keys. (Production kernels promise no such thing; a reference should.)
-        """
+        """``layer(inp)`` in fp64, rounded to fp32: a BLAS matmul's last bit depends on the batch, and one ulp can
+        cross an FP8 rounding boundary; this way prefill, chunked prefill and decode give bit-identical keys."""
         return torch.nn.functional.linear(inp.double(), layer.weight.double()).float()
 
     @torch.no_grad()
@@ -209,12 +177,7 @@ class LightningIndexer(nn.Module):
     @torch.no_grad()
     def logits(self, qk: IndexerQK, forward_batch: ForwardBatch, layer_id: int, width: int, *,
                fill_tail: bool = True) -> torch.Tensor:
-        """fp32 ``[T, width]`` scores of the new tokens over their requests' cached keys, batched.
-
-        Row ``t`` holds ``I[t, s]`` for ``s <= positions[t]``; past it ``-inf`` (``fill_tail``) or
-        unwritten (then read only the first ``positions[t] + 1`` entries). One page table for the
-        batch, then the Triton kernel or the batched torch reference: no loop over requests, no sync.
-        """
+        """fp32 ``[T, width]``: ``I[t, s]`` for ``s <= positions[t]``, then ``-inf`` (``fill_tail``) or unwritten."""
         fb, cache = forward_batch, self.cache
         T = fb.positions.shape[0]
         if fb.forward_mode is ForwardMode.DECODE:
@@ -235,12 +198,8 @@ class LightningIndexer(nn.Module):
     @torch.no_grad()
     def index_scores(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                      forward_batch: ForwardBatch, layer_id: int, *, width: int | None = None) -> torch.Tensor:
-        """Write the new keys, then score every new token causally: fp32 ``[T, width]``, batched.
-
-        Entry ``[t, s]`` is ``I[t, s]`` for ``s <= positions[t]`` of token t's request, ``-inf`` past it.
-        ``width`` defaults to ``max(seq_lens)`` (read from the device: pass it, e.g. the pool's
-        ``max_context_len``, for a call with no host sync).
-        """
+        """Write the new keys, then score every new token causally: fp32 ``[T, width]``, ``-inf`` past a token's
+        position. ``width``: ``max(seq_lens)`` by default (a host sync; pass it to avoid one)."""
         check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
         width = check_index_width(self, forward_batch, width)
         qk = self.prepare(x, q_lora, positions)
@@ -270,11 +229,7 @@ class LightningIndexer(nn.Module):
         return scores
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor, order: str = "index") -> torch.Tensor:
-        """Top ``index_topk`` positions per row of ``scores``, int32 ``[T, index_topk]``, -1 padded.
-
-        Reads only the first ``positions[t] + 1`` entries of row ``t``. The Triton top-k
-        (``sparse_ref.kernels.topk.topk``) on the Triton scoring path, ``topk_reference`` otherwise.
-        """
+        """Top ``index_topk`` positions of the first ``positions[t] + 1`` entries of each row, int32, -1 padded."""
         lengths = positions.long() + 1
         k = self.config.index_topk
         if self.backend == "triton":
@@ -285,16 +240,9 @@ class LightningIndexer(nn.Module):
 
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch, layer_id: int, *, order: str = "index") -> torch.Tensor:
-        """Write the new tokens' keys at ``out_cache_loc``; return their selected positions.
-
-        int32 ``[T, index_topk]``: for each new token, the logical positions of its own request
-        (all ``<= its position``) with the best index scores, ascending (``order="score"``:
-        best first), -1 padded when the history is shorter than ``index_topk``.
-
-        DECODE runs with no host sync (scores as wide as ``max_context_len``, tails unwritten: the
-        top-k reads each row up to its position), so it can be captured in a CUDA graph. EXTEND
-        reads ``max(seq_lens)`` once for the width of its scores.
-        """
+        """Write the new tokens' keys at ``out_cache_loc``; return int32 ``[T, index_topk]``: each token's best
+        positions of its own request (``<=`` its position), ascending (``order="score"``: best first), -1 padded.
+        DECODE never syncs with the host (CUDA-graph safe); EXTEND reads ``max(seq_lens)`` once."""
         check_indexer_call(self, x, q_lora, positions, forward_batch, layer_id)
         fb = forward_batch
         if fb.forward_mode is ForwardMode.DECODE:
@@ -310,16 +258,10 @@ DSA_REQUIRED = ("indexer", "forward_batch", "x", "q_lora", "positions")
 
 
 class DSAAlgorithm(SparseAlgorithm):
-    """DeepSeek sparse attention as a sparse algorithm: retrieval *is* the indexer call.
+    """DeepSeek sparse attention as a sparse algorithm: retrieval *is* the indexer call, ``(selection, None)`` as
+    in SGLang (the hooks do nothing; ``queries`` is unused). Rows whose ``sparse_mask`` is False are all -1 (dense),
+    which SGLang's DSA does not do. Feed the selection to ``to_attention_metadata`` with ``page_size=1``."""
 
-    The representation hooks do nothing (the indexer writes its own keys during its forward).
-    ``retrieve_topk`` returns ``(selection, None)`` as SGLang does, where ``selection`` is the
-    indexer's int32 ``[num_tokens, index_topk]`` logical positions, ascending, -1 padded. Rows
-    of requests whose ``sparse_mask`` is False are all -1 (length 0: attend densely), which
-    SGLang's DSA does not do; the contract of this package says a length-0 row stays dense.
-    ``queries`` is unused: the indexer builds its own queries from ``q_lora``. Feed the
-    selection to ``sparse_ref.adaptor.to_attention_metadata`` with ``page_size=1``.
-    """
 
     name = "deepseek_dsa"
 
@@ -352,11 +294,10 @@ def check_attach_cache(indexer, cache) -> None:
     if not isinstance(cache, IndexerKeyCache):
         raise ConfigError(f"attach_cache: expected an IndexerKeyCache, got {type(cache).__name__}.")
     if cache.config.head_dim != indexer.config.head_dim or cache.config.use_fp8 != indexer.config.use_fp8:
-        raise ConfigError(
-            f"attach_cache: the cache holds head_dim={cache.config.head_dim}, use_fp8={cache.config.use_fp8} "
-            f"keys but the indexer makes head_dim={indexer.config.head_dim}, use_fp8={indexer.config.use_fp8}. "
-            "Fix: build the cache with the indexer's config."
-        )
+        c, i = cache.config, indexer.config
+        raise ConfigError(f"attach_cache: the cache holds head_dim={c.head_dim}, use_fp8={c.use_fp8} keys but the "
+                          f"indexer makes head_dim={i.head_dim}, use_fp8={i.use_fp8}. Fix: build the cache with the "
+                          "indexer's config.")
     if cache.device.type != indexer.device.type:
         raise ConfigError(f"attach_cache: the cache is on {cache.device} but the indexer on {indexer.device}.")
 
@@ -365,11 +306,9 @@ def check_indexer_call(indexer, x, q_lora, positions, forward_batch, layer_id) -
     """Every check of an indexer call before any work (value checks need a host sync; skipped while capturing)."""
     c, dev = indexer.config, indexer.device.type
     if indexer.cache is None:
-        raise ConfigError(
-            "LightningIndexer: no key cache attached. Fix: indexer.attach_cache(IndexerKeyCache.for_manager("
-            "manager, indexer.config)), or IndexerKeyCache.from_pools(token_to_kv_pool, req_to_token_pool, "
-            "indexer.config)."
-        )
+        raise ConfigError("LightningIndexer: no key cache attached. Fix: indexer.attach_cache(IndexerKeyCache."
+                          "for_manager(manager, indexer.config)), or IndexerKeyCache.from_pools(token_to_kv_pool, "
+                          "req_to_token_pool, indexer.config).")
     if not isinstance(forward_batch, ForwardBatch):
         fail("forward_batch", "a sparse_ref.ForwardBatch", describe(forward_batch),
              "build it with build_extend_batch / build_decode_batch.", BatchError)

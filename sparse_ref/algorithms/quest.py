@@ -1,23 +1,12 @@
 """Quest: score each KV page by an upper bound on ``q . k`` over the keys it holds.
 
-Quest (Tang et al., 2024, arXiv 2406.10774) keeps, per physical page and KV head, the
-elementwise minimum and maximum key. For any key ``k`` in the page and any query ``q``,
-
-    q . k = sum_d q_d k_d <= sum_d max(q_d * max_d, q_d * min_d)        (the page score)
-
-because ``q_d k_d`` is linear in ``k_d`` and ``min_d <= k_d <= max_d``; with ``q+ = max(q, 0)`` and
-``q- = min(q, 0)`` that is ``q+ . max + q- . min``. A page whose score is low cannot hold a key the query
-attends to strongly, so the best-scoring pages are read. GQA (``gqa_mode``): ``"mean"`` (SGLang) averages
-each group's query heads before the bound, ``"per_kv_head"`` bounds every query head and sums.
-
-The bounds (``[num_pages, H_kv, D]`` per layer, fp32 or 16-bit rounded outward) are built when a page
-completes (``construct_representations`` after a prefill, ``update_representations`` after a decode step)
-and invalidated when the pool frees the page (a listener on its allocator); a page without bounds scores
-``-inf`` (the incomplete last page is kept as a recent page). ``backend`` (one for every hook): ``"torch"``,
-the reference (gather the bounds, ``bmm``); ``"triton"``, one streaming launch (``sparse_ref.kernels.quest``),
-the fused selection and the one-launch bounds update (``sparse_ref.kernels.quest_bounds``, the same bits);
-``"auto"``: Triton on CUDA. ``docs/design.md`` section 3.5 has the whole contract;
-``sparse_ref.workloads.make_quest_decode_setup`` builds a decode setup at any size.
+Quest (Tang et al., 2024, arXiv 2406.10774) keeps each page's elementwise min and max key per KV head.
+Since ``min_d <= k_d <= max_d``, every key of the page has ``q . k <= q+ . max + q- . min`` (``q+ = max(q, 0)``,
+``q- = min(q, 0)``): a page that scores low holds no key the query attends to strongly. GQA ``"mean"``
+(SGLang) averages a group's query heads first; ``"per_kv_head"`` bounds each head and sums.
+Bounds (fp32, or 16-bit rounded outward) are built when a page completes and dropped when the pool frees it;
+a page without bounds scores ``-inf``. The backend picks torch (gather, ``bmm``) or Triton (one launch each
+for scores and bounds, the same bits). The contract: ``docs/design.md`` section 3.5.
 """
 from __future__ import annotations
 
@@ -40,10 +29,7 @@ from sparse_ref.errors import BatchError, ConfigError, PoolError, ShapeError
 
 
 def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gqa_mode: str):
-    """``(q_pos, q_neg)`` fp32 ``[bs, H_kv, D]`` with score = q_pos . max + q_neg . min, per the GQA mode.
-
-    Raises ShapeError with SGLang's Quest messages (verbatim) followed by the fix.
-    """
+    """``(q_pos, q_neg)`` fp32 ``[bs, H_kv, D]``: score = q_pos . max + q_neg . min (SGLang's errors on bad shapes)."""
     queries = check_quest_queries(queries, num_kv_heads, head_dim)  # [bs, H_q, D], or SGLang's errors
     bs, num_q_heads = queries.shape[:2]
     q = queries.float().reshape(bs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
@@ -53,17 +39,10 @@ def split_query_sign(queries: torch.Tensor, num_kv_heads: int, head_dim: int, gq
     return q.clamp(min=0).sum(dim=2), q.clamp(max=0).sum(dim=2)  # per_kv_head: the sum of per-head bounds
 
 
-
-
 def quest_page_scores_reference(q_pos: torch.Tensor, q_neg: torch.Tensor, page_min: torch.Tensor,
                                 page_max: torch.Tensor, page_valid: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """The torch Quest scores: fp32 ``[bs, max_pages]``, ``q_pos . max[p] + q_neg . min[p]``, -inf where invalid.
-
-    ``q_pos``/``q_neg`` fp32 ``[bs, H_kv, D]`` (from ``split_query_sign``), ``page_min``/``page_max``
-    ``[num_pages, H_kv, D]``, ``page_valid`` bool ``[num_pages]``, ``pages`` ``[bs, max_pages]``
-    physical page ids in ``[0, num_pages)``. Gathers the bounds of every logical page into
-    ``[bs, max_pages, H_kv*D]`` and runs ``bmm``: simple, and the reference for the Triton kernel.
-    """
+    """The torch Quest scores: fp32 ``[bs, max_pages]``, ``q_pos . max[p] + q_neg . min[p]``, -inf where invalid
+    (``pages``: physical ids ``[bs, max_pages]``). One gather of the bounds and a ``bmm``: the kernel's reference."""
     check_quest_scores_reference(q_pos, q_neg, page_min, page_max, page_valid, pages)
     return _page_scores(q_pos, q_neg, page_min, page_max, page_valid, pages)
 
@@ -85,17 +64,9 @@ BOUNDS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def round_bounds_outward(page_min: torch.Tensor, page_max: torch.Tensor, dtype: torch.dtype):
-    """``page_min`` rounded DOWN and ``page_max`` rounded UP to ``dtype`` (fp32 in: unchanged for fp32).
-
-    16-bit bounds halve the bytes that scoring reads. Rounding to nearest could move a bound
-    inward (a min up, a max down) and the score would no longer bound every key of the page;
-    rounding outward keeps ``min16 <= k <= max16``, so the score stays an upper bound. Done as
-    round-to-nearest, then one 16-bit ulp outward (``torch.nextafter``) where that landed on the
-    wrong side. A value beyond the 16-bit range (fp16: |x| > 65504) becomes the largest finite
-    value on the inner side and infinity on the outer side (a max of +inf: the page can score
-    +inf, or NaN where the query component is 0; use bfloat16, which has fp32's range, when keys
-    can be that large). NaN stays NaN.
-    """
+    """``page_min`` rounded DOWN and ``page_max`` rounded UP to ``dtype``: 16-bit bounds halve the bytes scoring
+    reads, and rounding outward keeps ``min16 <= k <= max16``, so the score still bounds every key (nearest, then
+    one ulp outward where that landed inside). Past fp16's range a bound becomes infinite: use bfloat16."""
     if dtype == torch.float32:
         return page_min, page_max
     lo, hi = page_min.to(dtype), page_max.to(dtype)
@@ -116,13 +87,8 @@ class QuestAlgorithm(SparseAlgorithm):
 
     def initialize_representation_pool(self, start_layer: int, end_layer: int, token_to_kv_pool,
                                        req_to_token_pool, page_allocator=None) -> None:
-        """Allocate the min/max pools of layers ``[start_layer, end_layer)`` (exclusive end).
-
-        Freed pages are invalidated automatically: ``invalidate_pages`` subscribes to the pool's
-        ``allocator`` (``TokenToKVPool.allocator``, shared with its ``KVCacheManager``). A pool
-        without one is refused (its frees would go unheard and stale bounds be selected).
-        ``page_allocator``: an extra allocator to listen to (optional; the pool's is always used).
-        """
+        """Allocate the min/max pools of layers ``[start_layer, end_layer)``; ``invalidate_pages`` listens to
+        the pool's allocator (and ``page_allocator``, if given), so a freed page's bounds are never selected."""
         allocators = check_quest_allocators(token_to_kv_pool, page_allocator)
         super().initialize_representation_pool(start_layer, end_layer, token_to_kv_pool, req_to_token_pool)
         pool = token_to_kv_pool
@@ -145,11 +111,7 @@ class QuestAlgorithm(SparseAlgorithm):
         self.page_valid[layer_id][pages] = self.page_valid[layer_id][pages] | write
 
     def construct_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
-        """After a prefill (EXTEND): bounds of every page that the new tokens completed.
-
-        A request with prefix ``p`` and length ``s`` completes logical pages ``[p // P, s // P)``;
-        each is rebuilt from all of its ``P`` keys (earlier chunks included).
-        """
+        """After a prefill: bounds of every page the new tokens completed (logical ``[prefix // P, seq_len // P)``)."""
         k_pages = check_quest_hook(self, "construct_representations", layer_id, forward_batch, k_buffer)
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
@@ -172,12 +134,8 @@ class QuestAlgorithm(SparseAlgorithm):
             self._write_bounds(layer_id, chunk, k_pages[chunk], torch.ones_like(chunk, dtype=torch.bool))
 
     def update_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
-        """After a decode step: build the bounds of the page this step completed, if any.
-
-        Batched with no host sync: every row computes the bounds of the page holding its newest
-        token, and keeps them only where ``seq_len % P == 0`` (the page just filled up). With the
-        Triton backend: one launch, whose programs for rows that completed nothing only read two ints.
-        """
+        """After a decode step: the bounds of the page each row's newest token filled (``seq_len % P == 0``), kept
+        only there; batched, no host sync."""
         k_pages = check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
         P = self.page_size
         req_to_token = self.req_to_token_pool.req_to_token
@@ -214,11 +172,8 @@ class QuestAlgorithm(SparseAlgorithm):
 
     # ---------------------------------------------------------------- scoring
     def physical_pages(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        """int64 ``[bs, max_pages]``: physical page of logical page ``j``, ``req_to_token[r, j*P] // P``.
+        """int64 ``[bs, max_pages]``: ``req_to_token[r, j*P] // P``; past a row's length, masked by selection."""
 
-        Past a row's length the entry is whatever the row holds (clamped into the pool); selection
-        masks those pages, so their scores never matter.
-        """
         req_to_token = self.req_to_token_pool.req_to_token
         first_token_of_page = torch.arange(self.max_pages, device=req_to_token.device) * self.page_size
         rows = req_pool_indices.to(req_to_token.device).long()
@@ -264,22 +219,19 @@ def check_quest_queries(queries, num_kv_heads: int, head_dim: int) -> torch.Tens
     if queries.dim() == 2:
         hidden = queries.shape[1]
         if hidden % head_dim != 0:
-            raise ShapeError(
-                f"Quest query hidden size {hidden} not divisible by head_dim {head_dim}. Fix: pass queries as "
-                f"[bs, H_q * {head_dim}] (all query heads of the layer, flattened) or as [bs, H_q, {head_dim}]."
-            )
+            raise ShapeError(f"Quest query hidden size {hidden} not divisible by head_dim {head_dim}. Fix: pass "
+                             f"queries as [bs, H_q * {head_dim}] (all query heads of the layer, flattened) or as "
+                             f"[bs, H_q, {head_dim}].")
         queries = queries.reshape(bs, hidden // head_dim, head_dim)
     elif queries.dim() != 3 or queries.shape[2] != head_dim:
-        raise ShapeError(
-            f"Unsupported query shape for Quest: {queries.shape}. Fix: pass one decode query per request, "
-            f"[bs, H_q * {head_dim}] or [bs, H_q, {head_dim}] (head_dim of the KV pool is {head_dim})."
-        )
+        raise ShapeError(f"Unsupported query shape for Quest: {queries.shape}. Fix: pass one decode query per "
+                         f"request, [bs, H_q * {head_dim}] or [bs, H_q, {head_dim}] (head_dim of the KV pool is "
+                         f"{head_dim}).")
     num_q_heads = queries.shape[1]
     if num_q_heads % num_kv_heads != 0 or num_q_heads == 0:
-        raise ShapeError(
-            f"Query heads {num_q_heads} not divisible by KV heads {num_kv_heads}. Fix: pass all H_q query heads of "
-            f"the layer; with grouped-query attention H_q must be a multiple of the pool's {num_kv_heads} KV heads."
-        )
+        raise ShapeError(f"Query heads {num_q_heads} not divisible by KV heads {num_kv_heads}. Fix: pass all H_q "
+                         "query heads of the layer; with grouped-query attention H_q must be a multiple of the "
+                         f"pool's {num_kv_heads} KV heads.")
     return queries
 
 
@@ -300,8 +252,7 @@ def check_quest_allocators(token_to_kv_pool, page_allocator) -> list:
 
 
 def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> torch.Tensor:
-    """The inputs of ``construct_representations`` (EXTEND) / ``update_representations`` (DECODE); returns
-    ``k_buffer`` ``[num_pages * P, H_kv, D]`` seen as ``[num_pages, P, H_kv, D]``."""
+    """The inputs of ``construct_representations`` / ``update_representations``; ``k_buffer`` seen as pages."""
     check_algorithm_layer(algo, layer_id)
     check_algorithm_batch(algo, fn, forward_batch)
     want_mode, other = ((ForwardMode.EXTEND, "after a decode step call update_representations") if
@@ -348,8 +299,7 @@ def check_score_pages(algo, queries, layer_id, forward_batch) -> None:
     bad = (cols[None, :] < n[:, None]) & ((raw < 1) | (raw >= algo.num_pages))
     if bool(bad.any()):
         r, j = (int(x) for x in bad.nonzero()[0])
-        raise ShapeError(
-            f"req_to_token: request {r} (row {int(rows[r])}) maps logical page {j} to physical page "
-            f"{int(raw[r, j])}, outside the KV pool's usable pages [1, {algo.num_pages}). Fix: fill req_to_token "
-            "through KVCacheManager (admit/grow), and pass forward_batch for the same requests."
-        )
+        raise ShapeError(f"req_to_token: request {r} (row {int(rows[r])}) maps logical page {j} to physical page "
+                         f"{int(raw[r, j])}, outside the KV pool's usable pages [1, {algo.num_pages}). Fix: fill "
+                         "req_to_token through KVCacheManager (admit/grow), and pass forward_batch for the same "
+                         "requests.")

@@ -47,7 +47,7 @@ log "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format
 if [[ " $STAGES " == *" tests "* ]]; then
   log "== pytest: kernel and engine tests, compiled (the GPU-only cases included), $WORKERS workers"
   start=$(date +%s)
-  timeout "${T_TESTS:-420}" "$PY" -m pytest ${TEST_FILES:-$KERNEL_TESTS} -n "$WORKERS" --dist loadfile -q \
+  timeout "${T_TESTS:-600}" "$PY" -m pytest ${TEST_FILES:-$KERNEL_TESTS} -n "$WORKERS" --dist loadfile -q \
     -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/pytest.log" | tail -n 25 || status=1
   log "   tests: $(( $(date +%s) - start )) s"
 fi

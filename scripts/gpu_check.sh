@@ -22,11 +22,11 @@ cores=$(nproc 2>/dev/null || echo 4)
 WORKERS="${WORKERS:-$(( cores > 3 ? cores - 2 : 1 ))}"
 status=0
 # Every test file that launches a kernel (the GPU-only cases among them) and the sm_90 compile under this Triton.
-KERNEL_TESTS="tests/test_topk.py tests/test_topk_parts.py tests/test_page_select.py tests/test_page_table.py
-  tests/test_decode_attention.py tests/test_dsa_kernel.py tests/test_quest_kernel.py tests/test_quest_bounds.py tests/test_cuda_graph.py
-  tests/test_engine.py tests/test_engine_graph.py tests/test_retrieval.py tests/test_dsa.py tests/test_indexer.py
-  tests/test_bench.py tests/test_isolation.py tests/test_offload.py tests/test_swap_in.py tests/test_lessons.py
-  tests/test_aot_compile.py"
+KERNEL_TESTS="tests/test_topk.py tests/test_topk_parts.py tests/test_topk_plan.py tests/test_page_select.py
+  tests/test_page_table.py tests/test_decode_attention.py tests/test_dsa_kernel.py tests/test_quest_kernel.py
+  tests/test_quest_bounds.py tests/test_cuda_graph.py tests/test_engine.py tests/test_engine_graph.py
+  tests/test_retrieval.py tests/test_dsa.py tests/test_indexer.py tests/test_bench.py tests/test_isolation.py
+  tests/test_offload.py tests/test_swap_in.py tests/test_lessons.py tests/test_aot_compile.py"
 log() { echo "$*" | tee -a "$OUT/gpu_check.log"; }
 # SGLang's top-k library (make peers), when carried: the bench times it beside ours (sparse_ref/bench/peers.py).
 SGL_LIB="build/peers/sgl_kernel_sm90/common_ops.abi3.so"

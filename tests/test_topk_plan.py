@@ -1,4 +1,4 @@
-"""The top-k's plan (``sparse_ref.kernels.topk.plan``): how a call runs is decided from the shapes alone, at the
+"""The top-k's plan (``sparse_ref.kernels.topk.planning``): how a call runs is decided from the shapes alone, at the
 default knobs. These pin the boundaries; ``test_topk.py`` checks that every plan selects exactly."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparse_ref.kernels.topk import TUNING, launch_topk, plan
-from sparse_ref.kernels.topk.plan import MIN_PROGRAMS, short_row_warps
+from sparse_ref.kernels.topk.planning import MIN_PROGRAMS, short_row_warps
 
 
 @pytest.mark.parametrize("N, register", [(1, True), (8191, True), (8192, True), (8193, False), (131072, False)])

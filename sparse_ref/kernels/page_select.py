@@ -49,7 +49,7 @@ from sparse_ref.checks import (
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import Knob, Knobs, after_previous_launch, pdl_options
 from sparse_ref.kernels.page_table import page_table_from_selection, write_cu_kv_lens, write_table_row
-from sparse_ref.kernels.topk.plan import short_row_warps
+from sparse_ref.kernels.topk.planning import short_row_warps
 from sparse_ref.kernels.topk.rows import direct_mode, select_direct, select_in_registers, use_direct
 
 MAX_REGISTER_PAGES = 16384  # one program holds the row in registers up to this many pages

@@ -1,10 +1,8 @@
 """Exact batched top-k: one read of the row, then exact work on a few thousand candidates only.
 
-Semantics: ``sparse_ref.selection.topk_reference``. The design (keys, delegates, threshold, candidates,
-fallback), the launch shapes and the per-row state are in ``docs/topk.md``. This module checks the inputs,
-plans from the shapes alone (``plan.py``), allocates and launches in order (``prepare``, ``TopkRun.launch``):
-a row of at most ``register_row`` columns in one program (``rows.py``), a longer one in three launches
-(``threshold.py``, ``candidates.py``, ``select.py``), then ``sort.py`` for score order.
+Semantics: ``selection.topk_reference``; the design: ``docs/topk.md``. This module checks the inputs and launches in
+order what ``planning.py`` decided from the shapes: a row of up to ``register_row`` scores in one program
+(``rows.py``), a longer one in three launches (``threshold.py``, ``candidates.py``, ``select.py``), then ``sort.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import pdl_options
 from sparse_ref.kernels.topk import candidates, rows, select, sort, threshold
 from sparse_ref.kernels.topk.common import FLAG, HEAD, PAIR_SCRATCH, SYNC, T_
-from sparse_ref.kernels.topk.plan import (
+from sparse_ref.kernels.topk.planning import (
     DELEGATE_TILE,
     DELEGATE_WARPS,
     MAX_SORT_WIDTH,

@@ -1,4 +1,9 @@
-"""Shared test set-up: hypothesis profiles, the device under test, a GPU marker, and the launch recorder.
+"""Shared test set-up: hypothesis profiles, the device under test, the GPU and knobs markers, and the launch recorder.
+
+A test that runs a kernel at launch knobs other than its family's defaults (``TUNING``) is marked ``knobs``: the
+CPU suite runs it through the interpreter, and the sm_90 compile check compiles what it launched; the GPU check
+(``scripts/gpu_check.sh``) leaves it out, so the GPU compiles each default variant once. The mark is held: a test
+that sets a knob to another value without it fails (``knobs_are_marked``), unless it is a ``gpu`` test.
 
 Under Triton's interpreter every kernel launch of the session (tests and, through an IPython start-up
 file, notebooks run by nbmake) is recorded (``launch_recorder.py``), and ``test_aot_compile.py`` runs
@@ -15,14 +20,47 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import sparse_ref  # noqa: F401  (configures Triton's interpreter before any kernel import)
+from sparse_ref.kernels import Knobs
 
 settings.register_profile(
     "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
+)
+settings.register_profile(  # the GPU check: a few compiled examples (the CPU suite draws 40 per property)
+    "gpu", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.register_profile("thorough", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Parallel workers (pytest-xdist) share the cores: each takes its share of torch's threads, not all of them.
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+RUN_TIME_KNOBS = {("decode_attention", "num_splits")}  # a run-time argument of the kernel: no new compiled variant
+KNOB_DEFAULTS: dict[tuple[str, str], object] = {}  # (family, knob) -> its default, read when a table is first set
+KNOBS_SET: list[str] = []  # the knobs the running test set to another value than their default
+_set_knob = Knobs.__setitem__
+
+
+def _recording_set_knob(table, name, value):
+    KNOB_DEFAULTS.setdefault((table.family, name), table.get(name, value))
+    _set_knob(table, name, value)
+    if value != KNOB_DEFAULTS[table.family, name] and (table.family, name) not in RUN_TIME_KNOBS:
+        KNOBS_SET.append(f"{table.family}.{name}={value!r}")
+
+
+Knobs.__setitem__ = _recording_set_knob
+
+
+@pytest.fixture(autouse=True)
+def knobs_are_marked(request):
+    """A test (its fixtures included) that sets a launch knob to a value other than its default is marked ``knobs``
+    (or ``gpu``): the GPU check selects tests by that mark."""
+    KNOBS_SET.clear()
+    yield
+    marks = {m.name for m in request.node.iter_markers()}
+    if KNOBS_SET and not marks & {"knobs", "gpu"}:
+        pytest.fail(f"{request.node.nodeid} sets launch knobs ({', '.join(sorted(set(KNOBS_SET)))}) but is not "
+                    "marked knobs. Fix: @pytest.mark.knobs (or pytest.param(..., marks=pytest.mark.knobs)).",
+                    pytrace=False)
 
 
 @pytest.fixture

@@ -85,6 +85,7 @@ def test_more_splits_than_blocks_and_page_size_one():
     check_against_reference(case, 1, num_splits=7)
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("knobs", [dict(use_dot=False), dict(use_dot=True), dict(block_n=16), dict(block_n=64),
                                    dict(num_warps=2, precise=False)])
 def test_launch_knobs_do_not_change_the_result(knobs):
@@ -272,6 +273,7 @@ def test_default_split_counts_on_an_h200_sized_gpu(monkeypatch):
     assert da.choose_num_splits(0, 8, 0, 64, cuda) == 1
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("rising", [True, False])
 @pytest.mark.parametrize("num_splits, block_n", [(1, 16), (3, 16), (2, 32)])
 def test_the_running_max_moves_late_within_and_across_splits(rising, num_splits, block_n):

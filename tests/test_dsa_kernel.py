@@ -90,7 +90,8 @@ def assert_logits_close(got, want, bounds, fill_tail=True):
         assert bool((got[~visible] == float("-inf")).all())
 
 
-@pytest.mark.parametrize("page,d,h,block_t", [(64, 32, 4, 64), (16, 64, 16, 64), (4, 16, 3, 16), (24, 32, 5, 16)])
+@pytest.mark.parametrize("page,d,h,block_t", [(64, 32, 4, 64), (16, 64, 16, 64), *[pytest.param(*c, marks=pytest.mark.knobs)
+                                               for c in ((4, 16, 3, 16), (24, 32, 5, 16))]])
 def test_kernel_matches_reference_ragged_random_pages(page, d, h, block_t):
     # lengths 0, 1, 63, 64, 65 and a longer one; several query tokens per request (chunked prefill)
     case = make_case(page, d, h, [0, 1, 63, 64, 65, 100], tokens_per_req=2, seed=page + d)
@@ -102,6 +103,7 @@ def test_kernel_matches_reference_ragged_random_pages(page, d, h, block_t):
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(again))  # bitwise deterministic
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("qb,fill_tail", [(2, True), (4, False)])
 def test_several_queries_per_program_share_key_tiles(qb, fill_tail):
     """The prefill variant: groups of ``qb`` query tokens, including groups that span requests
@@ -119,6 +121,7 @@ def test_several_queries_per_program_share_key_tiles(qb, fill_tail):
             assert torch.all(out[t, n:] == 9.0)
 
 
+@pytest.mark.knobs
 def test_extend_batches_default_to_four_queries_per_program():
     """On average >= 4 query tokens per request: the multi-query program by default, same logits."""
     case = make_case(16, 32, 4, [3, 40, 70], tokens_per_req=6, seed=12)
@@ -142,6 +145,7 @@ def test_kernel_without_tail_fill_writes_only_the_visible_keys():
         assert torch.all(out[t, n:] == 12345.0)  # untouched past the bound
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("qb", [1, 2])
 def test_unchecked_rows_outside_the_block_table_read_nothing(qb):
     """check_values=False trusts the caller; a bad token_req row must still never read out of bounds:
@@ -157,6 +161,7 @@ def test_unchecked_rows_outside_the_block_table_read_nothing(qb):
     assert torch.all(out[[1, 4]] == float("-inf"))
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("tiles", [1, 2, 8])
 def test_tiles_per_program_does_not_change_the_result(tiles):
     case = make_case(16, 32, 4, [40, 97], tokens_per_req=2, seed=5)

@@ -76,6 +76,7 @@ def test_tuning_needs_a_table_and_known_knobs():
         quest.TUNING["block"] = 4
 
 
+@pytest.mark.knobs
 def test_in_range_values_are_set_and_restored():
     with tuning(topk_module.TUNING, pair_rank=0, slots=2, reverse_rows=False) as table:
         assert table["pair_rank"] == 0 and table["slots"] == 2 and table["reverse_rows"] is False
@@ -108,6 +109,7 @@ def test_no_knob_can_be_removed(family, remove):
     assert dict(table) == before
 
 
+@pytest.mark.knobs
 def test_tuning_restores_every_knob_after_an_error_inside_the_block():
     before = dict(quest.TUNING)
     with pytest.raises(RuntimeError, match="inside"), tuning(quest.TUNING, block_p=4, num_warps=8):

@@ -63,6 +63,7 @@ def configs(draw):
                         min_sparse_seq_len=draw(st.sampled_from([0, 0, 5, 40])))
 
 
+@pytest.mark.knobs
 @settings(max_examples=25, deadline=None)
 @given(bs=st.integers(1, 4), page_size=st.sampled_from([1, 3, 4, 16]), max_pages=st.integers(1, 24),
        config=configs(), ties=st.booleans(), nonfinite=st.booleans(), knobs=st.sampled_from(KNOBS),
@@ -116,6 +117,7 @@ def test_typical_batch_and_explicit_widths():
     check_against_references(scores, seq_lens, mask, 4, config, width=45)
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("knobs", KNOBS[1:])
 def test_adversarial_history(monkeypatch, knobs):
     """Ascending, periodic and plateau histories, by every plan (``KNOBS``)."""
@@ -130,6 +132,7 @@ def test_adversarial_history(monkeypatch, knobs):
     check_against_references(scores, seq_lens, torch.ones(4, dtype=torch.bool, device=DEVICE), 4, config)
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("spread", [1e-3, 1e-6])
 @pytest.mark.parametrize("knobs", [*KNOBS[1:4], {"direct_ratio": 0, "slots": 16}])
 def test_packed_scores_are_exact(monkeypatch, spread, knobs):

@@ -77,6 +77,7 @@ def test_kernel_matches_reference_awkward_sizes(bs, max_pages, num_kv_heads, gro
     assert_matches_reference(case, P, max_pages, gqa_mode)
 
 
+@pytest.mark.knobs
 @given(st.integers(1, 3), st.integers(1, 40), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2, 4]),
        st.sampled_from([8, 12, 20]), st.sampled_from([1, 4, 16]), st.sampled_from(["mean", "per_kv_head"]),
        st.integers(0, 2**31 - 1), st.sampled_from([(None, None, None), (2, 16, 1), (4, 32, 2), (32, 8, 4)]))

@@ -28,6 +28,7 @@ DEVICE = sparse_ref.default_device()
 LONG = {"register_row": 0, "chunk": 64, "delegate_cols": 64, "min_delegates": 128}
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("knobs", [{}, {"short_pair": 0}, {"direct_ratio": 0}, {"direct_ratio": 0, "slots": 2}],
                          ids=["shapes' plan", "rounds only", "delegates plan", "delegates + fallback"])
 def test_register_rows_with_fewer_valid_keys_than_delegates(knobs):
@@ -46,6 +47,7 @@ def test_register_rows_with_fewer_valid_keys_than_delegates(knobs):
     assert bool((got >= 0).all()), "every row has at least 100 valid keys: no -1"
 
 
+@pytest.mark.knobs
 def test_candidates_exactly_filling_the_slots_stay_off_the_fallback():
     """The long-row path with SLOTS = 128: a row whose candidates (keys >= T) number exactly 128 fits its slots
     (flag 0); one more candidate overflows (the tie path, flag 2). An off-by-one in the slot bound moves the
@@ -226,6 +228,7 @@ def test_a_freed_ids_owner_is_forgotten():
         m.allocator.free(again[:1], owner=a)  # and the old owner is no owner of them any more
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("valid", [15, 16, 17])
 def test_the_direct_plan_ranks_a_kept_bin_of_exactly_sixteen_keys(valid):
     """The direct plan's last step ranks the kept bin pairwise when it holds at most 16 keys. With no value round

@@ -41,7 +41,8 @@ PATHS = {
 }
 
 
-@pytest.fixture(params=list(PATHS))
+@pytest.fixture(params=[name if not knobs else pytest.param(name, marks=pytest.mark.knobs)
+                        for name, knobs in PATHS.items()])
 def path(request, monkeypatch):
     """Run the test once per path (knobs restored afterwards)."""
     for name, value in PATHS[request.param].items():
@@ -118,6 +119,7 @@ def test_zero_signs_tie_at_the_threshold(path):
     assert got[:, :].tolist() == [[5, 7, 9, 50, 120]] * 2
 
 
+@pytest.mark.knobs
 def test_long_path_flags(monkeypatch):
     """The long-row path keeps random rows off the fallback, flags rows that overflow the slots."""
     for name, value in PATHS["long"].items():
@@ -148,6 +150,7 @@ def test_long_path_flags(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("bitmask", [10**9, 0])  # bitmask_programs: the runs mode, the bitmask mode
 @pytest.mark.parametrize("above", [0, 1, 17, 36])
 def test_tie_path_takes_exactly_the_lowest_ties_it_needs(monkeypatch, above, bitmask):
@@ -173,6 +176,7 @@ def test_tie_path_takes_exactly_the_lowest_ties_it_needs(monkeypatch, above, bit
     assert ties.tolist() == [37 - above] * 3
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("above", [0, 45, 99])
 def test_whole_row_radix_counts_ties_across_its_tiles(monkeypatch, above):
     """k too wide for delegates: the whole-row radix, tile by tile. Its k-th key is a plateau with ties in
@@ -192,6 +196,7 @@ def test_whole_row_radix_counts_ties_across_its_tiles(monkeypatch, above):
     assert ((x.gather(1, want.long()) == 0.5).sum(1) == 100 - above).all()
 
 
+@pytest.mark.knobs
 def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
     """A plateau at 0.3 (its key has low bits below the 16-bit cut): every delegate is 0.3, so the cut T
     would sit below the plateau and every plateau key would be > T (the slow whole-row radix). The
@@ -208,6 +213,7 @@ def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
 
 
+@pytest.mark.knobs
 def test_long_rows_packed_in_a_narrow_range(monkeypatch):
     """Scores within 0.1% of each other share their top 16 bits: more than k + k/8 delegates reach the
     16-bit cut of T, so the delegates' last program makes T the exact k-th delegate. Here they differ
@@ -226,6 +232,7 @@ def test_long_rows_packed_in_a_narrow_range(monkeypatch):
         assert torch.equal(topk(x, 100, order=order).cpu(), topk_reference(x.cpu(), 100, order=order))
 
 
+@pytest.mark.knobs
 def test_local_threshold(monkeypatch):
     """With at most ``local_threshold`` delegates programs per row, each program finds its own threshold
     T_c and T is the highest T_c that k delegates reach: never above the row-wide threshold, so the
@@ -313,6 +320,7 @@ def local_threshold_model(row: torch.Tensor, k: int, G: int, S: int) -> int:
     return max(t for t in thresholds if int((delegates >= t).sum()) >= k)
 
 
+@pytest.mark.knobs
 def test_local_threshold_matches_its_model(monkeypatch):
     """The kernel's T under local thresholds, key for key, against ``local_threshold_model``: random rows
     of awkward lengths (one too short for a program's share), rows of few distinct values, a sorted row,
@@ -331,6 +339,7 @@ def test_local_threshold_matches_its_model(monkeypatch):
         assert stats.threshold.tolist() == want, k
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("tile, programs, bitmask", [(64, 256, 10**9), (256, 4, 10**9), (4096, 1, 10**9),
                                                      (64, 256, 0), (4096, 1, 0)])
 def test_tie_path_across_chunks(monkeypatch, tile, programs, bitmask):
@@ -370,6 +379,7 @@ def test_tie_path_across_chunks(monkeypatch, tile, programs, bitmask):
 
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("bitmask", [0, 10**9])  # bitmask_programs: the bitmask mode, the runs mode
 @pytest.mark.parametrize("tile, programs", [(64, 256), (256, 8)])  # 4 rows: 2 spans of 1024 (4 tiles) per row
 def test_keys_above_threshold_selected_again(monkeypatch, tile, programs, bitmask):
@@ -400,6 +410,7 @@ def test_keys_above_threshold_selected_again(monkeypatch, tile, programs, bitmas
     check(x, torch.tensor([127, 3, 100, 0], device=DEVICE), lengths, width=127, order="index")
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("pair_rank", [0, 32])
 @pytest.mark.parametrize("knobs", [PATHS["register"], PATHS["long"], PATHS["bitmask"]])
 def test_pairwise_rank(monkeypatch, knobs, pair_rank):
@@ -430,6 +441,7 @@ def long_path_rows(N, k, seed=0):
     return torch.stack(rows).to(DEVICE)
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("pair_rank, reverse", [(16, True), (128, True), (128, False)])
 def test_long_path_histogram_select(monkeypatch, pair_rank, reverse):
     """Long rows that fit the slots: every chunk program adds its candidates' histogram over [T, row max]
@@ -449,6 +461,7 @@ def test_long_path_histogram_select(monkeypatch, pair_rank, reverse):
     assert not topk_module._SYNC[str(x.device)].any()
 
 
+@pytest.mark.knobs
 def test_long_path_runs_wider_than_a_tile(monkeypatch):
     """A chunk with more winners than one tile (the top of an ascending row): the select program places
     a whole run of winners, pads in tiles (of 32 columns: the -1 padding of 50 ids takes two); ties at the k-th
@@ -464,6 +477,7 @@ def test_long_path_runs_wider_than_a_tile(monkeypatch):
     check(x, 50, torch.tensor([1000, 950, 37], device=DEVICE), order="score")
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("shuffle", [None, 1, 2])
 def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
     """On a GPU the chunks of a row take their runs of slots in whatever order their atomic adds land; the
@@ -503,6 +517,7 @@ def bitmask_columns(words: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(bits.flatten()).flatten()
 
 
+@pytest.mark.knobs
 def test_candidates_bitmask(monkeypatch):
     """The candidates launch marks exactly the keys >= T of every row (NaN, -inf and columns past the
     length never), and its per-chunk counts of keys > T and == T match the row."""
@@ -530,6 +545,7 @@ def test_candidates_bitmask(monkeypatch):
     assert not topk_module._SYNC[str(out.device)].any()
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("N", [700, 1500])
 def test_select_spans_are_powers_of_two(monkeypatch, N):
     """The select programs' spans are powers of two: ``bits_to_slots`` takes a span's bitmask words in
@@ -548,6 +564,7 @@ def test_select_spans_are_powers_of_two(monkeypatch, N):
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 50, order="index"))
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("run", [16, 64])
 def test_score_order_by_sorted_runs(monkeypatch, run):
     """order="score" on rows wider than TUNING["sort_run"]: runs sorted by parallel programs, then merged
@@ -563,6 +580,7 @@ def test_score_order_by_sorted_runs(monkeypatch, run):
     check(x, 33, lengths)
 
 
+@pytest.mark.knobs
 def test_forced_fallback_for_wide_k(monkeypatch):
     """k too large for the delegates (2k > max_delegates) sends every row to the exact fallback."""
     for name, value in PATHS["long"].items():
@@ -571,6 +589,7 @@ def test_forced_fallback_for_wide_k(monkeypatch):
     check(make_scores(2, 150, seed=3, ties=True, specials=True), 40, order="index")
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("N, k", [(300, 7), (3001, 100), (8192, 700)])
 @pytest.mark.parametrize("plan", ["direct", "rounds", "delegates"])
 def test_packed_short_rows(monkeypatch, N, k, plan):
@@ -602,7 +621,7 @@ def test_packed_short_rows(monkeypatch, N, k, plan):
 
 @pytest.mark.parametrize("N", [700, 2049] if DEVICE.type == "cpu" else [4095, 8000])
 @pytest.mark.parametrize("fraction", [64, 8, 3, 2])
-@pytest.mark.parametrize("ratio", [8, 0, 1 << 20])
+@pytest.mark.parametrize("ratio", [8, *[pytest.param(r, marks=pytest.mark.knobs) for r in (0, 1 << 20)]])
 def test_short_rows_every_k_fraction(monkeypatch, N, fraction, ratio):
     """Short rows at k = N/64 .. N/2: random, integer plateaus (0..63: every value a run of ties), one
     all-equal row, NaN / -inf / -0.0 sprinkled in, lengths 0, 1, k - 1 and full; both orders. With the plan
@@ -640,6 +659,7 @@ def test_per_row_k_tensor(path):
     check(x, k.int().clamp(0, 9), order="score")  # width read from k.max() eagerly
 
 
+@pytest.mark.knobs
 @settings(max_examples=12, deadline=None)
 @given(R=st.integers(1, 3), N=st.integers(0, 200), k=st.integers(0, 40), ties=st.booleans(), specials=st.booleans(),
        path=st.sampled_from(list(PATHS)), order=st.sampled_from(["score", "index"]),

@@ -19,6 +19,9 @@ TRITON_VERSION ?= 3.7.1
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# Without a GPU, one torch thread per process, as the tests give each worker its share: the interpreter's small
+# tensors gain nothing from threads, and on a busy 2-core machine the demo took 27-40 s with torch's default, 8 s with one.
+CPU_THREADS := $(if $(HAS_GPU),,OMP_NUM_THREADS=1)
 # Jupyter tools run as `python -m ...` so that they use this .venv's Python and kernel even if the
 # venv was copied from elsewhere (a copied venv's bin/ scripts keep the old interpreter path).
 NBCONVERT := $(BIN)/python -m nbconvert
@@ -47,23 +50,30 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || { $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and \
 	  "sparse_ref needs Python 3.11+ (tested: 3.11, 3.12); got " + sys.version.split()[0] + \
 	  ". Fix: make PYTHON=python3.12 (or another Python 3.11+)")' && $(PYTHON) -m venv $(VENV); }
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "setup 1/4: pip, in the virtual environment $(VENV)/"
+	@$(BIN)/python -m pip install --quiet --upgrade pip
 ifeq ($(HAS_GPU),1)
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
+	@echo "setup 2/4: torch $(TORCH_VERSION) and triton $(TRITON_VERSION) (PyPI's CUDA build: a few GB, minutes)"
+	@$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
 else
+	@echo "setup 2/4: torch $(TORCH_VERSION), CPU build (about 200 MB; a local wheel cache first, else $(TORCH_CPU_INDEX))"
 	@# CPU build: a local wheel cache (pip's find-links) answers first; otherwise PyTorch's CPU index.
-	$(BIN)/python -m pip install --quiet --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null \
+	@$(BIN)/python -m pip install --quiet --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null \
 	  || $(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX)
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
+	@echo "setup 3/4: triton $(TRITON_VERSION) and torch's own dependencies"
+	@$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
 endif
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@echo "setup 4/4: sparse_ref (editable) and its tools: pytest, hypothesis, nbmake, jupyterlab, matplotlib, ruff"
+	@$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@
+	@echo "setup done: $(VENV)/ ($$($(BIN)/python -c 'import torch, triton; print("torch", torch.__version__, \
+	  "triton", triton.__version__)'))"
 
 tutorial: setup demo
 	@mkdir -p $(BUILD)/notebooks $(BUILD)/html
 	@# one notebook per core at a time (each in its own kernel); any failure fails the target
-	@printf '%s\n' $(NOTEBOOKS) | xargs -P $(NPROC) -n 1 $(NBCONVERT) --to notebook --execute \
+	@printf '%s\n' $(NOTEBOOKS) | $(CPU_THREADS) xargs -P $(NPROC) -n 1 $(NBCONVERT) --to notebook --execute \
 	  --ExecutePreprocessor.timeout=1800 $(QUIET_KERNEL) --ExecutePreprocessor.kernel_name=python3 \
 	  --output-dir $(BUILD)/notebooks
 	$(NBCONVERT) --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
@@ -73,17 +83,20 @@ tutorial: setup demo
 
 # The decode engine end to end: a table of accuracy (and time, on a GPU) per budget, and a plot.
 demo: setup
-	$(BIN)/python -m sparse_ref.demo --out $(BUILD)/demo.png
+	$(CPU_THREADS) $(BIN)/python -m sparse_ref.demo --out $(BUILD)/demo.png
 
 test: setup
 	@mkdir -p $(dir $(LAUNCHES)) && rm -f $(LAUNCHES)
 	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest -n $(JOBS) tests --nbmake notebooks \
 	  --nbmake-timeout=900 -q
-	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest tests/test_aot_compile.py -k recorded -q
+	@echo "test: every launch recorded above, compiled for sm_90 under each Triton (a few minutes on 2 cores)"
+	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest tests/test_aot_compile.py -k recorded -q -s
 
 tritons: setup
-	@test -d $(BUILD)/tritons/$(TRITON_OTHER)/triton || $(BIN)/python -m pip install --quiet --no-deps \
-	  --target $(BUILD)/tritons/$(TRITON_OTHER) triton==$(TRITON_OTHER)
+	@test -d $(BUILD)/tritons/$(TRITON_OTHER)/triton && echo "tritons: triton $(TRITON_OTHER) is in \
+	  $(BUILD)/tritons/$(TRITON_OTHER)/" || { echo "tritons: triton $(TRITON_OTHER) (its compiler only, about \
+	  150 MB) into $(BUILD)/tritons/$(TRITON_OTHER)/ for the compile check"; $(BIN)/python -m pip install --quiet \
+	  --no-deps --target $(BUILD)/tritons/$(TRITON_OTHER) triton==$(TRITON_OTHER); }
 
 # The production top-k the bench times beside ours (sparse_ref/bench/peers.py): only the sm90 library of the
 # sglang-kernel wheel built for torch 2.11 / CUDA 13 (18 MiB of a 365 MiB wheel, which is then deleted).

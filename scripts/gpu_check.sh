@@ -4,6 +4,8 @@
 #              boundaries, the GPU-only cases (FP8 and bf16 dots, CUDA graphs, pinned host memory, offload and the
 #              engine at GPU sizes) and the lessons equal to the package;
 #   notebooks  every notebook at GPU sizes (nbmake), beside the tests (the two share the cores: both mostly compile);
+#   capabilities  the engine tests and notebook 07 with the backend an A100 (8.0) and a T4 (7.5) would choose
+#              (SPARSE_REF_CAPABILITY: the fallbacks are the ones chosen, the results match), beside the others;
 #   bench      every suite --quick in one process, after both (a smoke: it runs, its checks hold; no timing is kept).
 # What lives elsewhere, and why: a test marked `knobs` (a kernel forced down a path at launch knobs other than its
 # defaults, at interpreter sizes) and the sm_90 compile of every launch and GPU-shape variant run in the CPU suite
@@ -25,7 +27,7 @@ OUT="${OUT:-$PWD/build/gpu-check}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-STAGES="${STAGES:-tests notebooks bench}"
+STAGES="${STAGES:-tests notebooks capabilities bench}"
 cores=$(nproc 2>/dev/null || echo 4)
 # The tests and the notebooks run at once: two thirds of the cores to the tests, the rest to the notebooks.
 WORKERS="${WORKERS:-$(( cores > 5 ? cores * 2 / 3 : 2 ))}"
@@ -35,7 +37,7 @@ KERNEL_TESTS="tests/test_topk.py tests/test_topk_parts.py tests/test_topk_plan.p
   tests/test_page_table.py tests/test_decode_attention.py tests/test_dsa_kernel.py tests/test_quest_kernel.py
   tests/test_quest_bounds.py tests/test_cuda_graph.py tests/test_engine.py tests/test_engine_graph.py
   tests/test_retrieval.py tests/test_dsa.py tests/test_indexer.py tests/test_bench.py tests/test_isolation.py
-  tests/test_offload.py tests/test_swap_in.py tests/test_lessons.py"
+  tests/test_offload.py tests/test_swap_in.py tests/test_lessons.py tests/test_backend.py"
 log() { echo "$*" | tee -a "$OUT/gpu_check.log"; }
 # SGLang's top-k library (make peers), when carried: the bench times it beside ours (sparse_ref/bench/peers.py).
 SGL_LIB="build/peers/sgl_kernel_sm90/common_ops.abi3.so"
@@ -80,6 +82,13 @@ if wanted notebooks; then
     echo "1 0" >"$OUT/notebooks.done"
   fi
 fi
+if wanted capabilities; then
+  log "== capabilities: the engine tests and notebook 07 as an A100 (8.0) and a T4 (7.5) would choose (simulated)"
+  IPYTHONDIR=/tmp/sparse_ref_ipython PY="$PY" stage capabilities "${T_CAPABILITIES:-240}" bash -c 'for cap in 8.0 7.5; do
+    echo "-- SPARSE_REF_CAPABILITY=$cap"; SPARSE_REF_CAPABILITY=$cap "$PY" -m pytest tests/test_engine.py \
+      tests/test_backend.py --nbmake notebooks/07_end_to_end.ipynb -m "not knobs" -n 2 -q -p no:cacheprovider || exit 1
+  done'
+fi
 wait
 if wanted bench; then
   log "== bench smoke: every suite --quick, one process"
@@ -92,7 +101,7 @@ fi
 status=0
 log ""
 log "$(printf '%-10s %-8s %8s  %s' stage status minutes counts)"
-for name in tests notebooks bench; do
+for name in tests notebooks capabilities bench; do
   wanted "$name" || continue
   read -r rc secs <"$OUT/$name.done" 2>/dev/null || { rc=1; secs=0; }
   [[ "$rc" == 0 ]] && result=passed || { result=FAILED; status=1; }
@@ -101,7 +110,7 @@ for name in tests notebooks bench; do
     counts=$("$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print(len(d['rows']), 'rows', d['suites_done'])" \
       "$OUT/bench_smoke.json" 2>/dev/null || echo "no JSON")
   else
-    counts=$(grep -E '[0-9]+ (passed|failed|error)' "$OUT/$name.log" 2>/dev/null | tail -n 1 | tr -d '=' | xargs)
+    counts=$(grep -E '^=* ?[0-9]+ (passed|failed|error)' "$OUT/$name.log" 2>/dev/null | tr -d '=' | xargs | sed 's/) /); /g')
   fi
   log "$(printf '%-10s %-8s %8.1f  %s' "$name" "$result" "$(awk "BEGIN{print $secs/60}")" "$counts")"
   [[ "$rc" == 0 ]] || tail -n 40 "$OUT/$name.log"

@@ -9,6 +9,8 @@ from sparse_ref.device import configure_triton
 
 configure_triton()
 
+from sparse_ref import adaptor, attention, offload, selection  # noqa: E402, F401  (the backend's torch twins: each
+from sparse_ref.algorithms import dsa, quest  # noqa: E402, F401  module registers its own, sparse_ref.backend)
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_decode_batch, build_extend_batch, decode_step  # noqa: E402
 from sparse_ref.config import SparseConfig  # noqa: E402
 from sparse_ref.device import default_device, describe_run, execution_mode, fast_mode, has_gpu  # noqa: E402

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from sparse_ref import checks
+from sparse_ref.backend import choose_backend, torch_twin
 from sparse_ref.checks import (
     INDEX_DTYPES,
     INT32_MAX,
-    check_choice,
     check_int,
     check_rows,
     check_same_device,
@@ -26,8 +26,8 @@ from sparse_ref.checks import (
     describe,
     fail,
 )
-from sparse_ref.errors import ShapeError, SparseRefError
-from sparse_ref.selection import ceil_div
+from sparse_ref.errors import ShapeError
+from sparse_ref.selection import ceil_div, select_pages_unchecked
 
 
 @dataclass
@@ -54,22 +54,24 @@ def page_table_width(selection_width: int, max_context_len: int, page_size: int)
 
 
 def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, forward_batch,
-                          req_to_token: torch.Tensor, page_size: int, out=None, backend: str = "auto"):
+                          req_to_token: torch.Tensor, page_size: int, out=None, backend=None):
     """``(page_table, kv_lens, cu_kv_lens)`` for paged attention (see the module docstring).
 
     ``out``: optional ``(page_table, kv_lens, cu_kv_lens)`` int32 buffers written in place (CUDA
-    graph replay); they are returned. Batched torch, no host sync once the eager checks are skipped.
-    ``backend``: "torch" (the batched torch below), "triton" (the same result in one launch,
-    ``sparse_ref.kernels.page_table``) or "auto" (triton on CUDA, torch elsewhere).
+    graph replay); they are returned. ``backend``: the engine's ``Backend``, or a name for ``choose_backend`` (its
+    ``page_table``: on the Triton side one launch); ``None``, the batched torch below (no host sync once the eager
+    checks are skipped).
     """
-    page_size = check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token,
-                                                page_size, out, backend)
-    seq_lens, rows = forward_batch.seq_lens, forward_batch.req_pool_indices
-    if backend == "triton" or (backend == "auto" and selected.device.type == "cuda"):
-        from sparse_ref.kernels.page_table import page_table_from_selection  # kernels import only when used
+    page_size = check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token, page_size, out)
+    table = page_table_torch if backend is None else choose_backend(backend, selected.device).page_table
+    return table(selected, lengths, sparse_mask, forward_batch.seq_lens, forward_batch.req_pool_indices, req_to_token,
+                 page_size, out)
 
-        return page_table_from_selection(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size,
-                                         out=out, check_values=False)  # values were checked just above
+
+@torch_twin("page_table")
+def page_table_torch(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: torch.Tensor, seq_lens: torch.Tensor,
+                     req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, page_size: int, out=None):
+    """The adaptor's batched torch (the backend's torch page table, the kernel's signature), on checked inputs."""
     bs, width = selected.shape
     device = selected.device
     w_out = page_table_width(width, req_to_token.shape[1], page_size)
@@ -88,7 +90,8 @@ def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_
     count = torch.where(sparse, lens, n)
     live = cols[None, :] < count[:, None]
     first_token = torch.where(live, logical, torch.zeros_like(logical)) * page_size
-    physical = req_to_token[rows.long()[:, None], first_token.clamp(max=req_to_token.shape[1] - 1)] // page_size
+    rows = req_pool_indices.long()[:, None]
+    physical = req_to_token[rows, first_token.clamp(max=req_to_token.shape[1] - 1)] // page_size
     page_table = torch.where(live, physical, torch.zeros_like(physical)).to(torch.int32)
 
     last_page_len = seq - (n - 1) * page_size
@@ -103,9 +106,17 @@ def to_attention_metadata(selected: torch.Tensor, lengths: torch.Tensor, sparse_
     return out[0], out[1], out[2]
 
 
+@torch_twin("select_to_table")
+def select_to_table_torch(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
+                          config, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, out=None):
+    """The backend's torch retrieval + table (the fused kernel's signature): ``select_pages`` then the page table."""
+    selected, lengths = select_pages_unchecked(scores, seq_lens, sparse_mask, page_size, config)
+    return selected, lengths, *page_table_torch(selected, lengths, sparse_mask, seq_lens, req_pool_indices,
+                                                req_to_token, page_size, out)
+
+
 # ------------------------------ argument checks (each entry point above calls one first)
-def check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token, page_size, out,
-                             backend) -> int:
+def check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token, page_size, out) -> int:
     """The adaptor's inputs: types, shapes, devices, then every value (``check_selection_values``); the page size."""
     check_tensor("selected", selected, dtype=INDEX_DTYPES, dims=2,
                  fix="pass the selection returned by retrieve_topk, int32 [bs, W].")
@@ -128,6 +139,5 @@ def check_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_
         for name, t, shape in (("page_table", out[0], (bs, w_out)), ("kv_lens", out[1], (bs,)),
                                ("cu_kv_lens", out[2], (bs + 1,))):
             check_tensor(f"out {name}", t, dtype=torch.int32, shape=shape, device=selected.device)
-    check_choice("backend", backend, ("auto", "torch", "triton"), "leave backend='auto'.", SparseRefError)
     check_selection_values(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, page_size, "forward_batch.")
     return page_size

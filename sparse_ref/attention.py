@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from sparse_ref.backend import torch_twin
 from sparse_ref.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -64,6 +65,7 @@ def dense_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     return (out, probs) if return_probs else out
 
 
+@torch_twin("attention")
 def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                             page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
                             scale: float | None = None, return_probs: bool = False):

@@ -46,19 +46,6 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-BACKENDS = ("auto", "torch", "triton")
-
-
-def resolve_backend(backend, device) -> str:
-    """The one backend choice, made once: ``"torch"`` or ``"triton"`` for every stage (scores, selection, page
-    table, attention, bounds update, swap-in); ``"auto"`` is Triton on a CUDA device and torch elsewhere (on CPU
-    the kernels would run through the interpreter: exact, slow). Anything else raises ``ConfigError``."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}. Fix: leave backend='auto' (Triton "
-                          "on a GPU, torch on CPU), or 'torch' for the references, 'triton' for the kernels.")
-    return ("triton" if torch.device(device).type == "cuda" else "torch") if backend == "auto" else backend
-
-
 def fast_mode() -> bool:
     """Small sizes for quick runs.
 

@@ -18,14 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_ref.adaptor import Metadata, lengths_from_selection, to_attention_metadata
+from sparse_ref.adaptor import Metadata, to_attention_metadata
 from sparse_ref.algorithms import create_sparse_algorithm
-from sparse_ref.algorithms.base import retrieve_attention_metadata
-from sparse_ref.attention import sparse_decode_attention
+from sparse_ref.backend import choose_backend
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_extend_batch, check_batch_slots, decode_step
 from sparse_ref.checks import capturing, check_device, check_int, describe, fail, values_checked
 from sparse_ref.config import SparseConfig
-from sparse_ref.device import resolve_backend
 from sparse_ref.errors import BatchError, ConfigError, PoolError
 from sparse_ref.memory import IndexerKeyCache, KVCacheManager, Request, check_request
 
@@ -62,8 +60,9 @@ class SparseCoordinator:
     """SGLang's coordinator hooks over per-layer algorithms (see the module docstring)."""
 
     def __init__(self, manager: KVCacheManager, algorithms: Sequence[str | None], configs: Sequence[SparseConfig],
-                 workload, dsa_topk: int, device, bounds_dtype=torch.float32, backend: str = "auto"):
+                 workload, dsa_topk: int, device, bounds_dtype=torch.float32, backend="auto"):
         self.manager, self.configs, self.device = manager, list(configs), torch.device(device)
+        self.backend = backend = choose_backend(backend, self.device)
         pool, req_pool = manager.token_to_kv_pool, manager.req_to_token_pool
         self.algorithms, self.indexers, self.prompt_lens = [], {}, {}
         self.dense: Metadata | None = None
@@ -98,29 +97,24 @@ class SparseCoordinator:
         bs = batch.batch_size
         none = torch.full((bs, 1), -1, dtype=torch.int32, device=self.device)
         zeros, dense_mask = torch.zeros(bs, dtype=torch.int32, device=self.device), torch.zeros_like(none[:, 0]).bool()
-        table, kv_lens, _ = to_attention_metadata(none, zeros, dense_mask, batch,
-                                                  self.manager.req_to_token_pool.req_to_token, self.manager.page_size)
+        table, kv_lens, _ = to_attention_metadata(none, zeros, dense_mask, batch, self.manager.req_to_token_pool
+                                                  .req_to_token, self.manager.page_size, backend=self.backend)
         self.dense = Metadata(table, kv_lens, self.manager.page_size)
 
     def attention_begin(self, layer: int, queries: torch.Tensor, batch: ForwardBatch, **kwargs) -> Metadata:
-        """Sparse mask -> ``retrieve_topk`` -> adaptor; the dense metadata for a dense layer. A page algorithm runs
-        ``retrieve_attention_metadata``, the decode step's one retrieval call (the bench times the same call)."""
+        """Sparse mask -> ``retrieve_topk`` -> adaptor, as the algorithm's one call (``retrieve_attention_metadata``;
+        DSA's positions at page size 1); the dense metadata for a dense layer. The bench times the same call."""
         algo = self.algorithms[check_coordinator_layer(self, layer)]
         if algo is None:
             return self.dense
-        req_to_token = self.manager.req_to_token_pool.req_to_token
         sparse_mask = batch.seq_lens >= self.configs[layer].min_sparse_seq_len  # current lengths, every step
-        if algo.name == "deepseek_dsa":  # tokens: (positions, None), then the adaptor at page size 1
-            selected, _ = algo.retrieve_topk(queries, layer, batch.req_pool_indices, sparse_mask,
-                                             indexer=self.indexers[layer], forward_batch=batch,
-                                             positions=batch.positions, **kwargs)
-            lengths, page_size = lengths_from_selection(selected), 1
-            table, kv_lens, _ = to_attention_metadata(selected, lengths, sparse_mask, batch, req_to_token, page_size)
-        else:  # pages: retrieve_topk + the adaptor as one call (on CUDA one launch selects and writes the table)
-            selected, lengths, table, kv_lens, _ = retrieve_attention_metadata(
-                algo, queries, layer, batch.req_pool_indices, sparse_mask, batch, req_to_token)
-            page_size = self.manager.page_size
-        return Metadata(table, kv_lens, page_size, selected, lengths, sparse_mask)
+        if layer in self.indexers:
+            kwargs.update(indexer=self.indexers[layer], positions=batch.positions)
+        selected, lengths, table, kv_lens, _ = algo.retrieve_attention_metadata(
+            queries, layer, batch.req_pool_indices, sparse_mask, batch, self.manager.req_to_token_pool.req_to_token,
+            **kwargs)
+        return Metadata(table, kv_lens, 1 if layer in self.indexers else self.manager.page_size, selected, lengths,
+                        sparse_mask)
 
     def attention_end(self, layer: int, batch: ForwardBatch) -> None:
         """Build representations after a prefill, refresh them after a decode step."""
@@ -149,7 +143,7 @@ class DecodeEngine:
             workload, algorithms, config, page_size, max_requests, max_context_len, num_pages, compare_dense,
             dsa_topk, device, ALGORITHMS)
         self.workload, self.compare_dense = workload, compare_dense
-        self.backend = resolve_backend(backend, self.device)  # once, for every layer and stage
+        self.backend = choose_backend(backend, self.device)  # once, for every layer and stage (sparse_ref.backend)
         # offload mode (sparse_ref.offload): every sparse layer's K/V in host memory, read through a hot buffer
         offloaded = [i for i, a in enumerate(algorithms) if a is not None] if offload_buffer is not None else []
         if offload_buffer is not None and not offloaded:  # (every layer dense: still a size, or a mistake)
@@ -167,7 +161,7 @@ class DecodeEngine:
         if offloaded:
             from sparse_ref import offload  # lazy: only an offloading engine needs it
 
-            offload.check_offload_backend(offloaded, self.device, self.backend)
+            offload.check_offload_backend(offloaded, self.backend)
             coord = self.coordinator
             size = offload.check_offload(offload_buffer, offload.most_tokens_read(
                 coord.algorithms, coord.configs, offloaded, dsa_topk, page_size), [algorithms[i] for i in offloaded])
@@ -179,12 +173,7 @@ class DecodeEngine:
         layer's K/V buffers (or ``kv``: an offloaded layer's hot buffers)."""
         pool = self.manager.token_to_kv_pool
         kv = kv or (pool.get_key_buffer(layer), pool.get_value_buffer(layer))
-        args = (q, *kv, md.page_table, md.kv_lens, md.page_size)
-        if self.backend == "triton":
-            from sparse_ref.kernels.decode_attention import paged_decode_attention  # lazy: optional kernel module
-
-            return paged_decode_attention(*args)
-        return sparse_decode_attention(*args)
+        return self.backend.attention(q, *kv, md.page_table, md.kv_lens, md.page_size)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None) -> Request:
@@ -256,7 +245,7 @@ class DecodeEngine:
             dense = coord.dense
             for layer, (q, k, v, x, q_lora) in enumerate(inputs):
                 off = self.offload if self.offload is not None and layer in self.offload.layers else None
-                if off is None or not off.writes_new_token(layer):  # (the swap-in kernel writes it itself)
+                if off is None:  # (an offloaded layer's swap-in writes it into the host pool itself)
                     pool.set_kv(layer, batch.out_cache_loc, k, v)
                 md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
                 hot = off.read(layer, batch, md, k, v, self.manager.req_to_token_pool.req_to_token) if off else None

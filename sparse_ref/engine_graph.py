@@ -28,9 +28,9 @@ class GraphedDecodeStep:
         if not engine.live:
             fail("engine.live", "at least one live request to capture a step for", "none",
                  "add_request first; the graph is captured for the batch that is live now.", BatchError)
-        if engine.device.type == "cuda" and engine.backend != "triton":
+        if engine.device.type == "cuda" and not engine.backend.compiled:
             fail("engine.backend", "'triton' on CUDA (the kernels need no host sync)",
-                 repr(engine.backend), "build the engine with backend='triton' or 'auto'.",
+                 repr(engine.backend.name), "build the engine with backend='triton' or 'auto'.",
                  ConfigError)
         self.engine, self.rids = engine, [r.rid for r in engine.live]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -117,10 +117,10 @@ class GraphedDecodeStep:
 def check_graphed_engine(engine) -> None:
     if not isinstance(engine, DecodeEngine):
         fail("engine", "a sparse_ref.engine.DecodeEngine", describe(engine), error=ConfigError)
-    if engine.offload is not None and engine.backend != "triton":
+    if engine.offload is not None and engine.backend.syncs:
         fail("engine", "an offload engine with backend 'triton' (its swap-in kernel needs no host sync; "
              "the torch reference reads each selection on the host: not capturable)",
-             f"backend={engine.backend!r}", "build the engine with backend='triton' "
+             f"backend={engine.backend.name!r}", "build the engine with backend='triton' "
              "or 'auto' on CUDA, or step it eagerly (engine.step()).", ConfigError)
 
 

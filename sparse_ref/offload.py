@@ -24,25 +24,22 @@ from __future__ import annotations
 import torch
 
 from sparse_ref.adaptor import Metadata
+from sparse_ref.backend import torch_twin
 from sparse_ref.checks import INT32_MAX, check_int, fail
 from sparse_ref.errors import ConfigError, PoolError
 
 
 class OffloadedKV:
     """Offload as one object: the host pool (the KV pool's ``host_layers``), the hot buffers of the offloaded
-    ``layers``, the write path and both swap-ins (the torch reference here, the Triton kernel with the Triton
-    backend). The engine calls ``read`` once per offloaded layer and step, ``forget`` when a request leaves."""
+    ``layers``, the write path and the swap-in (the backend's: this module's reference or the Triton kernel). The
+    engine calls ``read`` once per offloaded layer and step (it writes the new token too), ``forget`` when a request
+    leaves."""
 
-    def __init__(self, pool, layers: list[int], rows: int, size: int, max_context_len: int, backend: str, device):
+    def __init__(self, pool, layers: list[int], rows: int, size: int, max_context_len: int, backend, device):
         self.layers, self.backend = list(layers), backend
         self.host = HostKVPool.of_pool(pool)  # the same tensors: set_kv and the kernel write them
         self.hot = HotBuffer(pool.num_layers, rows, size, pool.num_kv_heads, pool.head_dim, max_context_len,
                              pool.dtype, device, layers=self.layers)
-
-    def writes_new_token(self, layer: int) -> bool:
-        """True where the swap-in writes the new token into the host pool itself (the kernel), so the engine's
-        ``set_kv`` is skipped; the torch path relies on ``set_kv`` (the pool's host layer is the host pool)."""
-        return layer in self.layers and self.backend == "triton"
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hot.k[layer], self.hot.v[layer]
@@ -52,24 +49,28 @@ class OffloadedKV:
 
     def read(self, layer: int, batch, md: Metadata, k: torch.Tensor, v: torch.Tensor,
              req_to_token: torch.Tensor) -> Metadata:
-        """The new token into its row's reserved slot (and the host pool), then the tokens attention reads into
-        the hot buffer: the metadata over the hot buffer (page size 1, the same tokens in the same order). The
-        kernel lists the positions itself and needs no host sync (a CUDA graph holds it); the reference reads
-        the selection back."""
+        """The new token into the host pool and its row's reserved slot, then the tokens attention reads into the
+        hot buffer: the metadata over the hot buffer (page size 1, the same tokens in the same order). The kernel
+        lists the positions itself and needs no host sync (a CUDA graph holds it); the reference reads back."""
         assert md.selected is not None, "offloaded layers are sparse"
-        width = md.page_table.shape[1] * md.page_size  # the all-on-device table's width in tokens
-        if self.backend == "triton":
-            from sparse_ref.kernels.swap_in import swap_in  # lazy: optional kernel module
-
-            selection = (md.selected, md.lengths, md.sparse_mask, md.page_size, width)
-            table, counts = swap_in(self.hot, layer, selection, batch, (k, v), self.host, req_to_token)
-        else:
-            positions, counts = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens,
-                                               md.page_size, width)
-            self.hot.write_newest(layer, batch.req_pool_indices, k, v)
-            table = self.hot.swap_in(layer, batch.req_pool_indices, positions, counts, batch.seq_lens, self.host,
-                                     req_to_token)
+        table, counts = self.backend.swap_in(self.hot, layer, md, batch, (k, v), self.host, req_to_token)
         return Metadata(table, counts, 1, md.selected, md.lengths, md.sparse_mask)
+
+
+@torch_twin("swap_in")
+def swap_in_torch(hot: HotBuffer, layer: int, md: Metadata, batch, new_kv: tuple, host: HostKVPool,
+                  req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backend's torch swap-in (the kernel's signature): the new token's K/V into the host pool (as ``set_kv``
+    stores it) and its reserved slot, then ``HotBuffer.swap_in`` of the positions attention reads."""
+    width = md.page_table.shape[1] * md.page_size  # the all-on-device table's width in tokens
+    positions, counts = positions_read(md.selected, md.lengths, md.sparse_mask, batch.seq_lens, md.page_size, width)
+    k, v = new_kv
+    slots = batch.out_cache_loc.to(host.k[layer].device).long()
+    host.k[layer][slots] = k.to(host.k[layer].device, host.k[layer].dtype)
+    host.v[layer][slots] = v.to(host.v[layer].device, host.v[layer].dtype)
+    hot.write_newest(layer, batch.req_pool_indices, k, v)
+    table = hot.swap_in(layer, batch.req_pool_indices, positions, counts, batch.seq_lens, host, req_to_token)
+    return table, counts
 
 
 def most_tokens_read(algorithms, configs, layers, dsa_topk: int, page_size: int) -> int:
@@ -235,11 +236,11 @@ def positions_read(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: t
     return torch.where(valid, positions, 0).to(torch.int32), valid.sum(1).to(torch.int32)
 
 
-def check_offload_backend(offloaded, device, backend) -> None:
+def check_offload_backend(offloaded, backend) -> None:
     """Offload on a GPU needs the Triton backend: the host layers are read by kernels through unified addressing
     (the torch reference indexes host tensors with device indices: CPU only)."""
-    if offloaded and device.type == "cuda" and backend != "triton":
-        fail("backend", "'triton' (or 'auto') with offload_buffer on a GPU", repr(backend),
+    if offloaded and backend.device.type == "cuda" and not backend.compiled:
+        fail("backend", "'triton' (or 'auto') with offload_buffer on a GPU", repr(backend.name),
              "build the engine with backend='auto', or run the torch reference on CPU.", ConfigError)
 
 

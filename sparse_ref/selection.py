@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_ref.backend import torch_twin
 from sparse_ref.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -57,6 +58,7 @@ def _ranks_desc(masked: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
+@torch_twin("topk")
 def topk_reference(scores: torch.Tensor, k, lengths: torch.Tensor | None = None, *,
                    order: str = "score", width: int | None = None) -> torch.Tensor:
     """Exact top-k ids per row (see the module docstring). ``k`` is an int or an int tensor [R]."""
@@ -88,6 +90,7 @@ def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torc
     return select_pages_unchecked(scores, seq_lens, sparse_mask, page_size, config, width)
 
 
+@torch_twin("select_pages")
 def select_pages_unchecked(scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor, page_size: int,
                            config: SparseConfig, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pages`` without the argument checks, for callers that checked them already."""

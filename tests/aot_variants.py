@@ -232,3 +232,21 @@ SWAP_IN += [aot_variant(swap_in._copy_in_kernel, dict(HD=hd, ROWS=swap_in.COPY_R
                         hot_k=f"*{dt}", hot_v=f"*{dt}") for hd, dt in ((1024, "bf16"), (64, "fp32"))]
 
 VARIANTS = TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_BOUNDS + DECODE_ATTENTION + DSA + SWAP_IN
+
+
+
+# The operation of sparse_ref.backend's table each kernel module serves (the others run on every capability)
+OPERATIONS = {"sparse_ref.kernels.decode_attention": "attention", "sparse_ref.kernels.dsa": "dsa_logits",
+              "sparse_ref.kernels.quest": "quest_scores", "sparse_ref.kernels.quest_bounds": "update_bounds"}
+POINTER_DTYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+def runs_on(kernel, signature, constexprs, capability: int) -> bool:
+    """Whether the backend launches this variant on a GPU of ``capability`` (90: 9.0): not where its table sends a
+    tensor of that dtype to the torch twin (``sparse_ref.backend.CAPABILITIES``: bf16 below 8.0, FP8 below 8.9)."""
+    from sparse_ref.backend import CAPABILITIES
+
+    op = OPERATIONS.get(kernel.fn.__module__)
+    pointers = {v for v in signature.values() if isinstance(v, str)}
+    return not any(name == op and POINTER_DTYPES[dtype] in pointers and capability < 10 * needed[0] + needed[1]
+                   for name, dtype, needed, _ in CAPABILITIES)

@@ -6,7 +6,6 @@ anything changes. GPU: the captured graph, replayed for many steps, equals the e
 """
 
 import sys
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparse_ref import checks
-from sparse_ref import engine as engine_module
-from sparse_ref.adaptor import to_attention_metadata
+from sparse_ref.backend import choose_backend
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.engine_graph import GraphedDecodeStep
@@ -91,10 +89,6 @@ def test_device_half_makes_no_host_sync_while_capturing(backend, device, monkeyp
     if device.type == "cuda" and backend == "torch":
         pytest.skip("on CUDA the graph takes the Triton kernel (it refuses the torch reference)")
     engine = make_engine(device=device, backend=backend, head_dim=16)
-    if backend == "triton":  # the Quest and DSA kernels too (on CPU "auto" picks torch), through the interpreter
-        engine.coordinator.algorithms[0].backend = "triton"
-        engine.coordinator.indexers[1].backend = "triton"
-        monkeypatch.setattr(engine_module, "to_attention_metadata", partial(to_attention_metadata, backend="triton"))
     step = GraphedDecodeStep(engine)
     step.step()  # the host half, and an eager first run
     want = [(t.out.clone(), t.metadata.page_table.clone()) for t in step.traces]
@@ -139,7 +133,7 @@ def test_refuses_no_requests_and_the_torch_kernel_on_cuda():
         engine.finish(r)
     with pytest.raises(BatchError, match="engine.live"):
         GraphedDecodeStep(engine)
-    fake = SimpleNamespace(live=[object()], device=torch.device("cuda"), backend="torch")
+    fake = SimpleNamespace(live=[object()], device=torch.device("cuda"), backend=choose_backend("torch", "cuda"))
     with pytest.raises(ConfigError, match="backend"):
         GraphedDecodeStep(fake)
 

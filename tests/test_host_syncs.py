@@ -13,6 +13,7 @@ import torch
 from host_reads import count_host_reads
 
 import sparse_ref
+from sparse_ref.backend import choose_backend
 from sparse_ref.batch import ForwardBatch, ForwardMode, decode_step
 from sparse_ref.checks import check_range, skip_value_checks, values_checked
 from sparse_ref.config import IndexerConfig, SparseConfig
@@ -131,16 +132,12 @@ def test_engine_runs_the_fused_retrieval_the_bench_times(monkeypatch):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: (calls.append(_n), _o(*a, **k))[1])
     device = sparse_ref.default_device()
-    e = engine(("quest", None, "quest"), device=device, prompts=(40, 61))
-    for algo in e.coordinator.algorithms:
-        if algo is not None:
-            algo.backend = "triton"  # what "auto" picks on CUDA
+    e = engine(("quest", None, "quest"), device=device, backend="triton", prompts=(40, 61))  # what "auto" picks on CUDA
     e.step()
-    dense_metadata = ["page_table_from_selection"] if device.type == "cuda" else []  # forward_begin, once a step
-    assert calls == dense_metadata + ["select_pages_to_table"] * 2, calls
+    assert calls == ["page_table_from_selection"] + ["select_pages_to_table"] * 2, calls  # (forward_begin: dense)
     calls.clear()
     s = decode_step_setup(2, 4, 2, 16, 200, 16, 128, torch.float32, device, kv_dtype=torch.float32)
-    s.algo.backend = "triton"
+    s.algo.backend = choose_backend("triton", device)
     calls.clear()  # (the set-up built the dense step's table: on CUDA one page-table launch)
     s.sparse_step()
     assert calls == ["select_pages_to_table"], calls

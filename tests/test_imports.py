@@ -110,8 +110,19 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 
 def test_lazy_imports_are_seen():
-    """A function-level import counts: algorithms.base reaches the page-select kernel only inside functions."""
-    assert "sparse_ref.kernels.page_select" in graph()["sparse_ref.algorithms.base"]
+    """A function-level import counts: the backend reaches the page-select kernel only inside a function."""
+    assert "sparse_ref.kernels.page_select" in graph()["sparse_ref.backend"]
+
+
+def test_the_reading_set_reaches_the_kernels_only_through_the_backend():
+    """Below the engine, no module imports a kernel: the backend's table is the one door (its torch twins register
+    themselves there, so the backend imports nothing above it)."""
+    edges = graph()
+    for m, deps in edges.items():
+        if m.startswith(("sparse_ref.kernels", "sparse_ref.bench")) or m == "sparse_ref.backend":
+            continue
+        assert not {d for d in deps if d.startswith("sparse_ref.kernels")}, f"{m} imports a kernel module"
+    assert edges["sparse_ref.backend"] <= LEAVES | {m for m in edges if m.startswith("sparse_ref.kernels")}
 
 
 @pytest.mark.parametrize("leaf", sorted(LEAVES))

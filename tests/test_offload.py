@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import sparse_ref
+from sparse_ref.backend import choose_backend
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.engine_graph import GraphedDecodeStep
@@ -144,8 +145,8 @@ def test_offloaded_layers_keep_their_kv_in_host_memory_only():
     assert off.offload.host.k[2] is None and pool.k_buffer[2].device == off.device
     assert off.offload.hot.k[2] is None and off.offload.hot.k[0] is not None  # hot slots only for the offloaded layers
     with pytest.raises(ConfigError, match="backend: expected 'triton'"):
-        check_offload_backend([0], torch.device("cuda"), "torch")
-    check_offload_backend([], torch.device("cuda"), "torch")  # no offload: any backend
+        check_offload_backend([0], choose_backend("torch", "cuda"))
+    check_offload_backend([], choose_backend("torch", "cuda"))  # no offload: any backend
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the reference runs on CPU; on a GPU the selections may round apart")

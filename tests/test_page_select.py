@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import sparse_ref  # (interpreter set-up before the kernel import)
 from sparse_ref import checks
 from sparse_ref.adaptor import to_attention_metadata
-from sparse_ref.algorithms.base import SparseAlgorithm
+from sparse_ref.backend import choose_backend
 from sparse_ref.config import SparseConfig
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels import page_select as page_select_module
@@ -230,9 +230,8 @@ def test_fused_page_table_empty_batch_and_no_pages():
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_retrieve_attention_metadata_equals_retrieve_then_adaptor(backend):
-    """adaptor.retrieve_attention_metadata (fused selection + table with the Triton selection) returns what
-    retrieve_topk followed by the torch adaptor returns."""
-    from sparse_ref.algorithms.base import retrieve_attention_metadata
+    """retrieve_attention_metadata (on the Triton side the fused selection + table) returns what retrieve_topk
+    followed by the torch adaptor returns; a table of the wrong dtype is refused."""
     from sparse_ref.workloads import make_quest_decode_setup
 
     config = SparseConfig(page_budget=5, num_recent_pages=2, num_sink_pages=1)
@@ -240,20 +239,20 @@ def test_retrieve_attention_metadata_equals_retrieve_then_adaptor(backend):
                                 config=config, device=DEVICE, backend=backend)
     s.sparse_mask[1] = False
     r2t = s.workload.req_to_token
-    got = retrieve_attention_metadata(s.algorithm, s.queries, 0, s.req_pool_indices, s.sparse_mask,
-                                      s.forward_batch, r2t)
+    got = s.algorithm.retrieve_attention_metadata(s.queries, 0, s.req_pool_indices, s.sparse_mask, s.forward_batch, r2t)
     sel, lens = s.algorithm.retrieve_topk(s.queries, 0, s.req_pool_indices, s.sparse_mask,
                                           forward_batch=s.forward_batch)
-    want = (sel, lens, *to_attention_metadata(sel, lens, s.sparse_mask, s.forward_batch, r2t, 4, backend="torch"))
+    want = (sel, lens, *to_attention_metadata(sel, lens, s.sparse_mask, s.forward_batch, r2t, 4))  # the torch table
     for name, g_, w in zip(("selected", "lengths", "page_table", "kv_lens", "cu_kv_lens"), got, want, strict=True):
         assert torch.equal(g_.cpu(), w.cpu()), name
     assert int(got[1][0]) == 1 + 5 + 2 and int(got[1][1]) == 0
-    with pytest.raises(SparseRefError, match="algo: expected a sparse algorithm"):
-        retrieve_attention_metadata(object(), s.queries, 0, s.req_pool_indices, s.sparse_mask, s.forward_batch, r2t)
+    with pytest.raises(SparseRefError, match="req_to_token"):
+        s.algorithm.retrieve_attention_metadata(s.queries, 0, s.req_pool_indices, s.sparse_mask, s.forward_batch,
+                                                r2t.long())
 
 
 def test_rows_too_long_for_registers(monkeypatch):
-    """Beyond MAX_REGISTER_PAGES the kernel refuses; retrieve_topk's triton backend then runs the torch selection."""
+    """Beyond MAX_REGISTER_PAGES the kernel refuses; the Triton backend then runs the torch selection."""
     monkeypatch.setattr(page_select_module, "MAX_REGISTER_PAGES", 16)
     config = SparseConfig(keep_ratio=0.3, num_recent_pages=2, num_sink_pages=1)
     scores = page_scores(3, 30, seed=9, ties=True, nonfinite=True)
@@ -261,11 +260,13 @@ def test_rows_too_long_for_registers(monkeypatch):
     mask = torch.tensor([True, True, True], device=DEVICE)
     with pytest.raises(SparseRefError, match="at most 16 pages per row"):
         select_pages_triton(scores, seq_lens, mask, 4, config)
-    algo = SparseAlgorithm(config, backend="triton")
-    algo.page_size = 4
-    got = algo._select(scores, seq_lens, mask)
+    triton = choose_backend("triton", DEVICE)
+    got = triton.select_pages(scores, seq_lens, mask, 4, config)
     want = select_pages(scores, seq_lens, mask, 4, config)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    rows, r2t = torch.arange(3, device=DEVICE), torch.arange(1, 1 + 3 * 120, dtype=torch.int32, device=DEVICE)
+    fused = triton.select_to_table(scores, seq_lens, mask, 4, config, rows, r2t.view(3, 120))
+    assert torch.equal(fused[0], want[0]) and torch.equal(fused[1], want[1])  # (the table: one Triton launch)
 
 
 def test_kernel_clamps_bad_seq_lens(monkeypatch):

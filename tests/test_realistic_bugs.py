@@ -11,6 +11,7 @@ import torch
 
 import sparse_ref
 from sparse_ref import KVCacheManager
+from sparse_ref.adaptor import Metadata
 from sparse_ref.batch import ForwardBatch, ForwardMode, build_decode_batch
 from sparse_ref.checks import check_selection_values, check_tokens_on_real_pages
 from sparse_ref.config import SparseConfig
@@ -178,7 +179,9 @@ def test_a_row_reading_its_whole_buffer_and_its_newest_token_swaps_in_exactly():
     host_kern = HostKVPool(1 + rows * max_ctx, 1, 1, 2)
     host_kern.k[0].copy_(host.k[0])
     host_kern.v[0].copy_(host.v[0])
-    table, n = swap_in(kern, 0, (selected.to(**on), lengths.to(**on), mask.to(**on), 1, size + 1),
+    md = Metadata(torch.zeros(1, size + 1, dtype=torch.int32, **on), None, 1, selected.to(**on), lengths.to(**on),
+                  mask.to(**on))
+    table, n = swap_in(kern, 0, md,
                        decode_batch(torch.tensor([0], **on), seq.to(**on), loc.to(**on)), (new.to(**on),
                        host.v[0][loc].to(**on)), host_kern, r2t.to(**on))
     assert int(n[0]) == size + 1 and torch.equal(table.cpu(), want.cpu())

@@ -41,4 +41,4 @@ def test_config_type_is_checked():
 def test_selection_backend_is_checked():
     with pytest.raises(SparseRefError, match="backend: expected one of"):
         create_sparse_algorithm("quest", SparseConfig(), "cpu", backend="cuda")
-    assert create_sparse_algorithm("quest", None, "cpu", backend="torch").backend == "torch"
+    assert create_sparse_algorithm("quest", None, "cpu", backend="torch").backend.name == "torch"

@@ -22,6 +22,7 @@ from sparse_ref import (
     TokenToKVPool,
 )
 from sparse_ref.algorithms import QuestAlgorithm, SparseAlgorithm
+from sparse_ref.backend import choose_backend
 from sparse_ref.selection import ceil_div, select_pages, selection_width
 from sparse_ref.workloads import make_planted_workload
 
@@ -220,7 +221,7 @@ def test_auto_backend_is_torch_on_cpu_tensors():
     """'auto' must not touch the Triton kernel for CPU tensors (tests for the Triton backend live elsewhere)."""
     scores = torch.randn(3, 10)
     algo = fixed_algorithm(scores, SparseConfig(page_budget=2), 40, 4, 3)
-    assert algo.backend == "torch"  # "auto", resolved once for the CPU
+    assert algo.backend.name == "torch"  # "auto", resolved once for the CPU
     seq = torch.tensor([40, 13, 0])
     out = algo.retrieve_topk(torch.zeros(3, 1), 0, torch.arange(3), torch.ones(3, dtype=torch.bool),
                              forward_batch=batch_stub(seq))
@@ -233,7 +234,7 @@ def test_triton_backend_through_retrieve_topk_matches_torch(device):
     pytest.importorskip("sparse_ref.kernels.page_select")
     config = SparseConfig(page_budget=3, num_sink_pages=1)
     wl, torch_algo = quest_workload_algo(config, seq_lens=(300, 17, 129, 64), device=device)
-    torch_algo.backend = "torch"
+    torch_algo.backend = choose_backend("torch", device)
     triton_algo = QuestAlgorithm(config, device, backend="triton")
     wl.attach(triton_algo)
     fb = wl.forward_batch

@@ -13,11 +13,18 @@ import pytest
 import torch
 
 import sparse_ref
+from sparse_ref.adaptor import Metadata
 from sparse_ref.errors import SparseRefError
 from sparse_ref.kernels.swap_in import swap_in
 from sparse_ref.offload import HostKVPool, HotBuffer, lru_order, positions_read
 
 DEVICE = sparse_ref.default_device()
+
+
+def selection(selected, lengths, sparse_mask, page_size, width):
+    """The all-on-device metadata the swap-in reads: the selection, and a page table ``width`` tokens wide."""
+    table = torch.zeros(selected.shape[0], width // max(page_size, 1), dtype=torch.int32, device=selected.device)
+    return Metadata(table, None, page_size, selected, lengths, sparse_mask)
 
 
 def decode_batch(rows, seq_lens, new_loc):
@@ -28,8 +35,8 @@ def decode_batch(rows, seq_lens, new_loc):
 def kernel_swap_in(hot, host, r2t, rows, positions, counts, seq_lens, new_k, new_v, new_loc):
     """The kernel on ``hot``'s layer-0 state (the same layout the reference keeps), given the positions read
     (a selection of single tokens: page size 1, every row sparse)."""
-    selection = (positions, counts, torch.ones_like(counts, dtype=torch.bool), 1, positions.shape[1])
-    table, n = swap_in(hot, 0, selection, decode_batch(rows, seq_lens, new_loc), (new_k, new_v), host, r2t)
+    md = selection(positions, counts, torch.ones_like(counts, dtype=torch.bool), 1, positions.shape[1])
+    table, n = swap_in(hot, 0, md, decode_batch(rows, seq_lens, new_loc), (new_k, new_v), host, r2t)
     assert torch.equal(n, counts)
     return table
 
@@ -124,7 +131,7 @@ def test_kernel_lists_pages_and_dense_rows_as_positions_read_does():
         host_ref.k[0][new_loc], host_ref.v[0][new_loc] = new_k, new_v
         ref.write_newest(0, rows_t, new_k, new_v)
         want = ref.swap_in(0, rows_t, positions, counts, seq, host_ref, r2t)
-        table, n = swap_in(kern, 0, (selected.to(**on), lengths.to(**on), mask.to(**on), page, width),
+        table, n = swap_in(kern, 0, selection(selected.to(**on), lengths.to(**on), mask.to(**on), page, width),
                            decode_batch(rows_t.to(**on), seq.to(**on), new_loc.to(**on)),
                            (new_k.to(**on), new_v.to(**on)), host_kern, r2t.to(**on))
         assert n.tolist() == counts.tolist() and counts.tolist()[1:] == [10 + it, width]
@@ -150,7 +157,7 @@ def test_refuses_bad_state_before_launch():
     hot = HotBuffer(1, 2, 4, 1, 2, 16, device=DEVICE)
     host = HostKVPool(33, 1, 1, 2)
     on = {"device": DEVICE}
-    selection = dict(selected=torch.zeros(2, 5, dtype=torch.int32, **on),
+    chosen = dict(selected=torch.zeros(2, 5, dtype=torch.int32, **on),
                      lengths=torch.ones(2, dtype=torch.int32, **on),
                      sparse_mask=torch.ones(2, dtype=torch.bool, **on), page_size=1, width=5)
     batch = decode_batch(torch.arange(2, **on), torch.ones(2, dtype=torch.int64, **on),
@@ -159,10 +166,10 @@ def test_refuses_bad_state_before_launch():
     r2t = torch.zeros(2, 16, dtype=torch.int32, **on)
 
     def call(hot=hot, new_kv=new_kv, **change):
-        return swap_in(hot, 0, tuple({**selection, **change}.values()), batch, new_kv, host, r2t)
+        return swap_in(hot, 0, selection(*{**chosen, **change}.values()), batch, new_kv, host, r2t)
 
-    for name, bad in (("selected", selection["selected"].long()), ("lengths", selection["lengths"][:1]),
-                      ("sparse_mask", selection["lengths"]), ("page_size", 0)):
+    for name, bad in (("selected", chosen["selected"].long()), ("lengths", chosen["lengths"][:1]),
+                      ("sparse_mask", chosen["lengths"]), ("page_size", 0)):
         with pytest.raises(SparseRefError, match=name):
             call(**{name: bad})
     with pytest.raises(SparseRefError, match="new_k"):
@@ -222,7 +229,7 @@ def swap_in_case(page=4, size=8, rows=3, max_ctx=32):
 def run_swap_in(hot, host, c):
     new = torch.zeros(c["rows"].shape[0], 1, 2, device=DEVICE)
     batch = decode_batch(c["rows"], c["seq_lens"], c["new_loc"])
-    return swap_in(hot, 0, (c["selected"], c["lengths"], c["sparse_mask"], c["page_size"], c["width"]), batch,
+    return swap_in(hot, 0, selection(c["selected"], c["lengths"], c["sparse_mask"], c["page_size"], c["width"]), batch,
                    (new, new), host, c["r2t"])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from sparse_ref import checks
-from sparse_ref.adaptor import to_attention_metadata
+from sparse_ref.backend import choose_backend
 from sparse_ref.batch import ForwardBatch, check_batch_slots
 from sparse_ref.checks import (
     FLOAT_DTYPES,
@@ -27,21 +27,20 @@ from sparse_ref.checks import (
     skip_value_checks,
 )
 from sparse_ref.config import SparseConfig
-from sparse_ref.device import resolve_backend
 from sparse_ref.errors import SEED_TOPK_NEEDS_SEQ_LENS, BatchError, ConfigError, PoolError, RetrievalError
-from sparse_ref.selection import ceil_div, select_pages_row, select_pages_unchecked, selection_width
+from sparse_ref.selection import ceil_div, select_pages_row, selection_width
 
 
 class SparseAlgorithm:
     """Base class: the lifecycle hooks and the default page-granular ``retrieve_topk``; subclasses implement
-    ``score_pages``. ``backend`` (resolved once) picks torch or Triton for every hook, with the same output."""
+    ``score_pages``. ``backend`` (``sparse_ref.backend``) runs each step, torch or Triton, with the same output."""
 
     name = "base"
 
-    def __init__(self, config: SparseConfig | None = None, device="cpu", backend: str = "auto"):
+    def __init__(self, config: SparseConfig | None = None, device="cpu", backend="auto"):
         self.device = check_algorithm(config, device)
         self.config = config if config is not None else SparseConfig()
-        self.backend = resolve_backend(backend, self.device)
+        self.backend = choose_backend(backend, self.device)  # "auto", "torch", "triton", or the engine's Backend
         self.start_layer = self.end_layer = 0
         self.token_to_kv_pool = self.req_to_token_pool = self.page_size = None
 
@@ -82,22 +81,6 @@ class SparseAlgorithm:
         )
 
     # ---------------------------------------------------------------- retrieval
-    def uses_triton_selection(self, pages: int) -> bool:
-        """The Triton backend, on rows that fit the fused kernel's registers (longer rows: the torch selection)."""
-        if self.backend != "triton":
-            return False
-        from sparse_ref.kernels.page_select import MAX_REGISTER_PAGES  # kernels import only when used
-
-        return pages <= MAX_REGISTER_PAGES
-
-    def _select(self, scores: torch.Tensor, seq_lens: torch.Tensor, sparse_mask: torch.Tensor):
-        if self.uses_triton_selection(scores.shape[1]):
-            from sparse_ref.kernels.page_select import select_pages_triton
-
-            return select_pages_triton(scores, seq_lens, sparse_mask, self.page_size, self.config,
-                                       check_values=False)  # checked by retrieve_topk
-        return select_pages_unchecked(scores, seq_lens, sparse_mask, self.page_size, self.config)
-
     def retrieve_topk(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                       sparse_mask: torch.Tensor, **kwargs):
         """Batched page retrieval: ``(selected, lengths)``: int32 ``[bs, selection_width]`` kept logical pages,
@@ -105,7 +88,22 @@ class SparseAlgorithm:
         goes sparse on its *current* length. No loop over requests and, while a graph captures, no host sync."""
         forward_batch = check_retrieve(self, queries, layer_id, req_pool_indices, sparse_mask, kwargs)
         scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
-        return self._select(scores, forward_batch.seq_lens.to(scores.device), sparse_mask.to(scores.device))
+        return self.backend.select_pages(scores, forward_batch.seq_lens.to(scores.device),
+                                         sparse_mask.to(scores.device), self.page_size, self.config)
+
+    def retrieve_attention_metadata(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                                    sparse_mask: torch.Tensor, forward_batch, req_to_token: torch.Tensor, out=None,
+                                    **kwargs):
+        """``retrieve_topk`` then the adaptor, as the decode step's one retrieval call: ``(selected, lengths,
+        page_table, kv_lens, cu_kv_lens)``; on the Triton side one launch selects and writes the table (at bs=1 a
+        launch costs about what the table does). ``out``: optional int32 ``(page_table, kv_lens, cu_kv_lens)``.
+        An algorithm that overrides ``retrieve_topk`` overrides this too (``DSAAlgorithm`` does)."""
+        forward_batch = check_retrieve_metadata(self, queries, layer_id, req_pool_indices, sparse_mask,
+                                                forward_batch, req_to_token)
+        scores = self.score_pages(queries, layer_id, req_pool_indices, forward_batch)
+        on = scores.device
+        return self.backend.select_to_table(scores, forward_batch.seq_lens.to(on), sparse_mask.to(on), self.page_size,
+                                            self.config, forward_batch.req_pool_indices.to(on), req_to_token, out)
 
     def retrieve_topk_loop(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                            sparse_mask: torch.Tensor, **kwargs):
@@ -127,30 +125,6 @@ class SparseAlgorithm:
             selected[i, : kept.numel()] = kept
             lengths[i] = kept.numel()
         return selected, lengths
-
-
-def retrieve_attention_metadata(algo, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
-                                sparse_mask: torch.Tensor, forward_batch, req_to_token: torch.Tensor, out=None):
-    """``algo.retrieve_topk`` then ``to_attention_metadata``: ``(selected, lengths, page_table, kv_lens,
-    cu_kv_lens)``. Where the selection runs in Triton its launch also writes the page table (a launch costs
-    about what the table does at bs=1). ``out``: optional int32 ``(page_table, kv_lens, cu_kv_lens)``."""
-    forward_batch = check_retrieve_metadata(algo, queries, layer_id, forward_batch, SparseAlgorithm)
-    fused = (type(algo).retrieve_topk is SparseAlgorithm.retrieve_topk
-             and algo.uses_triton_selection(algo.max_pages))
-    if not fused:
-        selected, lengths = algo.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask,
-                                               forward_batch=forward_batch)
-        return selected, lengths, *to_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token,
-                                                         algo.page_size, out=out, backend=algo.backend)
-    from sparse_ref.kernels.page_select import select_pages_to_table  # kernels import only when used
-
-    check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, {"forward_batch": forward_batch})
-    checks.check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=queries.device,
-                        fix="pass the req_to_token table of the ReqToTokenPool.")
-    scores = algo.score_pages(queries, layer_id, req_pool_indices, forward_batch)
-    return select_pages_to_table(scores, forward_batch.seq_lens.to(scores.device), sparse_mask.to(scores.device),
-                                 algo.page_size, algo.config, forward_batch.req_pool_indices.to(scores.device),
-                                 req_to_token, out=out, check_values=not checks.skip_value_checks())
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
@@ -254,14 +228,13 @@ def check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask, kwarg
     return forward_batch
 
 
-def check_retrieve_metadata(algo, queries, layer_id, forward_batch, algorithm_cls):
-    """What ``retrieve_attention_metadata`` needs before it picks a path (the path checks the rest)."""
-    if not isinstance(algo, algorithm_cls):
-        fail("algo", "a sparse algorithm (sparse_ref.create_sparse_algorithm)", describe(algo),
-             "pass the layer's algorithm.")
-    forward_batch = check_forward_batch_kwarg({"forward_batch": forward_batch})
-    check_tensor("queries", queries, dtype=FLOAT_DTYPES, dims=(2, 3),
-                 fix="pass one query per request, [bs, H_q*D] or [bs, H_q, D].")
-    if type(algo).retrieve_topk is algorithm_cls.retrieve_topk:  # a page algorithm: initialised for this layer
-        algo.check_layer(layer_id)
+def check_retrieve_metadata(algo, queries, layer_id, req_pool_indices, sparse_mask, forward_batch, req_to_token):
+    """``retrieve_topk``'s inputs, then the table ``req_to_token`` and (eagerly) every token of a row on a real page."""
+    forward_batch = check_retrieve(algo, queries, layer_id, req_pool_indices, sparse_mask,
+                                   {"forward_batch": forward_batch})
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, dims=2, device=queries.device,
+                 fix="pass the req_to_token table of the ReqToTokenPool.")
+    if req_pool_indices.shape[0] and not skip_value_checks():
+        checks.check_tokens_on_real_pages(forward_batch.seq_lens, forward_batch.req_pool_indices, req_to_token,
+                                          algo.page_size, "forward_batch.seq_lens")
     return forward_batch

@@ -15,7 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from sparse_ref.adaptor import lengths_from_selection, to_attention_metadata
 from sparse_ref.algorithms.base import SparseAlgorithm
+from sparse_ref.backend import choose_backend, torch_twin
 from sparse_ref.batch import ForwardBatch, ForwardMode
 from sparse_ref.checks import (
     INDEX_DTYPES,
@@ -29,13 +31,11 @@ from sparse_ref.checks import (
     skip_value_checks,
 )
 from sparse_ref.config import IndexerConfig
-from sparse_ref.device import resolve_backend
 from sparse_ref.errors import SEED_DSA_REQUIRED, BatchError, ConfigError, RetrievalError, ShapeError
 from sparse_ref.fp8 import FP8_DTYPE, quantize_fp8
 from sparse_ref.hadamard import hadamard_rotate
 from sparse_ref.memory import IndexerKeyCache
 from sparse_ref.rope import apply_rope
-from sparse_ref.selection import topk_reference
 
 
 def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
@@ -66,6 +66,13 @@ def paged_indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, keys:
     return out
 
 
+@torch_twin("dsa_logits")
+def paged_indexer_logits_torch(q, weights, keys, scales, block_table, token_req, bounds, width,
+                               fill_tail: bool = True) -> torch.Tensor:
+    """The backend's torch logits (the kernel's signature): the reference, whose tail is always ``-inf``."""
+    return paged_indexer_logits_reference(q, weights, keys, scales, block_table, token_req, bounds, width)
+
+
 # ----------------------------------------------------------------------------- the indexer
 class IndexerQK(NamedTuple):
     """Per token: ``q`` ``[T, H, D]``, ``q_scale`` ``[T, H]``, head ``weights`` ``[T, H]`` (q_scale folded in),
@@ -89,13 +96,10 @@ class LightningIndexer(nn.Module):
     ``seed`` (two indexers of one config and seed are identical); keys in the cache ``attach_cache`` sets."""
 
     def __init__(self, config: IndexerConfig, *, seed: int = 0, device="cpu", cache: IndexerKeyCache | None = None,
-                 backend: str = "auto"):
+                 backend="auto"):
         super().__init__()
         check_indexer(config)
-        self.backend = resolve_backend(backend, device)  # FP8 keys on a GPU before Ada: the torch path (below)
-        if backend == "auto" and self.backend == "triton" and config.use_fp8 and \
-                torch.cuda.get_device_capability(torch.device(device)) < (8, 9):
-            self.backend = "torch"
+        self.backend = choose_backend(backend, device)  # FP8 keys before Ada: its torch logits (sparse_ref.backend)
         self.config = config
         c = config
         self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
@@ -188,12 +192,8 @@ class LightningIndexer(nn.Module):
         bounds = (fb.positions + 1).to(torch.int32)
         block_table = cache.block_table(fb.req_pool_indices)
         keys, scales = cache.key_pages(layer_id), cache.scale_pages(layer_id)
-        if self.backend == "triton":
-            from sparse_ref.kernels.dsa import paged_indexer_logits
-
-            return paged_indexer_logits(qk.q.contiguous(), qk.weights.float().contiguous(), keys, scales, block_table,
-                                        token_req, bounds, width, fill_tail=fill_tail, check_values=False)
-        return paged_indexer_logits_reference(qk.q, qk.weights, keys, scales, block_table, token_req, bounds, width)
+        return self.backend.dsa_logits(qk.q.contiguous(), qk.weights.float().contiguous(), keys, scales, block_table,
+                                       token_req, bounds, width, fill_tail)
 
     @torch.no_grad()
     def index_scores(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
@@ -232,11 +232,7 @@ class LightningIndexer(nn.Module):
         """Top ``index_topk`` positions of the first ``positions[t] + 1`` entries of each row, int32, -1 padded."""
         lengths = positions.long() + 1
         k = self.config.index_topk
-        if self.backend == "triton":
-            from sparse_ref.kernels.topk import topk
-
-            return topk(scores, k, lengths, order=order, width=k)
-        return topk_reference(scores, k, lengths, order=order, width=k)
+        return self.backend.topk(scores, k, lengths, order=order, width=k)
 
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch, layer_id: int, *, order: str = "index") -> torch.Tensor:
@@ -279,6 +275,16 @@ class DSAAlgorithm(SparseAlgorithm):
                            sparse_mask: torch.Tensor, attn_metadata=None, **kwargs):
         """The same as ``retrieve_topk``: the indexer already scores request by request."""
         return self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, attn_metadata, **kwargs)
+
+    def retrieve_attention_metadata(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                                    sparse_mask: torch.Tensor, forward_batch, req_to_token: torch.Tensor, out=None,
+                                    **kwargs):
+        """``retrieve_topk`` (its kwargs), then the adaptor at page size 1: tokens, not pages."""
+        selected, _ = self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask,
+                                         forward_batch=forward_batch, **kwargs)
+        lengths = lengths_from_selection(selected)
+        return selected, lengths, *to_attention_metadata(selected, lengths, sparse_mask, forward_batch, req_to_token,
+                                                         1, out, self.backend)
 
 
 # ------------------------------ argument checks (each entry point above calls one first)

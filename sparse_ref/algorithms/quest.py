@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_ref import checks
 from sparse_ref.algorithms.base import SparseAlgorithm, check_algorithm_batch, check_algorithm_layer
+from sparse_ref.backend import torch_twin
 from sparse_ref.batch import ForwardMode
 from sparse_ref.checks import (
     FLOAT_DTYPES,
@@ -60,6 +60,57 @@ def _page_scores(q_pos, q_neg, page_min, page_max, page_valid, pages) -> torch.T
     return torch.where(page_valid[pages], scores, torch.full_like(scores, float("-inf")))
 
 
+@torch_twin("quest_scores")
+def quest_scores_torch(queries: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, page_valid: torch.Tensor,
+                       req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, page_size: int, max_pages: int,
+                       gqa_mode: str) -> torch.Tensor:
+    """The backend's torch Quest scores from raw queries (the kernel's signature): sign split, each logical page's
+    physical page (``req_to_token`` at its first token; past a row's length, masked by selection), then
+    ``_page_scores``: fp32 ``[bs, max_pages]``."""
+    num_pages, num_kv_heads, head_dim = page_min.shape
+    q_pos, q_neg = split_query_sign(queries.to(page_min.device), num_kv_heads, head_dim, gqa_mode)
+    first_token_of_page = torch.arange(max_pages, device=req_to_token.device) * page_size
+    rows = req_pool_indices.to(req_to_token.device).long()
+    pages = req_to_token[rows[:, None], first_token_of_page[None, :]].long() // page_size
+    return _page_scores(q_pos, q_neg, page_min, page_max, page_valid, pages.to(page_min.device).clamp(0, num_pages - 1))
+
+
+@torch_twin("update_bounds")
+def update_bounds_torch(k_buffer: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
+                        page_valid: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                        seq_lens: torch.Tensor, page_size: int, prefix_lens: torch.Tensor | None = None) -> None:
+    """The backend's torch bounds update (the kernel's signature): after a prefill (``prefix_lens``) the bounds of
+    every page the new tokens completed, logical ``[prefix // P, seq_len // P)`` (a host loop over the requests);
+    after a decode step the page each row's newest token filled, where ``seq_len % P == 0`` (batched)."""
+    num_pages, num_kv_heads, head_dim = page_min.shape
+    k_pages = k_buffer.view(num_pages, page_size, num_kv_heads, head_dim)
+    pages, write = pages_to_summarize(req_to_token, req_pool_indices, seq_lens, page_size, prefix_lens)
+    pages, write = pages.to(page_min.device), write.to(page_min.device)
+    for chunk, w in zip(pages.split(4096), write.split(4096), strict=True):  # bounded temporaries at long context
+        k = k_pages[chunk.to(k_pages.device)].to(page_min.device).float()  # [chunk, P, H_kv, D]
+        mn, mx = round_bounds_outward(k.amin(dim=1), k.amax(dim=1), page_min.dtype)
+        page_min[chunk] = torch.where(w[:, None, None], mn, page_min[chunk])
+        page_max[chunk] = torch.where(w[:, None, None], mx, page_max[chunk])
+        page_valid[chunk] = page_valid[chunk] | w
+
+
+def pages_to_summarize(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                       page_size: int, prefix_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pages, write)``: the physical pages whose bounds a prefill (``prefix_lens``: every page completed, logical
+    ``[prefix // P, seq_len // P)``, a host loop) or a decode step (each row's newest page, ``write`` where its last
+    token completed it) builds."""
+    P, device = page_size, req_to_token.device
+    rows, seq_lens = req_pool_indices.to(device).long(), seq_lens.to(device)
+    if prefix_lens is None:
+        newest = (seq_lens - 1).clamp(min=0)
+        return req_to_token[rows, (newest // P) * P].long() // P, (seq_lens > 0) & (seq_lens % P == 0)
+    firsts = [torch.arange(a // P, b // P, device=device) * P for a, b in zip(prefix_lens.tolist(), seq_lens.tolist(),
+                                                                            strict=True)]
+    pages = [req_to_token[r, f].long() // P for r, f in zip(rows.tolist(), firsts, strict=True)]
+    pages = torch.cat(pages) if pages else torch.zeros(0, dtype=torch.long, device=device)
+    return pages, torch.ones_like(pages, dtype=torch.bool)
+
+
 BOUNDS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -102,65 +153,22 @@ class QuestAlgorithm(SparseAlgorithm):
             allocator.add_free_listener(self.invalidate_pages)
 
     # ---------------------------------------------------------------- bounds
-    def _write_bounds(self, layer_id: int, pages: torch.Tensor, k_pages: torch.Tensor, write: torch.Tensor) -> None:
-        """Store min/max of ``k_pages`` ``[n, P, H_kv, D]`` at physical ``pages`` where ``write`` is True."""
-        mn, mx = round_bounds_outward(k_pages.float().amin(dim=1), k_pages.float().amax(dim=1), self.bounds_dtype)
-        w = write[:, None, None]
-        self.page_min[layer_id][pages] = torch.where(w, mn, self.page_min[layer_id][pages])
-        self.page_max[layer_id][pages] = torch.where(w, mx, self.page_max[layer_id][pages])
-        self.page_valid[layer_id][pages] = self.page_valid[layer_id][pages] | write
-
     def construct_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
         """After a prefill: bounds of every page the new tokens completed (logical ``[prefix // P, seq_len // P)``)."""
-        k_pages = check_quest_hook(self, "construct_representations", layer_id, forward_batch, k_buffer)
-        P = self.page_size
-        req_to_token = self.req_to_token_pool.req_to_token
-        pages = []
-        rows = forward_batch.req_pool_indices.tolist()
-        prefixes, seq_lens = forward_batch.extend_prefix_lens.tolist(), forward_batch.seq_lens.tolist()
-        for r, prefix, seq_len in zip(rows, prefixes, seq_lens, strict=True):
-            first_token_of_page = torch.arange(prefix // P, seq_len // P, device=req_to_token.device) * P
-            pages.append(req_to_token[r, first_token_of_page].long() // P)
-        pages = torch.cat(pages).to(self.device)
-        check_real_pages(self, pages)
-        if self.backend == "triton":  # one launch: every completed page of every request
-            from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
-
-            update_page_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
-                               req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, P,
-                               prefix_lens=forward_batch.extend_prefix_lens)
-            return
-        for chunk in pages.split(4096):  # bounded temporaries at long context: [chunk, P, H_kv, D]
-            self._write_bounds(layer_id, chunk, k_pages[chunk], torch.ones_like(chunk, dtype=torch.bool))
+        check_quest_hook(self, "construct_representations", layer_id, forward_batch, k_buffer)
+        fb = forward_batch
+        self.backend.update_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id],
+                                   self.page_valid[layer_id], self.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                   fb.seq_lens, self.page_size, fb.extend_prefix_lens)
 
     def update_representations(self, layer_id: int, forward_batch, k_buffer: torch.Tensor) -> None:
         """After a decode step: the bounds of the page each row's newest token filled (``seq_len % P == 0``), kept
         only there; batched, no host sync."""
-        k_pages = check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
-        P = self.page_size
-        req_to_token = self.req_to_token_pool.req_to_token
-        if self.backend == "triton":  # one launch, no torch ops at all while a CUDA graph captures
-            from sparse_ref.kernels.quest_bounds import update_page_bounds  # kernels import only when used
-
-            if not checks.skip_value_checks():
-                check_real_pages(self, *self._decode_pages(forward_batch))
-            update_page_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
-                               req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, P)
-            return
-        pages, completed = self._decode_pages(forward_batch)
-        check_real_pages(self, pages, completed)
-        self._write_bounds(layer_id, pages, k_pages[pages], completed)
-
-    def _decode_pages(self, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The physical page holding each request's newest token, and whether this step completed it."""
-        P = self.page_size
-        req_to_token = self.req_to_token_pool.req_to_token
-        seq_lens = forward_batch.seq_lens.to(req_to_token.device)
-        rows = forward_batch.req_pool_indices.to(req_to_token.device)
-        newest = (seq_lens - 1).clamp(min=0)
-        pages = req_to_token[rows, (newest // P) * P].long().to(self.device) // P
-        completed = ((seq_lens > 0) & (seq_lens % P == 0)).to(self.device)
-        return pages, completed
+        check_quest_hook(self, "update_representations", layer_id, forward_batch, k_buffer)
+        fb = forward_batch
+        self.backend.update_bounds(k_buffer, self.page_min[layer_id], self.page_max[layer_id],
+                                   self.page_valid[layer_id], self.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                   fb.seq_lens, self.page_size)
 
     def invalidate_pages(self, pages) -> None:
         """Forget the bounds of freed physical ``pages`` in every layer (the free-listener hook)."""
@@ -171,31 +179,14 @@ class QuestAlgorithm(SparseAlgorithm):
             self.page_max[layer][pages] = 0.0
 
     # ---------------------------------------------------------------- scoring
-    def physical_pages(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        """int64 ``[bs, max_pages]``: ``req_to_token[r, j*P] // P``; past a row's length, masked by selection."""
-
-        req_to_token = self.req_to_token_pool.req_to_token
-        first_token_of_page = torch.arange(self.max_pages, device=req_to_token.device) * self.page_size
-        rows = req_pool_indices.to(req_to_token.device).long()
-        pages = req_to_token[rows[:, None], first_token_of_page[None, :]].long() // self.page_size
-        return pages.to(self.device).clamp(0, self.num_pages - 1)
-
     def score_pages(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                     forward_batch) -> torch.Tensor:
         """fp32 ``[bs, max_pages]`` Quest bounds of each logical page; -inf where a page has no bounds."""
         check_score_pages(self, queries, layer_id, forward_batch)
-        if self.backend == "triton":  # the Triton kernel splits the signs and maps the pages itself
-            from sparse_ref.kernels.quest import quest_page_scores_from_queries  # kernels import only when used
-
-            return quest_page_scores_from_queries(
-                queries.to(self.device), self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
-                self.req_to_token_pool.req_to_token.to(self.device), req_pool_indices.to(self.device), self.page_size,
-                self.max_pages, self.config.gqa_mode, check_values=False)  # rows checked by retrieve_topk
-        q_pos, q_neg = split_query_sign(queries.to(self.device), self.num_kv_heads, self.head_dim,
-                                        self.config.gqa_mode)
-        bounds = (self.page_min[layer_id], self.page_max[layer_id], self.page_valid[layer_id],
-                  self.physical_pages(req_pool_indices))
-        return _page_scores(q_pos, q_neg, *bounds)  # pages checked by check_score_pages
+        return self.backend.quest_scores(queries.to(self.device), self.page_min[layer_id], self.page_max[layer_id],
+                                         self.page_valid[layer_id], self.req_to_token_pool.req_to_token.to(self.device),
+                                         req_pool_indices.to(self.device), self.page_size, self.max_pages,
+                                         self.config.gqa_mode)
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
@@ -251,8 +242,8 @@ def check_quest_allocators(token_to_kv_pool, page_allocator) -> list:
     return allocators
 
 
-def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> torch.Tensor:
-    """The inputs of ``construct_representations`` / ``update_representations``; ``k_buffer`` seen as pages."""
+def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> None:
+    """The inputs of ``construct_representations`` / ``update_representations``, every page to summarize real."""
     check_algorithm_layer(algo, layer_id)
     check_algorithm_batch(algo, fn, forward_batch)
     want_mode, other = ((ForwardMode.EXTEND, "after a decode step call update_representations") if
@@ -263,16 +254,19 @@ def check_quest_hook(algo, fn: str, layer_id, forward_batch, k_buffer) -> torch.
         raise BatchError(f"{fn}: expected {article} {want_mode.name} batch, got {forward_batch.forward_mode}. "
                          f"Fix: {other} instead.")
     want = (algo.num_pages * algo.page_size, algo.num_kv_heads, algo.head_dim)
-    host = isinstance(k_buffer, torch.Tensor) and k_buffer.is_pinned() and algo.backend == "triton"
+    host = isinstance(k_buffer, torch.Tensor) and k_buffer.is_pinned()  # an offloaded layer's keys (unified address)
     check_tensor("k_buffer", k_buffer, dtype=FLOAT_DTYPES, shape=want, device=None if host else algo.device.type,
-                 fix="pass token_to_kv_pool.get_key_buffer(layer_id) (pinned host memory: with the Triton kernels "
-                     "only, which read it through unified addressing).")
-    return k_buffer.view(algo.num_pages, algo.page_size, algo.num_kv_heads, algo.head_dim)
+                 fix="pass token_to_kv_pool.get_key_buffer(layer_id) (or an offloaded layer's pinned host keys).")
+    fb = forward_batch
+    if not skip_value_checks():
+        check_real_pages(algo, *pages_to_summarize(algo.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                                   fb.seq_lens, algo.page_size, fb.extend_prefix_lens if
+                                                   fn == "construct_representations" else None))
 
 
-def check_real_pages(algo, pages: torch.Tensor, write: torch.Tensor | None = None) -> None:
+def check_real_pages(algo, pages: torch.Tensor, write: torch.Tensor) -> None:
     """Pages whose bounds are about to be built (where ``write``) hold real tokens: never padding page 0."""
-    if not skip_value_checks() and bool(((pages < 1) & (True if write is None else write)).any()):
+    if bool(((pages < 1) & write).any()):
         fail("forward_batch.seq_lens", "lengths within each request's tokens (every page to summarize mapped to "
              f"a page in [1, {algo.num_pages}) by req_to_token)", "a length that reaches padding page 0",
              "pass the batch built for these requests (build_extend_batch / build_decode_batch).", BatchError)

@@ -119,7 +119,7 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
             max_abs_err = float((s.out_sparse - ref).abs().max())
             kept_tokens = int(s.meta[1].max())
             sel = s.retrieve()
-            torch_meta = s.adaptor(*sel, backend="torch")
+            torch_meta = s.adaptor(*sel, backend=None)  # None: the adaptor's torch
             torch_meta = tuple(t.clone() for t in torch_meta)
             triton_meta = tuple(t.clone() for t in s.adaptor(*sel))
             fused = s.retrieve_table()  # the step's own path (selection + table in one launch on CUDA)

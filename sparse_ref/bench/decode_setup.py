@@ -18,7 +18,6 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     same attention kernel over the full, precomputed page table), and the byte counts.
     """
     from sparse_ref.adaptor import page_table_width, to_attention_metadata
-    from sparse_ref.algorithms.base import retrieve_attention_metadata
     from sparse_ref.algorithms.quest import QuestAlgorithm
     from sparse_ref.kernels.decode_attention import paged_decode_attention
     from sparse_ref.selection import selection_width
@@ -54,14 +53,14 @@ def decode_step_setup(bs, h_q, h_kv, d, ctx, page_size, budget_tokens, bounds_dt
     def scores():  # the first half of retrieve: query sign split + physical pages + the Quest scoring kernel
         return algo.score_pages(q, 0, rows, fb)
 
-    def adaptor(sel, lens, backend="auto"):  # auto: the one-launch Triton page table on CUDA
+    def adaptor(sel, lens, backend=algo.backend):  # the algorithm's: the one-launch Triton page table on CUDA
         return to_attention_metadata(sel, lens, mask, fb, r2t, page_size, out=meta, backend=backend)
 
     def sparse_attention():
         return paged_decode_attention(q, k, v, meta[0], meta[1], page_size, out=out_sparse)
 
     def retrieve_table():  # retrieve + adaptor; on CUDA the selection kernel writes the page table (one launch)
-        return retrieve_attention_metadata(algo, q, 0, rows, mask, fb, r2t, out=meta)
+        return algo.retrieve_attention_metadata(q, 0, rows, mask, fb, r2t, out=meta)
 
     def sparse_step():
         retrieve_table()

@@ -190,5 +190,5 @@ def _bench_dsa_indexer(device, timer, copy_bw, quick, on_cpu):
                 bs * ctx * cfg.key_bytes_per_token, copy_bw, "dsa_indexer",
                 baseline="index_scores_loop + select (per-request loop, wall clock, synced)",
                 torch_timing="wall clock", ours_timing=m_batched, ours_eager_us=round(t_eager, 1),
-                parts_us=parts_us, ours_backend=idx.backend, **agree)]
+                parts_us=parts_us, ours_backend=idx.backend.name, **agree)]
 

@@ -56,7 +56,6 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     """The engine's whole decode step (4 Quest layers) replayed from ONE CUDA graph (``GraphedDecodeStep``),
     per layer against the sum of one layer's parts timed alone, and the dense whole step (same kernel, same graph
     capture); bs=64, 32 q / 8 KV heads, D=128, page 16, bf16 K/V, bf16 Quest bounds, 32K context, budget 2048."""
-    from sparse_ref.algorithms.base import retrieve_attention_metadata
     from sparse_ref.engine_graph import GraphedDecodeStep
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
@@ -80,7 +79,7 @@ def bench_engine(device, timer, copy_bw, quick, on_cpu):
     q, k_new, v_new, _, _ = step.inputs[0]
     algo, r2t = coord.algorithms[0], engine.manager.req_to_token_pool.req_to_token
     mask = fb.seq_lens >= coord.configs[0].min_sparse_seq_len
-    retrieve = partial(retrieve_attention_metadata, algo, q, 0, fb.req_pool_indices, mask, fb, r2t)  # the engine's
+    retrieve = partial(algo.retrieve_attention_metadata, q, 0, fb.req_pool_indices, mask, fb, r2t)  # the engine's
     table, kv_lens = retrieve()[2:4]  # call: scores, then selection + page table (one launch on CUDA)
     kb, vb = pool.get_key_buffer(0), pool.get_value_buffer(0)
     parts = {"K/V append": partial(pool.set_kv, 0, fb.out_cache_loc, k_new, v_new),

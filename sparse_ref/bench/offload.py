@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from sparse_ref.adaptor import Metadata
 from sparse_ref.bench.timing import eager_cold, row
 from sparse_ref.config import SparseConfig
 from sparse_ref.offload import lru_order
@@ -101,8 +102,10 @@ def swap_in_bandwidth(device, timer, copy_bw, quick, on_cpu):
 
     batch = SimpleNamespace(req_pool_indices=torch.arange(bs, **on), seq_lens=seq_lens, out_cache_loc=r2t[:, -1].long())
 
+    table = torch.zeros(bs, n + 1, dtype=torch.int32, **on)
+
     def call(positions, host_k, host_v):  # the positions as a selection of single tokens (page size 1)
-        return swap_in(hot, 0, (positions, counts, sparse, 1, n + 1), batch, (new, new),
+        return swap_in(hot, 0, Metadata(table, counts, 1, positions, counts, sparse), batch, (new, new),
                        SimpleNamespace(k=[host_k], v=[host_v]), r2t)
 
     pin = torch.cuda.is_available()

@@ -77,6 +77,7 @@ def bench_bounds_update(device, timer, copy_bw, on_cpu):
     """The Quest bounds update after a decode step: the Triton kernel against the torch update (the same hook,
     ``QuestAlgorithm.update_representations``, on each backend). Every request completes a page (ctx is a multiple
     of the page size): the update's worst case, every program reads its page."""
+    from sparse_ref.backend import choose_backend
     from sparse_ref.workloads import make_quest_decode_setup
 
     bs, ctx, page_size = (3, 64, 16) if on_cpu else (64, 32768, 16)
@@ -86,8 +87,10 @@ def bench_bounds_update(device, timer, copy_bw, on_cpu):
     update = partial(algo.update_representations, setup.layer_id, fb, kb)
     pools = (algo.page_min[0], algo.page_max[0], algo.page_valid[0])
 
+    sides = {name: choose_backend(name, device) for name in ("torch", "triton")}
+
     def with_backend(backend):
-        saved, algo.backend = algo.backend, backend
+        saved, algo.backend = algo.backend, sides[backend]
         try:
             update()
         finally:
@@ -118,7 +121,7 @@ def bench_retrieve(device, timer, copy_bw, quick, on_cpu):
 
     bs, ctx, page_size = (2, 256, 16) if on_cpu else (64, 32768, 16)
     setup = make_quest_decode_setup(bs, ctx, page_size, device=device)
-    backends = dict(scoring=setup.algorithm.backend, selection=setup.algorithm.backend)
+    backends = dict(scoring=setup.algorithm.backend.name, selection=setup.algorithm.backend.name)
     batched = setup.retrieve()
     looped = setup.retrieve(loop=True)
     same = bool(torch.equal(batched[0], looped[0]) and torch.equal(batched[1], looped[1]))

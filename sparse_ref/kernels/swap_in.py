@@ -124,20 +124,22 @@ def _copy_in_kernel(copies, table, host_k, host_v, hot_k, hot_v, W, SPAN, HD: tl
                  mask=cols)
 
 
-def swap_in(hot, layer: int, selection: tuple, batch, new_kv: tuple, host, req_to_token: torch.Tensor
+def swap_in(hot, layer: int, md, batch, new_kv: tuple, host, req_to_token: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(table, counts)``: int32 ``[bs, width]``, the hot slots of the tokens each row reads, in order, 0 past
     them, and int32 ``[bs]``, how many each row reads. ``hot``: the hot buffers' state (``HotBuffer``: ``k``,
     ``v``, ``token``, ``last_used``, ``slot_of``, ``lru``, ``clock``, ``stats``, ``size``), updated in place for
-    ``layer``; ``selection``: ``(selected int32 [bs, S], lengths, sparse_mask, page_size, width)``, read as
-    ``positions_read`` reads it; ``batch``: the decode batch (``req_pool_indices``, ``seq_lens``,
+    ``layer``; ``md``: the layer's all-on-device metadata (``selected`` int32 ``[bs, S]``, ``lengths``,
+    ``sparse_mask``, ``page_size``; ``width``: its ``page_table``'s in tokens), read as ``positions_read`` reads
+    it; ``batch``: the decode batch (``req_pool_indices``, ``seq_lens``,
     ``out_cache_loc``); ``new_kv``: the new tokens' ``(k, v)`` ``[bs, H_kv, D]``, written to their reserved slots
     and to ``host.k[layer]`` / ``host.v[layer]`` at ``out_cache_loc``; misses copied in from the host pool.
     No host sync: graph-capturable. The table is ``width`` wide (the all-on-device table's, which attention
     reads), but a program only lists its first ``size + 1`` entries: no row reads more than its buffer and
     its newest token (``check_offload`` sizes the buffer so), and a 128K-wide row in one program cost the
     swap-in 1.9 ms at bs=8 on the H200."""
-    selected, lengths, sparse_mask, page_size, width = selection
+    selected, lengths, sparse_mask, page_size = md.selected, md.lengths, md.sparse_mask, md.page_size
+    width = md.page_table.shape[1] * page_size  # the all-on-device table's width in tokens
     token, last_used, slot_of, lru = (getattr(hot, name)[layer] for name in ("token", "last_used", "slot_of", "lru"))
     clock, size, hot_k, hot_v = hot.clock[layer: layer + 1], hot.size, hot.k[layer], hot.v[layer]
     # the buffers' dtype here, by torch (round to nearest even, as set_kv stores): the kernel then only copies

@@ -6,8 +6,8 @@
 #   (the 55-minute track, counted and timed), lint,
 #   clean-notebooks, clean,
 #   distclean (also removes .venv), tritons (a second Triton for the compile check), peers (SGLang's top-k
-#   library for the bench to time beside ours; network), gpu-check (the one GPU check: kernel tests, notebooks
-#   at GPU sizes, a bench smoke; on a CUDA machine, no set-up needed).
+#   library for the bench to time beside ours; network), gpu-check (the one GPU check: kernel tests at default
+#   knobs, notebooks at GPU sizes, older GPUs simulated, a bench smoke; on a CUDA machine, no set-up needed).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -87,8 +87,8 @@ demo: setup
 
 test: setup
 	@mkdir -p $(dir $(LAUNCHES)) && rm -f $(LAUNCHES)
-	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest -n $(JOBS) tests --nbmake notebooks \
-	  --nbmake-timeout=900 -q
+	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest -n $(JOBS) --dist worksteal tests --nbmake \
+	  notebooks --nbmake-timeout=900 -q
 	@echo "test: every launch recorded above, compiled for sm_90 under each Triton (a few minutes on 2 cores)"
 	SPARSE_REF_RECORD_LAUNCHES=$(LAUNCHES) $(BIN)/python -m pytest tests/test_aot_compile.py -k recorded -q -s
 

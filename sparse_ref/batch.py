@@ -16,6 +16,7 @@ import torch
 from sparse_ref.checks import (
     INT64_MAX,
     check_int,
+    check_new_token_slots,
     check_range,
     check_rows,
     check_same_device,
@@ -242,19 +243,4 @@ def check_batch_slots(req_to_token, fb, batch: str = "forward_batch.", error=Bat
         return
     counts = fb.extend_seq_lens if fb.forward_mode is ForwardMode.EXTEND else torch.ones_like(fb.seq_lens)
     rows = torch.repeat_interleave(fb.req_pool_indices.to(req_to_token.device), counts.to(req_to_token.device))
-    positions = fb.positions.to(req_to_token.device)
-    if int(rows.max()) >= req_to_token.shape[0] or int(positions.max()) >= req_to_token.shape[1]:
-        fail(f"{batch}positions", f"rows and positions inside req_to_token {tuple(req_to_token.shape)}",
-             f"row {int(rows.max())}, position {int(positions.max())}", "build the batch from these pools.", error)
-    want = req_to_token[rows, positions].long().to(fb.out_cache_loc.device)
-    if bool((want == 0).any()):  # slot 0 lies in padding page 0: no request's token is ever kept there
-        t = int((want == 0).nonzero()[0, 0])
-        fail(f"{batch}seq_lens", "lengths within each request's tokens (every new token has a slot in "
-             "req_to_token)", f"new token {t} at position {int(positions[t])} of row {int(rows[t])}, which holds "
-             "no token", "build the batch for these requests after allocating their tokens (build_decode_batch "
-             "/ decode_step).", error)
-    if not torch.equal(want, fb.out_cache_loc):
-        t = int((want != fb.out_cache_loc).nonzero()[0, 0])
-        fail(f"{batch}out_cache_loc[{t}]", f"slot {int(want[t])}, where req_to_token keeps that token (a write to "
-             "another slot lands where its request never reads it, or in another request's KV)",
-             str(int(fb.out_cache_loc[t])), "build the batch from the pool (build_decode_batch / decode_step).", error)
+    check_new_token_slots(req_to_token, rows, fb.positions, fb.out_cache_loc, batch, error)

@@ -28,6 +28,7 @@ from typing import NoReturn
 import torch
 
 from sparse_ref.errors import (
+    BatchError,
     ConfigError,
     PoolError,
     ShapeError,
@@ -214,6 +215,34 @@ def check_fits_memory(what: str, nbytes: int) -> None:
 
 
 # ------------------------------------------------- selections against req_to_token (adaptor and page-table kernels)
+def check_new_token_slots(req_to_token, rows, positions, out_cache_loc, batch: str = "forward_batch.",
+                          error=BatchError) -> None:
+    """Eager: each new token's ``out_cache_loc`` is the slot req_to_token keeps for it (row ``rows[t]``, position
+    ``positions[t]``): a write anywhere else lands where its request never reads it, or in another request's KV.
+    The engine's batches (``batch.check_batch_slots``) and the swap-in kernel's share it."""
+    if skip_value_checks() or positions.numel() == 0:
+        return
+    rows, positions = rows.to(req_to_token.device).long(), positions.to(req_to_token.device).long()
+    if int(rows.min()) < 0 or int(positions.min()) < 0 or int(rows.max()) >= req_to_token.shape[0] or \
+            int(positions.max()) >= req_to_token.shape[1]:
+        fail(f"{batch}positions", f"rows and positions inside req_to_token {tuple(req_to_token.shape)}",
+             f"rows {rows.tolist()[:8]}, positions {positions.tolist()[:8]}", "build the batch from these pools.",
+             error)
+    want = req_to_token[rows, positions].long().to(out_cache_loc.device)
+    if bool((want == 0).any()):  # slot 0 lies in padding page 0: no request's token is ever kept there
+        t = int((want == 0).nonzero()[0, 0])
+        fail(f"{batch}seq_lens", "lengths within each request's tokens (every new token has a slot in "
+             "req_to_token)", f"new token {t} at position {int(positions[t])} of row {int(rows[t])}, which holds "
+             "no token", "build the batch for these requests after allocating their tokens (build_decode_batch "
+             "/ decode_step).", error)
+    if not torch.equal(want, out_cache_loc.long()):
+        t = int((want != out_cache_loc.long()).nonzero()[0, 0])
+        fail(f"{batch}out_cache_loc[{t}]", f"slot {int(want[t])}, where req_to_token keeps that token (a write to "
+             "another slot lands where its request never reads it, or in another request's KV)",
+             str(int(out_cache_loc[t])), "build the batch from the pool (build_decode_batch / decode_step).", error)
+
+
+# ------------------------------------------------- selections against req_to_token (adaptor and page-table kernels)
 def check_tokens_on_real_pages(seq_lens, rows, req_to_token, page_size: int, name: str = "seq_lens") -> None:
     """Eager: every token ``[0, seq_len)`` of each row lies on a real page (req_to_token never names page 0)."""
     if seq_lens.numel() == 0 or skip_value_checks():
@@ -297,98 +326,3 @@ def check_quest_bounds_pool(page_min, page_max, page_valid) -> tuple[int, int, i
     check_tensor("page_valid", page_valid, dtype=torch.bool, shape=(page_min.shape[0],), contiguous=True,
                  fix="pass QuestAlgorithm.page_valid[layer_id], one bool per physical page.")
     return tuple(page_min.shape)
-
-
-# --------------------------------------------------------------------------------------------- the command lines
-def cli_parser(prog: str, description: str):
-    """An ``argparse.ArgumentParser`` whose errors are one line naming the flag (no usage dump), exit status 2.
-    Under torchrun every rank parses the same flags: only rank 0 prints the line, every rank exits 2."""
-    import argparse
-
-    class OneLineErrors(argparse.ArgumentParser):
-        def error(self, message):
-            self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n" if is_rank_zero() else None)
-
-    return OneLineErrors(prog=prog, description=description)
-
-
-def is_rank_zero() -> bool:
-    """True outside torchrun, and on its rank 0 (torchrun sets ``RANK`` in every process it starts)."""
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
-
-
-def cli_positive_int(text: str) -> int:
-    """An argparse type: an int >= 1 (``--context 0`` or ``--steps -3`` exit 2 naming the flag)."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
-def cli_output_file(text: str):
-    """An argparse type: a file path that can be written, not a folder, not empty. The folders are made and a
-    file is written there as a probe (permissions alone do not tell: root passes every permission, and /proc or a
-    read-only mount still refuse), then both are removed again: a command refused later leaves no trace."""
-    import argparse
-    import os
-    import tempfile
-    from pathlib import Path
-
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a file path, got an empty string")
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"expected a file path, got the folder {text!r}")
-    existing = next(p for p in (path.absolute().parent, *path.absolute().parents) if p.exists())
-    if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot create a folder under {str(existing)!r}: it is a file")
-    made = [p for p in path.absolute().parents if not p.exists()]
-    try:
-        for folder in reversed(made):
-            folder.mkdir()
-        if path.exists() and not os.access(path, os.W_OK):
-            raise PermissionError(f"{text!r} is read-only")
-        with tempfile.NamedTemporaryFile(dir=path.absolute().parent, prefix=".probe-"):
-            pass
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r} ({e.strerror or e}). Fix: choose a folder you "
-                                         "can write, e.g. build/") from None
-    finally:
-        for folder in made:  # deepest first; only the folders made here
-            if folder.exists():
-                folder.rmdir()
-    return path
-
-
-def cli_image_file(text: str):
-    """An argparse type: ``cli_output_file`` whose suffix names an image format matplotlib writes (png, pdf, ...)."""
-    import argparse
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    path = cli_output_file(text)
-    formats = sorted(FigureCanvasAgg(Figure()).get_supported_filetypes())
-    if path.suffix.lstrip(".").lower() not in formats:
-        raise argparse.ArgumentTypeError(f"expected an image file ending in one of .{', .'.join(formats)}, "
-                                         f"got {text!r}")
-    return path
-
-
-def json_safe(value):
-    """``value`` with every NaN and infinity replaced by None, so ``json.dumps(..., allow_nan=False)`` writes valid
-    JSON (bare ``NaN`` is not JSON: strict parsers refuse the whole file)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_ref.checks import cli_image_file, cli_output_file, cli_parser, cli_positive_int
+from sparse_ref.cli import cli_image_file, cli_output_file, cli_parser, cli_positive_int
 from sparse_ref.config import SparseConfig
 from sparse_ref.device import default_device, describe_run
 from sparse_ref.engine import DecodeEngine

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparse_ref.checks import is_rank_zero, json_safe
+from sparse_ref.cli import is_rank_zero, json_safe
 from sparse_ref.config import SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.tensor_parallel import TensorParallelEngine

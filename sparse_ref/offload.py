@@ -149,6 +149,12 @@ class HotBuffer:
 
     def write_newest(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new token of each row (``k``, ``v``: ``[bs, H_kv, D]``) into its reserved slot."""
+        check_hot_rows(self, layer, rows)
+        want = (rows.shape[0], *self.k[layer].shape[1:])
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                fail(f"write_newest({name})", f"[bs, H_kv, D] = {want}", str(getattr(t, "shape", t)),
+                     "pass the new tokens' K/V, one per row.", PoolError)
         slots = 1 + rows.to(self.device).long() * self.width + self.size
         self.k[layer][slots] = k.to(self.k[layer].dtype)
         self.v[layer][slots] = v.to(self.v[layer].dtype)
@@ -166,6 +172,8 @@ class HotBuffer:
                 seq_lens: torch.Tensor, host: HostKVPool, req_to_token: torch.Tensor) -> torch.Tensor:
         """int32 ``[bs, W]``: the hot slots of each row's first ``counts[b]`` ``positions`` (``positions_read``),
         0 past them; misses copied in from ``host``; the state updated."""
+        check_hot_rows(self, layer, rows)
+        check_hot_reads(self, rows, positions, counts, seq_lens)  # before anything changes
         self.clock[layer] += 1
         clock, table = int(self.clock[layer]), torch.zeros(positions.shape, dtype=torch.int32)
         hits = misses = 0
@@ -174,9 +182,6 @@ class HotBuffer:
             tokens, used = self.token[layer, row].tolist(), self.last_used[layer, row].tolist()
             held = {t: s for s, t in enumerate(tokens) if t >= 0}
             needed = [t for t in want if t != newest]
-            if len(needed) > self.size:  # (the engine sizes the buffer for its largest selection: check_offload)
-                fail("hot.size", f"room for every token a row reads: at most {self.size} + its newest token",
-                     f"row {row} reading {len(needed) + 1}", "build the buffer for the largest selection.")
             missing = [t for t in needed if t not in held]
             for t in needed:
                 if t in held:
@@ -234,6 +239,41 @@ def positions_read(selected: torch.Tensor, lengths: torch.Tensor, sparse_mask: t
     valid = torch.where(sparse, kept, j < seq_lens)[:, :width]
     positions = torch.where(sparse, pos, j)[:, :width]
     return torch.where(valid, positions, 0).to(torch.int32), valid.sum(1).to(torch.int32)
+
+
+def check_hot_rows(hot, layer, rows) -> None:
+    """A layer with hot slots, and request rows of the buffer, each once (a row of -1 would wrap to the last row:
+    another request's state)."""
+    layers = [i for i, k in enumerate(hot.k) if k is not None]
+    check_int("layer", layer, low=0, high=len(hot.k) - 1, error=PoolError)
+    if hot.k[layer] is None:
+        fail("layer", f"a layer with hot slots: {layers}", str(layer), "pass an offloaded layer.", PoolError)
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        fail("rows", "an int tensor [bs] of request rows", str(getattr(rows, "shape", rows)),
+             "pass forward_batch.req_pool_indices.", PoolError)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= hot.token.shape[1]):
+        fail("rows", f"request rows in [0, {hot.token.shape[1]})", str(rows.tolist()[:8]),
+             "pass forward_batch.req_pool_indices (a negative row would wrap to another request's).", PoolError)
+    if rows.unique().numel() != rows.numel():
+        fail("rows", "each request row once", str(rows.tolist()[:8]), "batch each request once.", PoolError)
+
+
+def check_hot_reads(hot, rows, positions, counts, seq_lens) -> None:
+    """Each row's first ``counts`` positions lie in ``[0, seq_len)``, once each, and all but its newest fit its
+    ``size`` slots (the engine sizes the buffer for its largest selection: ``check_offload``)."""
+    bs = rows.shape[0]
+    if tuple(positions.shape[:1]) != (bs,) or tuple(counts.shape) != (bs,) or tuple(seq_lens.shape) != (bs,):
+        fail("positions, counts, seq_lens", f"one row each per request row ({bs})",
+             f"{tuple(positions.shape)}, {tuple(counts.shape)}, {tuple(seq_lens.shape)}", "pass positions_read's "
+             "output and the batch's seq_lens.", PoolError)
+    for b, (n, seq_len) in enumerate(zip(counts.tolist(), seq_lens.tolist(), strict=True)):
+        want = positions[b, :n].tolist() if 0 <= n <= positions.shape[1] else None
+        if want is None or any(not 0 <= t < seq_len for t in want) or len(set(want)) != n:
+            fail(f"positions[{b}]", f"counts[{b}] distinct positions in [0, seq_len={seq_len})",
+                 f"counts {n}, positions {positions[b].tolist()[:8]}", "pass positions_read's output.", PoolError)
+        if sum(t != seq_len - 1 for t in want) > hot.size:
+            fail("hot.size", f"room for every token a row reads: at most {hot.size} + its newest token",
+                 f"row {int(rows[b])} reading {n}", "build the buffer for the largest selection.")
 
 
 def check_offload_backend(offloaded, backend) -> None:

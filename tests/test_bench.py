@@ -115,7 +115,7 @@ def test_sdpa_baseline_falls_through_to_a_backend_that_runs(monkeypatch):
 
 def test_bench_json_is_strict_json():
     """A NaN or infinity in a row is written as null: a bare NaN is not JSON, and strict parsers refuse the file."""
-    from sparse_ref.checks import json_safe
+    from sparse_ref.cli import json_safe
 
     row = {"speedup": float("nan"), "tbps": float("inf"), "parts": [1.0, float("-inf")], "ok": 2.5}
     text = json.dumps(json_safe(row), allow_nan=False)

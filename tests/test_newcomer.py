@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparse_ref import bench, demo
-from sparse_ref.checks import cli_parser
+from sparse_ref.cli import cli_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(main, argv
 
 
 def test_the_out_probe_leaves_no_folder_behind(tmp_path):
-    from sparse_ref.checks import cli_output_file
+    from sparse_ref.cli import cli_output_file
 
     assert cli_output_file(str(tmp_path / "a" / "b" / "plot.png")) == tmp_path / "a" / "b" / "plot.png"
     assert list(tmp_path.iterdir()) == []

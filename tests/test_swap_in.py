@@ -14,7 +14,7 @@ import torch
 
 import sparse_ref
 from sparse_ref.adaptor import Metadata
-from sparse_ref.errors import SparseRefError
+from sparse_ref.errors import PoolError, SparseRefError
 from sparse_ref.kernels.swap_in import swap_in
 from sparse_ref.offload import HostKVPool, HotBuffer, lru_order, positions_read
 
@@ -157,13 +157,11 @@ def test_refuses_bad_state_before_launch():
     hot = HotBuffer(1, 2, 4, 1, 2, 16, device=DEVICE)
     host = HostKVPool(33, 1, 1, 2)
     on = {"device": DEVICE}
-    chosen = dict(selected=torch.zeros(2, 5, dtype=torch.int32, **on),
-                     lengths=torch.ones(2, dtype=torch.int32, **on),
-                     sparse_mask=torch.ones(2, dtype=torch.bool, **on), page_size=1, width=5)
-    batch = decode_batch(torch.arange(2, **on), torch.ones(2, dtype=torch.int64, **on),
-                         torch.ones(2, dtype=torch.int64, **on))
+    chosen = dict(selected=torch.zeros(2, 5, dtype=torch.int32, **on), lengths=torch.ones(2, dtype=torch.int32, **on),
+                  sparse_mask=torch.ones(2, dtype=torch.bool, **on), page_size=1, width=5)
+    r2t = torch.arange(1, 33, dtype=torch.int32, **on).view(2, 16)
+    batch = decode_batch(torch.arange(2, **on), torch.ones(2, dtype=torch.int64, **on), r2t[:, 0].long())
     new_kv = (torch.zeros(2, 1, 2, **on), torch.zeros(2, 1, 2, **on))
-    r2t = torch.zeros(2, 16, dtype=torch.int32, **on)
 
     def call(hot=hot, new_kv=new_kv, **change):
         return swap_in(hot, 0, selection(*{**chosen, **change}.values()), batch, new_kv, host, r2t)
@@ -250,6 +248,8 @@ BAD_CALLS = {
                                               "width": 16},
     "a slot past the host pool": lambda c: {"r2t": c["r2t"] + 1000},
     "the newest token on the padding slot": lambda c: {"new_loc": torch.zeros(2, dtype=torch.int64, device=DEVICE)},
+    "another request's new-token slot": lambda c: {"new_loc": c["new_loc"].flip(0)},
+    "a stale batch (row 0 reused since)": lambda c: {"r2t": torch.cat([c["r2t"][:1] + 64, c["r2t"][1:]])},
 }
 
 
@@ -280,3 +280,69 @@ def test_an_unchecked_page_minus_one_never_reaches_the_row_before():
     assert all(torch.equal(a, t[:, 0]) for a, t in zip(row0, (hot.token, hot.last_used, hot.slot_of, hot.lru),
                                                        strict=True))
     assert int(counts[0]) == 1  # page 2 holds token 8 below seq_len 9 (the newest); page -1 adds nothing
+
+
+@pytest.mark.parametrize("case", ["sparse without its last page", "dense cut at the width"])
+def test_size_plus_one_reads_fit_only_with_the_newest_token(case):
+    """A row has ``size`` slots and the newest token's reserved one: ``size + 1`` reads fit only when the newest
+    token is one of them. A sparse row without its last page, or a dense row cut at the table's width, reading
+    ``size + 1`` tokens is refused before anything changes (it once took an uninitialised victim)."""
+    hot, host, call = swap_in_case(page=3, size=8)  # row 0: seq_len 10, the newest (9) on page 3; row 1: 9
+    three = torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32, device=DEVICE)
+    bad = {**call, "selected": three, "lengths": torch.tensor([3, 3], dtype=torch.int32, device=DEVICE),
+           "width": 12}
+    if case == "dense cut at the width":
+        bad.update(sparse_mask=torch.tensor([False, True], device=DEVICE), width=9)
+    before = state(hot, host)
+    with pytest.raises(SparseRefError, match="hot.size"):
+        run_swap_in(hot, host, bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, state(hot, host), strict=True))
+    good = {**bad, "selected": torch.tensor([[1, 2, 3], [0, 1, 2]], dtype=torch.int32, device=DEVICE),
+            "sparse_mask": torch.ones(2, dtype=torch.bool, device=DEVICE), "width": 12}
+    table, counts = run_swap_in(hot, host, good)  # row 0 reads 7 of pages 1-3 (with its newest), row 1 its 9
+    assert counts.tolist() == [7, 9]
+
+
+def test_lengths_past_the_slot_maps_context_are_refused():
+    """A hot buffer built for a shorter context than req_to_token holds: a row past it would write the next row's
+    slot map (the lengths were checked against req_to_token's width)."""
+    _, host, call = swap_in_case()
+    hot = HotBuffer(1, 3, 8, 1, 2, 8, device=DEVICE)  # max_context_len 8; the batch's rows reach 10 and 9
+    before = state(hot, host)
+    with pytest.raises(SparseRefError, match="seq_lens"):
+        run_swap_in(hot, host, call)
+    assert all(torch.equal(a, b) for a, b in zip(before, state(hot, host), strict=True))
+
+
+@pytest.mark.parametrize("which", ["new_v", "hot_v", "host_v"])
+def test_the_v_side_is_checked_as_the_k_side(which):
+    hot, host, call = swap_in_case()
+    new = torch.zeros(2, 1, 2, device=DEVICE)
+    new_v = torch.zeros(2, 1, 3, device=DEVICE) if which == "new_v" else new
+    if which == "hot_v":
+        hot.v[0] = hot.v[0][:-1].contiguous()
+    if which == "host_v":
+        host.v[0] = torch.zeros(host.v[0].shape[0], 2, 2)
+    batch = decode_batch(call["rows"], call["seq_lens"], call["new_loc"])
+    md = selection(call["selected"], call["lengths"], call["sparse_mask"], call["page_size"], call["width"])
+    with pytest.raises(SparseRefError, match=which.replace("_", " ") if which == "host_v" else which):
+        swap_in(hot, 0, md, batch, (new, new_v), host, call["r2t"])
+    assert int(hot.clock[0]) == 0
+
+
+def test_the_reference_refuses_a_row_that_wraps():
+    """``rows=[-1]`` once wrote the last row's reserved slot (another request's state), in both the write path and
+    the reference swap-in; an unread position or a buffer too small is refused before the clock moves."""
+    hot = HotBuffer(1, 3, 4, 1, 2, 16)
+    k = torch.ones(1, 1, 2)
+    with pytest.raises(PoolError, match="rows"):
+        hot.write_newest(0, torch.tensor([-1]), k, k)
+    host, r2t = HostKVPool(49, 1, 1, 2), torch.arange(1, 49, dtype=torch.int32).view(3, 16)
+    positions, counts, seq = torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([6]), torch.tensor([7])
+    with pytest.raises(PoolError, match="rows"):
+        hot.swap_in(0, torch.tensor([-1]), positions, counts, seq, host, r2t)
+    with pytest.raises(SparseRefError, match="hot.size"):  # six besides the newest, four slots
+        hot.swap_in(0, torch.tensor([2]), positions, counts, seq, host, r2t)
+    with pytest.raises(PoolError, match="positions"):
+        hot.swap_in(0, torch.tensor([2]), torch.tensor([[0, 9]]), torch.tensor([2]), seq, host, r2t)
+    assert int(hot.clock[0]) == 0 and not hot.k[0].any()

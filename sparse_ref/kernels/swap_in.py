@@ -34,7 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_ref.checks import check_int, check_kernel_device, check_range, check_tensor, fail, skip_value_checks
+from sparse_ref.checks import (
+    check_int,
+    check_kernel_device,
+    check_new_token_slots,
+    check_range,
+    check_tensor,
+    fail,
+    skip_value_checks,
+)
+from sparse_ref.errors import SparseRefError
 
 
 @triton.jit
@@ -144,10 +153,10 @@ def swap_in(hot, layer: int, md, batch, new_kv: tuple, host, req_to_token: torch
     clock, size, hot_k, hot_v = hot.clock[layer: layer + 1], hot.size, hot.k[layer], hot.v[layer]
     # the buffers' dtype here, by torch (round to nearest even, as set_kv stores): the kernel then only copies
     new_k, new_v = (t.to(hot_k.dtype).contiguous() if isinstance(t, torch.Tensor) else t for t in new_kv)
-    check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, last_used, slot_of, lru,
-                  clock, hot.stats, size)
+    check_swap_in(selected, lengths, sparse_mask, page_size, width, (hot_k, hot_v), (new_k, new_v),
+                  (host.k[layer], host.v[layer]), token, last_used, slot_of, lru, clock, hot.stats, size)
     check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size, batch, token.shape[0],
-                         host.k[layer], req_to_token)
+                         slot_of.shape[1], host.k[layer], req_to_token)
     clock += 1
     bs = selected.shape[0]
     hd = hot_k.shape[1] * hot_k.shape[2]
@@ -177,10 +186,12 @@ COPY_ROWS = 8  # table entries (token rows) per copy program
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
-def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k, token, last_used, slot_of, lru,
-                  clock, stats, size) -> None:
-    """Shapes, without a host sync: the buffer's state of one layer (``token`` ``[rows, size]``, the list and the
-    stamps alike, ``slot_of`` ``[rows, max_ctx]``, ``hot_k`` holding every row's ``size + 1`` slots)."""
+def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_kv, new_kv, host_kv, token, last_used,
+                  slot_of, lru, clock, stats, size) -> None:
+    """Shapes and dtypes, without a host sync: the buffer's state of one layer (``token`` ``[rows, size]``, the list
+    and the stamps alike, ``slot_of`` ``[rows, max_ctx]``, K and V holding every row's ``size + 1`` slots), the new
+    tokens' K and V, the host pool's K and V (the buffers' heads and dims, and dtype)."""
+    (hot_k, hot_v), (new_k, new_v), (host_k, host_v) = hot_kv, new_kv, host_kv
     size = check_int("size", size, low=1, high=1 << 16)
     if token.dim() != 2 or token.shape[1] != size or hot_k.dim() != 3 or \
             hot_k.shape[0] < 1 + token.shape[0] * (size + 1):
@@ -196,17 +207,24 @@ def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_k, new_k
     check_tensor("last_used", last_used, dtype=torch.int32, shape=tuple(token.shape), contiguous=True)
     check_tensor("slot_of", slot_of, dtype=torch.int32, shape=(token.shape[0], None), contiguous=True)
     check_tensor("hot_k", hot_k, dims=3, contiguous=True)
-    check_tensor("new_k", new_k, shape=(selected.shape[0], *hot_k.shape[1:]), contiguous=True)
+    check_tensor("hot_v", hot_v, dtype=hot_k.dtype, shape=tuple(hot_k.shape), contiguous=True)
+    for name, t in (("new_k", new_k), ("new_v", new_v)):
+        check_tensor(name, t, dtype=hot_k.dtype, shape=(selected.shape[0], *hot_k.shape[1:]), contiguous=True)
+    check_tensor("host k", host_k, dtype=hot_k.dtype, shape=(None, *hot_k.shape[1:]), contiguous=True,
+                 fix="pass the host pool of this layer (its K/V as the hot buffer's: heads, head_dim, dtype).")
+    check_tensor("host v", host_v, dtype=hot_k.dtype, shape=tuple(host_k.shape), contiguous=True)
     check_tensor("clock", clock, dtype=torch.int32, shape=(1,))
     check_tensor("stats", stats, dtype=torch.int64, shape=(2,))
     check_kernel_device("selected", selected, "move it with .cuda().")
 
 
-def check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size, batch, num_rows, host_k,
+def check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size, batch, num_rows, max_ctx, host_k,
                          req_to_token):
     """Values (host syncs; skipped while a graph captures or a caller checked the batch): each request row once and
-    in range, each sparse row naming only its own pages once, each row reading at most its buffer and its newest
-    token, and the host pool holding every slot the table names. A bad value never reaches another row's state."""
+    in range, its length within the slot map's ``max_ctx``, its new token's slot the one req_to_token keeps for it,
+    each sparse row naming only its own pages once, each row reading at most its buffer (and its newest token, in
+    the reserved slot, where it reads it), and the host pool holding every slot the table names. A bad value never
+    reaches another row's state."""
     bs = selected.shape[0]
     if bs == 0 or skip_value_checks():
         return
@@ -214,7 +232,9 @@ def check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size,
     check_range("batch.req_pool_indices", rows, 0, num_rows - 1, "rows of the hot buffer (the requests' rows).")
     if rows.unique().numel() != bs:
         fail("batch.req_pool_indices", "each request row once", str(rows.tolist()), "batch each request once.")
-    check_range("batch.seq_lens", seq_lens, 1, req_to_token.shape[1], "each request holds its newest token.")
+    check_range("batch.seq_lens", seq_lens, 1, min(req_to_token.shape[1], max_ctx),
+                "each request holds its newest token, within req_to_token and the hot buffer's max_context_len.")
+    check_new_token_slots(req_to_token, rows, seq_lens - 1, batch.out_cache_loc, "batch.", SparseRefError)
     live = torch.arange(selected.shape[1], device=selected.device)[None, :] < lengths[:, None]
     sparse = (sparse_mask & (lengths > 0))[:, None] & live
     pages = -(-seq_lens // page_size)
@@ -225,9 +245,13 @@ def check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size,
     if bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()):
         fail("selected", "each kept page once in a row", str(selected.tolist()[:4]), "pass retrieve_topk's selection.")
     reads = torch.where(sparse, (seq_lens[:, None] - selected.long() * page_size).clamp(0, page_size), 0).sum(1)
-    reads = torch.where((sparse_mask & (lengths > 0)), reads, seq_lens.clamp(max=width))  # (a table cuts at width)
-    if int(reads.max()) > size + 1:
-        fail("hot.size", f"room for every token a row reads: at most {size} + its newest token",
-             f"a row reading {int(reads.max())}", "build the buffer for the largest selection (check_offload).")
+    sparse_row = sparse_mask & (lengths > 0)
+    reads = torch.where(sparse_row, reads, seq_lens.clamp(max=width))  # (a table cuts at width)
+    newest = torch.where(sparse_row, (sparse & (selected.long() == (seq_lens[:, None] - 1) // page_size)).any(1),
+                         seq_lens <= width)  # the newest token is read: it takes the reserved slot, not the LRU
+    if int((reads - newest.long()).max()) > size:
+        fail("hot.size", f"room for every token a row reads but its newest (the reserved slot): at most {size}",
+             f"a row reading {int((reads - newest.long()).max())} besides its newest",
+             "build the buffer for the largest selection (check_offload).")
     check_range("req_to_token", req_to_token, 0, host_k.shape[0] - 1, "slots of the host pool.")
     check_range("batch.out_cache_loc", batch.out_cache_loc, 1, host_k.shape[0] - 1, "slots of the host pool.")

@@ -100,7 +100,8 @@ def swap_in_bandwidth(device, timer, copy_bw, quick, on_cpu):
     moved = bs * n * hot.token_bytes
     sparse = torch.ones(bs, dtype=torch.bool, **on)
 
-    batch = SimpleNamespace(req_pool_indices=torch.arange(bs, **on), seq_lens=seq_lens, out_cache_loc=r2t[:, -1].long())
+    batch = SimpleNamespace(req_pool_indices=torch.arange(bs, **on), seq_lens=seq_lens,
+                            out_cache_loc=r2t[:, 2 * n].long())  # the newest token's slot (position seq_len - 1)
 
     table = torch.zeros(bs, n + 1, dtype=torch.int32, **on)
 

@@ -490,8 +490,9 @@ def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats = topk_module.prepare(x, 20, None, None, out)
     assert stats.names == ("delegates", "candidates", "select")
-    stats.delegates()
-    stats.candidates()
+    delegates, candidates, select = stats.launches
+    delegates()
+    candidates()
     slots, starts, counts = stats.slots, stats.run_starts, stats.counts
     before = starts.clone()
     for r in range(x.shape[0]):
@@ -505,7 +506,7 @@ def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
             starts[r, c] = pos
             pos += runs[c].numel()
     assert (starts != before).any(dim=1).sum() >= 5  # most rows now hold their runs in another order
-    stats.select()
+    select()
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 20, order="index"))
     assert not topk_module._SYNC[str(x.device)].any()
 
@@ -527,8 +528,9 @@ def test_candidates_bitmask(monkeypatch):
     lengths = torch.tensor([1500, 1499, 700, 1, 1500, 64, 0])
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats = topk_module.prepare(x.to(DEVICE), 20, None, lengths.to(DEVICE), out)
-    stats.delegates()
-    stats.candidates()
+    delegates, candidates, select = stats.launches
+    delegates()
+    candidates()
     chunk = stats.plan.chunk
     for r in range(7):
         key = float_keys(x[r, :int(lengths[r])])
@@ -539,7 +541,7 @@ def test_candidates_bitmask(monkeypatch):
                                                dtype=torch.int32)]).view(-1, chunk)
         assert torch.equal(stats.above[r].cpu(), (per_chunk > T).sum(1).int()), r
         assert torch.equal(stats.ties[r].cpu(), ((per_chunk == T) & (per_chunk != -(2**31))).sum(1).int()), r
-    stats.select()
+    select()
     assert torch.equal(out.cpu(), topk_reference(x, 20, lengths, order="index"))
     assert not topk_module._SYNC[str(out.device)].any()
 

@@ -105,8 +105,8 @@ def launch_breakdown(copies, k, timer) -> dict:
 
     def cut(n, reset=False):
         def call(run):
-            for name in run.names[:n]:
-                getattr(run, name)()
+            for step in run.launches[:n]:
+                step()
             if reset:
                 counters.zero_()
         return timer.cold([partial(call, run) for run in runs])

@@ -7,6 +7,7 @@ order what ``planning.py`` decided from the shapes: a row of up to ``register_ro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,22 +55,38 @@ def _sync_buffer(device: torch.device, R: int) -> torch.Tensor:
     return buf
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a call, its grid computed once: ``programs`` and ``warps`` are what a GPU runs (the
+    interpreter runs one warp)."""
+
+    name: str
+    kernel: object
+    grid: tuple
+    warps: int
+    args: tuple
+    constexprs: dict
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
+
+    def __call__(self) -> None:
+        gpu = self.args[0].device.type == "cuda"
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.warps if gpu else 1)
+
+
 @dataclass
 class TopkRun:
-    """One call: its plan, buffers and launches in order (``launch`` runs ``names``; ``grids``: each launch's
-    programs and warps on a GPU). Left for a reader once run: each row's path ``flags`` (0 exact select on the
-    candidates or directly, 2 tie path, 3 the keys above T selected again, 1 whole-row radix) and, on long
-    rows, the ``threshold`` keys, each chunk's keys ``above`` it and equal to it (``ties``), the mode
-    (``bitmask``), the candidate ``slots`` and the ``bits`` (bitmask mode) or each chunk's ``counts`` and
-    ``run_starts`` (runs mode)."""
+    """One call: its plan, its ``launches`` in order (``launch`` runs them) and the buffers they leave for a reader:
+    each row's path ``flags`` (0 exact select on the candidates or directly, 2 tie path, 3 the keys above T
+    selected again, 1 whole-row radix) and, on long rows, the ``threshold`` keys, each chunk's keys ``above`` it and
+    equal to it (``ties``), the mode (``bitmask``), the candidate ``slots`` and the ``bits`` (bitmask mode) or each
+    chunk's ``counts`` and ``run_starts`` (runs mode)."""
 
     plan: Plan
-    names: tuple
-    grids: dict
+    launches: tuple
     flags: torch.Tensor
-    args: dict  # scores, stride, out, N, W, k, lengths: what every launch reads
-    work: torch.Tensor | None = None
-    cand: torch.Tensor | None = None
     sync: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     above: torch.Tensor | None = None
@@ -80,66 +97,45 @@ class TopkRun:
     counts: torch.Tensor | None = None
     run_starts: torch.Tensor | None = None
     span: int = 0  # columns per select program
-    shape: dict | None = None  # the long-row launches' shared constexprs and sizes
+
+    @property
+    def names(self) -> tuple:
+        return tuple(step.name for step in self.launches)
+
+    @property
+    def grids(self) -> dict:
+        """Each launch's ``(programs, warps)`` on a GPU."""
+        return {step.name: (step.programs, step.warps) for step in self.launches}
 
     def launch(self) -> TopkRun:
-        for name in self.names:
-            getattr(self, name)()
+        for step in self.launches:
+            step()
         return self
-
-    def short_row(self) -> None:
-        p, a = self.plan, self.args
-        rows.short_row_kernel[(a["R"],)](
-            a["scores"], a["stride"], a["out"], self.work, self.flags, a["N"], a["W"], a["k"], a["lengths"],
-            N_PAD=p.n_pad, G=p.G, SLOTS=p.slots, PAIR=self.shape["pair"],
-            BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(a["W"]))),
-            DIRECT=direct_mode(p.direct, TUNING["value_bins"]), num_warps=self.grids["short_row"][1] if a["gpu"] else 1)
-
-    def whole_row(self) -> None:
-        a = self.args
-        select.whole_row_kernel[(a["R"],)](a["scores"], a["stride"], a["out"], a["N"], a["W"], a["k"], a["lengths"],
-                                           BLOCK=self.shape["block"], num_warps=DELEGATE_WARPS if a["gpu"] else 1)
-
-    def delegates(self) -> None:
-        p, a, sh = self.plan, self.args, self.shape
-        threshold.delegates_kernel[(a["R"] * (p.G // p.cols),)](
-            a["scores"], a["stride"], self.work, self.sync, a["N"], a["W"], a["k"], a["lengths"], G=p.G, COLS=p.cols,
-            ROWS=sh["rows"], LOG_C=sh["LOG_C"], LOCAL=p.G // p.cols <= TUNING["local_threshold"],
-            num_warps=DELEGATE_WARPS if a["gpu"] else 1, **sh["pdl"])
-
-    def candidates(self) -> None:
-        p, a, sh = self.plan, self.args, self.shape
-        candidates.candidates_kernel[(a["R"] * sh["C"],)](
-            a["scores"], a["stride"], self.cand, self.work, self.sync, a["N"], a["W"], a["k"], a["lengths"],
-            G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=sh["LOG_C"], BITMASK=self.bitmask,
-            REVERSE=TUNING["reverse_rows"], num_warps=TUNING["candidate_warps"] if a["gpu"] else 1, **sh["pdl"])
-
-    def select(self) -> None:
-        p, a, sh = self.plan, self.args, self.shape
-        select.select_kernel[(a["R"], triton.cdiv(a["N"], self.span))](
-            a["scores"], a["stride"], a["out"], self.cand, self.work, self.sync, a["N"], a["W"], a["k"], a["lengths"],
-            G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=sh["LOG_C"], BITMASK=self.bitmask, PAIR=p.pair, SPAN=self.span,
-            TILE=sh["tile"], num_warps=SELECT_WARPS if a["gpu"] else 1, **sh["pdl"])
 
 
 def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
-    """The plan, buffers and launch shapes of one checked call; nothing launched (``launch`` runs it)."""
+    """The plan, buffers and launches of one checked call; nothing launched (``launch`` runs it)."""
     R, N = scores.shape
     W, device = out.shape[1], scores.device
-    gpu = device.type == "cuda"
     p = plan(R, N, W)
-    args = dict(scores=scores, stride=scores.stride(0), out=out, N=N, W=W, R=R, gpu=gpu, lengths=lengths,
-                k=k_tensor if k_tensor is not None else min(k_scalar, N))
-    if p.register:
+    k = k_tensor if k_tensor is not None else min(k_scalar, N)
+    row = (scores, scores.stride(0))  # every launch reads the rows; then (N, W, k, lengths)
+    if p.register:  # one program per row, the row in registers (rows.py)
         pair = TUNING["short_pair"] if p.direct else p.pair
-        warps = short_row_warps(p.n_pad) if p.direct else TUNING["num_warps"]
-        return TopkRun(p, ("short_row",), {"short_row": (R, warps)}, torch.empty(R, dtype=torch.int32, device=device),
-                       args, work=torch.empty((R, max(pair, 1) if p.direct else p.slots), dtype=torch.int32,
-                                              device=device), shape={"pair": pair})
-    block = TUNING["block"] if gpu else min(TUNING["block"], p.n_pad)
+        work = torch.empty((R, max(pair, 1) if p.direct else p.slots), dtype=torch.int32, device=device)
+        flags = torch.empty(R, dtype=torch.int32, device=device)
+        short_row = Launch("short_row", rows.short_row_kernel, (R,),
+                           short_row_warps(p.n_pad) if p.direct else TUNING["num_warps"],
+                           (*row, out, work, flags, N, W, k, lengths),
+                           dict(N_PAD=p.n_pad, G=p.G, SLOTS=p.slots, PAIR=pair,
+                                BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
+                                DIRECT=direct_mode(p.direct, TUNING["value_bins"])))
+        return TopkRun(p, (short_row,), flags)
     if p.force_fallback:  # every row takes the whole-row radix: flag 1
-        return TopkRun(p, ("whole_row",), {"whole_row": (R, DELEGATE_WARPS)},
-                       torch.ones(R, dtype=torch.int32, device=device), args, shape={"block": block})
+        block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p.n_pad)
+        whole_row = Launch("whole_row", select.whole_row_kernel, (R,), DELEGATE_WARPS,
+                           (*row, out, N, W, k, lengths), dict(BLOCK=block))
+        return TopkRun(p, (whole_row,), torch.ones(R, dtype=torch.int32, device=device))
     C = triton.cdiv(N, p.chunk)
     log_c = max(1, (C - 1).bit_length())
     head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: docs/topk.md)
@@ -152,16 +148,24 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
     span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
     # bitmask words, and bits_to_slots' blocks of words must be a power of two)
     assert span % p.chunk == 0 and p.chunk % 32 == 0
-    grids = {"delegates": (R * (p.G // p.cols), DELEGATE_WARPS), "candidates": (R * C, TUNING["candidate_warps"]),
-             "select": (R * triton.cdiv(N, span), SELECT_WARPS)}
-    rows = max(1, min(DELEGATE_TILE // p.cols, triton.next_power_of_2(triton.cdiv(N, p.G))))
-    shape = dict(C=C, LOG_C=log_c, rows=rows, tile=tile, pdl=pdl_options(device))
-    return TopkRun(p, ("delegates", "candidates", "select"), grids, work[:, FLAG.value], args, work=work, cand=cand,
-                   sync=_sync_buffer(device, R), threshold=work[:, T_.value], above=work[:, head[0]:head[0] + C],
-                   ties=work[:, head[1]:head[1] + C], bitmask=bitmask, slots=cand[:, 2 * n_words:],
-                   bits=cand[:, :n_words] if bitmask else None,
+    sync, pdl = _sync_buffer(device, R), pdl_options(device)
+    rows_per = max(1, min(DELEGATE_TILE // p.cols, triton.next_power_of_2(triton.cdiv(N, p.G))))
+    tail = (N, W, k, lengths)
+    launches = (
+        Launch("delegates", threshold.delegates_kernel, (R * (p.G // p.cols),), DELEGATE_WARPS,
+               (*row, work, sync, *tail), dict(G=p.G, COLS=p.cols, ROWS=rows_per, LOG_C=log_c,
+                                               LOCAL=p.G // p.cols <= TUNING["local_threshold"], **pdl)),
+        Launch("candidates", candidates.candidates_kernel, (R * C,), TUNING["candidate_warps"],
+               (*row, cand, work, sync, *tail), dict(G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=log_c,
+                                                     BITMASK=bitmask, REVERSE=TUNING["reverse_rows"], **pdl)),
+        Launch("select", select.select_kernel, (R, triton.cdiv(N, span)), SELECT_WARPS,
+               (*row, out, cand, work, sync, *tail), dict(G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=log_c,
+                                                          BITMASK=bitmask, PAIR=p.pair, SPAN=span, TILE=tile, **pdl)))
+    return TopkRun(p, launches, work[:, FLAG.value], sync=sync, threshold=work[:, T_.value],
+                   above=work[:, head[0]:head[0] + C], ties=work[:, head[1]:head[1] + C], bitmask=bitmask,
+                   slots=cand[:, 2 * n_words:], bits=cand[:, :n_words] if bitmask else None,
                    counts=None if bitmask else work[:, head[2]:head[2] + C],
-                   run_starts=None if bitmask else work[:, head[3]:head[3] + C], span=span, shape=shape)
+                   run_starts=None if bitmask else work[:, head[3]:head[3] + C], span=span)
 
 
 def launch_topk(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:

@@ -27,10 +27,10 @@ that calls the engine out of order makes every rank raise ``BatchError`` instead
 collectives or hanging. Every public call agrees twice on every rank's outcome: after the checks the call
 makes before it changes anything (a refusal on one rank, say pages taken out of band there, is raised on
 every rank, naming that rank, and nothing changes anywhere), and after it ran (an error on one rank only,
-project error or not, is raised on every rank; the ranks where it passed kept its changes, so the engine
-then refuses every later call: build a new one). One failure no exchange can report: an error inside a
-step's forward on one rank while the others wait in that step's exchange (global Quest, DSA); they wait
-for the process group's timeout.
+project error or not, an interrupt too, is raised on every rank; the ranks where it passed kept its changes, so
+the engine then refuses every later call: build a new one). A step's own exchanges (global Quest, DSA) have the
+outcome exchange's size and layout: a rank that fails before one of them meets the others there with its
+outcome, and every rank raises (no rank waits for the timeout, and gloo never pairs collectives of two sizes).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ DSA_MODES = ("check", "broadcast")
 _KINDS = {"config": 1, "pools": 2, "scores": 3, "selection": 4, "outputs": 5}
 _ERRORS = {"config": ConfigError, "pools": PoolError, "selection": RetrievalError}
 _CALLS = {"init": 1, "add_request": 2, "finish": 3, "step": 4}
+_IN_EXCHANGE = 1 << 62  # above any settings hash (>> 2): an outcome exchange met a step's own exchange
 _OUTCOMES = (ConfigError, PoolError, BatchError, RetrievalError, ShapeError, UnknownAlgorithmError, SparseRefError)
 
 
@@ -74,10 +75,10 @@ def outcome_code(error: BaseException | None) -> int:
 
 
 def attempt(fn):
-    """``(error, value)`` of ``fn()``: the error it raised (any ``Exception``), or None and its value."""
+    """``(error, value)`` of ``fn()``: what it raised (an interrupt too), or None and its value."""
     try:
         return None, fn()
-    except Exception as e:  # noqa: BLE001 (every rank must learn this rank's outcome before it raises)
+    except BaseException as e:  # noqa: BLE001 (every rank must learn this rank's outcome before it raises)
         return e, None
 
 
@@ -155,33 +156,48 @@ class RankGroup:
         after = ("; the ranks where it passed kept its changes, so the engine refuses every later call. Fix: build "
                  "a new engine on every rank" if kept else "" if ran else ", with nothing changed. Fix: make the "
                  "call valid on every rank")
-        if int(v[0]) != -int(v[1]):
+        in_exchange = int(v[2]) == int(v[3]) == _IN_EXCHANGE  # the others wait in a step's exchange: this rank failed
+        if not in_exchange and int(v[0]) != -int(v[1]):
             raise BatchError(f"tensor parallel: rank {self.rank} calls {call} (call {self.calls}) but another rank "
                              "calls something else: the ranks are out of step; nothing was changed. Fix: call "
                              "add_request, finish and step in the same order on every rank.")
-        if int(v[2]) != -int(v[3]):
+        if not in_exchange and int(v[2]) != -int(v[3]):
             raise BatchError(f"tensor parallel: the ranks call {call} with different arguments (rank {self.rank}: "
                              f"{args!r}); nothing was changed. Fix: pass the same prompt, key, needles and "
                              "requests on every rank (as torchrun runs one script).")
-        if isinstance(error, SparseRefError):
-            raise error
+        if isinstance(error, SparseRefError) or (error is not None and not isinstance(error, Exception)):
+            raise error  # (an interrupt stays an interrupt on its own rank)
         if error is not None:
             raise RankError(f"tensor parallel: {call} failed on rank {self.rank} with {type(error).__name__}: "
                             f"{error}; every rank stops{after}.") from error
         if self.failed:
-            code = codes[self.failed[0]]
-            cls = _OUTCOMES[code - 1] if code <= len(_OUTCOMES) else RankError
-            raise cls(f"tensor parallel: rank {self.failed[0]} {'failed in' if cls is RankError else 'refused'} its "
-                      f"{call} (its own error says why); rank {self.rank} stops too{after}.")
+            raise self.peer_failed(codes, call, after)
+
+    def peer_failed(self, codes: list[int], call: str, after: str) -> SparseRefError:
+        """The error this rank raises for the first rank that failed (its class where it is a project error)."""
+        code = codes[self.failed[0]]
+        cls = _OUTCOMES[code - 1] if code <= len(_OUTCOMES) else RankError
+        error = cls(f"tensor parallel: rank {self.failed[0]} {'failed in' if cls is RankError else 'refused'} its "
+                    f"{call} (its own error says why); rank {self.rank} stops too{after}.")
+        error.outcome_exchanged = True  # every rank has heard: no outcome exchange follows
+        return error
 
     def _agree(self, what: str, layer: int, device) -> None:
-        """Every rank is at the same exchange (what, layer, how many before it); else all raise BatchError."""
+        """Every rank is at the same exchange (what, layer, how many before it); else all raise BatchError. Laid
+        out as ``begin``'s exchange: a rank that failed before this exchange meets the others here with its
+        outcome, and every rank raises its error (``peer_failed``)."""
         self.calls += 1
         if capturing():
             return
         tag = (self.calls * 4096 + layer + 1) * 8 + _KINDS[what]
-        t = torch.tensor([tag, -tag], dtype=torch.int64, device=device)
+        t = torch.zeros(4 + self.world, dtype=torch.int64, device=device)
+        t[0], t[1], t[2], t[3] = tag, -tag, _IN_EXCHANGE, _IN_EXCHANGE
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        codes = t[4:].tolist()
+        self.failed = [r for r, code in enumerate(codes) if code]
+        if self.failed:
+            raise self.peer_failed(codes, "step", "; the ranks where it passed kept its changes, so the engine "
+                                   "refuses every later call. Fix: build a new engine on every rank")
         if int(t[0]) != -int(t[1]):
             raise BatchError(f"tensor parallel: rank {self.rank} is at exchange {self.calls} ({what}, layer {layer}) "
                              "but another rank is not: the ranks are out of step. Fix: call add_request, finish "
@@ -307,9 +323,12 @@ class TensorParallelEngine:
                             "TensorParallelEngine on every rank.")
         self.comm.begin(call, args, self.device, attempt(check)[0])
         error, value = attempt(apply)
+        if getattr(error, "outcome_exchanged", False):  # another rank's failure, heard inside one of the step's
+            self.broken = f"{call} failed on rank {self.comm.failed[0]} only"  # exchanges: every rank knows
+            raise error
         try:
             self.comm.begin(call, "done", self.device, error, ran=True)
-        except SparseRefError:
+        except BaseException:  # (a project error, or this rank's own interrupt raised again)
             if 0 < len(self.comm.failed) < self.comm.world:
                 self.broken = f"{call} failed on rank {self.comm.failed[0]} only"
             raise

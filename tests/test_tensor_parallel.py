@@ -119,6 +119,25 @@ def test_a_call_that_fails_on_one_rank_only_raises_on_every_rank_naming_it():
     assert ranks[0]["after the failed add state"] == ranks[0]["add, out of memory state"]  # nothing more ran
 
 
+@pytest.mark.parametrize("world, layers, kind", [(2, ["quest", None, None], "oom"),
+                                                (3, ["deepseek_dsa", None, None], "oom"),
+                                                (2, ["quest", "deepseek_dsa", None], "interrupt")])
+def test_a_rank_failing_before_a_steps_exchange_stops_every_rank(world, layers, kind):
+    """Rank 1 fails inside step() before the step's first exchange while the others wait in it: the exchange and
+    the failing rank's outcome exchange have one size, so gloo pairs them (it once aborted the waiting process
+    with collectives of two sizes): every rank raises at once, the failing one its own error (an interrupt stays
+    an interrupt), the others a RankError naming it, and the engine refuses later calls."""
+    results = tp_scenarios.run_ranks(tp_scenarios.failure_in_step, layers, kind, world=world, timeout=90)
+    assert all(status == "ok" for status, _ in results.values()), results  # no rank aborted, none hung
+    ranks = [value for _, value in (results[rank] for rank in sorted(results))]
+    own = "KeyboardInterrupt" if kind == "interrupt" else "RankError: tensor parallel: step failed on rank 1 with " \
+        "RuntimeError: CUDA out of memory (simulated)"
+    assert ranks[1]["step"].startswith(own), ranks[1]
+    for rank in (0, *range(2, world)):
+        assert ranks[rank]["step"].startswith("RankError: tensor parallel: rank 1 failed in its step"), ranks[rank]
+    assert all(r["after"].startswith("RankError: tensor parallel: this engine is unusable") for r in ranks), ranks
+
+
 def test_changes_made_outside_the_engine_on_one_rank_are_caught_on_every_rank():
     """The exchange's kind is in its tag; the pools are compared after every join and leave, free pages included;
     a step agrees on the live requests and their lengths."""

@@ -172,6 +172,26 @@ def outcomes(rank, world):
     return out
 
 
+def failure_in_step(rank, world, layers, kind):
+    """Rank 1 fails inside a step before the step's first exchange (global Quest's scores, DSA's selection): its
+    workload's decode raises out of memory, or an interrupt, while the others wait in that exchange. Returns what
+    the step, and the one after, raised on this rank (an interrupt too)."""
+    out = {}
+    tp = TensorParallelEngine(workload(num_kv_heads=2 * world), layers, config(), **ENGINE)
+    tp.add_request(20)
+    if rank == 1:
+        def fail(*args, **kwargs):
+            raise KeyboardInterrupt() if kind == "interrupt" else RuntimeError("CUDA out of memory (simulated)")
+        tp.engine.workload.decode = fail
+    try:
+        tp.step()
+        out["step"] = "ok"
+    except BaseException as e:  # noqa: BLE001 (an interrupt is what this rank must see again)
+        out["step"] = f"{type(e).__name__}: {e}"
+    record(out, "after", tp.step)
+    return out
+
+
 def out_of_band(rank, world):
     """Changes rank 1 makes outside the tensor-parallel engine, each caught on every rank at the next exchange: two
     different exchanges at one layer, a page taken before a join (the pools differ), a page taken before a leave

@@ -15,8 +15,9 @@ CI compiles each kernel for an H100/H200 target (``GPUTarget("cuda", 90, 32)``) 
   which all append to one record file, then this test on its own.
 
 A GPU-shape variant is compiled to PTX and a cubin under the installed Triton (to the IR under the other, and for
-the older GPUs); a recorded launch through the TritonGPU IR (the
-frontend and the layout lowering, where the interpreter's leniency shows: types, power-of-two ranges),
+the older GPUs); a recorded launch through the TritonGPU IR under the installed Triton (the frontend and the
+layout lowering, where the interpreter's leniency shows: types, power-of-two ranges) and the frontend alone
+under the other (a third of the time again; the GPU check runs the default launches there for real),
 which takes a tenth of the time (the stage runner uses ``triton.compiler``'s ``make_backend``, the same
 steps ``triton.compile`` takes). The compiles run in subprocesses with ``TRITON_INTERPRET=0``: once with
 the installed Triton, and once with each other Triton found under ``build/tritons/<version>/`` (``make
@@ -50,7 +51,7 @@ import sparse_ref.kernels
 
 tests, part, parts, records_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]  # "-": the variants
 capabilities = [int(c) for c in sys.argv[5].split(",")]  # 90: sm_90 (H100/H200); 89 L4, 80 A100, 75 T4
-cubin = sys.argv[6] == "cubin"  # the GPU-shape variants through ptxas (else to the TritonGPU IR)
+depth = sys.argv[6]  # "cubin": through ptxas; "ttgir": to the TritonGPU IR; "ttir": the frontend only
 sys.path.insert(0, tests)
 sys.path.insert(0, os.path.join(os.path.dirname(tests), "kernels"))  # the lesson kernels (kernels/*.py)
 from aot_variants import VARIANTS, runs_on
@@ -60,8 +61,8 @@ report = {"triton": triton.__version__, "compiled": 0, "failed": [], "uncovered"
 
 
 def to_ttgir(src, options, target):
-    # what triton.compile runs up to the TritonGPU IR (the frontend, where the interpreter's leniency shows: types,
-    # power-of-two ranges, layouts), without LLVM and ptxas: a tenth of the time of a full compile
+    # what triton.compile runs up to the TritonGPU IR (or the Triton IR: depth), the frontend where the interpreter's
+    # leniency shows (types, power-of-two ranges) and the layouts, without LLVM and ptxas: a tenth of the time
     from triton._C.libtriton import ir
     from triton.compiler.compiler import make_backend
 
@@ -75,7 +76,7 @@ def to_ttgir(src, options, target):
     module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
                          context)
     names = list(stages)
-    for name in names[names.index(src.ext): names.index("ttgir") + 1]:
+    for name in names[names.index(src.ext): names.index(depth) + 1]:
         module = stages[name](module, {"target": target, **options.__dict__})
     return module
 start = time.time()
@@ -130,9 +131,9 @@ for i, (kernel, sig, ce, opts, kind, capability) in enumerate(mine):
         ce = {**ce, "PDL": False}
     try:
         src = ASTSource(fn=kernel, signature=sig, constexprs=ce)
-        if kind == "variant" and cubin:  # the GPU shapes on an H100/H200: PTX and a cubin
+        if depth == "cubin":  # the GPU shapes on an H100/H200: PTX and a cubin
             triton.compile(src, target=targets[capability], options=opts)
-        else:  # a recorded launch, or an older GPU: the frontend and the TritonGPU lowering
+        else:  # the frontend (types, ranges: where the interpreter is lenient), and the TritonGPU lowering
             to_ttgir(src, opts, targets[capability])
         report["compiled"] += 1
     except Exception as e:  # noqa: BLE001
@@ -153,14 +154,14 @@ def tritons() -> list[tuple[str, dict]]:
 
 
 def compile_all(env: dict, records: str, parts: int, capabilities=(90,), label: str = "",
-                cubin: bool = False) -> list[dict]:
+                depth: str = "ttgir") -> list[dict]:
     """Compile in ``parts`` processes; a line of progress as each passes a fifth of its share (seen with ``-s``, as
     ``make test`` runs the recorded launches: that step takes minutes on 2 cores)."""
     done, start = {}, time.time()
 
     def one(part):
         proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(TESTS), str(part), str(parts), records,
-                                 ",".join(map(str, capabilities)), "cubin" if cubin else "ttgir"],
+                                 ",".join(map(str, capabilities)), depth],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         lines = []
         for line in proc.stdout:
@@ -189,7 +190,7 @@ def test_gpu_shape_variants_compile_for_sm90(name, env):
     not: registers, Hopper-only instructions), under the GPU machine's to the TritonGPU IR (the GPU check runs
     them there for real); every launched kernel of the package is among them."""
     pytest.importorskip("triton")
-    reports = compile_all(env, "-", parts=PARTS, cubin=name == "installed")
+    reports = compile_all(env, "-", parts=PARTS, depth="cubin" if name == "installed" else "ttgir")
     failed = [f for r in reports for f in r["failed"]]
     print(f"triton {reports[0]['triton']} ({name}): {sum(r['compiled'] for r in reports)} GPU-shape variants "
           f"compiled, {max(r['seconds'] for r in reports)} s")
@@ -215,13 +216,15 @@ def test_gpu_shape_variants_compile_for_older_gpus():
 
 @pytest.mark.parametrize("name, env", tritons(), ids=[name for name, _ in tritons()])
 def test_recorded_launches_compile_for_sm90(name, env):
-    """Every launch this session's tests and notebooks made through the interpreter, to the TritonGPU IR. It runs
-    after them (``conftest.py`` puts it last; ``make test`` runs it on its own after the parallel run)."""
+    """Every launch this session's tests and notebooks made through the interpreter, to the TritonGPU IR (the other
+    Triton: its frontend). It runs after them (``conftest.py`` puts it last; ``make test`` runs it on its own after
+    the parallel run)."""
     pytest.importorskip("triton")
     records = os.environ.get(launch_recorder.ENV, "-")
     if records == "-" or not os.path.exists(records) or not os.path.getsize(records):
         pytest.skip("no launch was recorded in this session (a GPU runs compiled kernels, nothing to record)")
-    reports = compile_all(env, records, parts=PARTS, label=f"triton {name}, recorded launches,")
+    reports = compile_all(env, records, parts=PARTS, label=f"triton {name}, recorded launches,",
+                          depth="ttgir" if name == "installed" else "ttir")
     failed = [f for r in reports for f in r["failed"]]
     print(f"triton {reports[0]['triton']} ({name}): {sum(r['compiled'] for r in reports)} recorded launches "
           f"compiled, {max(r['seconds'] for r in reports)} s")

@@ -621,12 +621,14 @@ def test_packed_short_rows(monkeypatch, N, k, plan):
 
 
 @pytest.mark.parametrize("N", [700, 2049] if DEVICE.type == "cpu" else [4095, 8000])
-@pytest.mark.parametrize("fraction", [64, 8, 3, 2])
-@pytest.mark.parametrize("ratio", [8, *[pytest.param(r, marks=pytest.mark.knobs) for r in (0, 1 << 20)]])
+@pytest.mark.parametrize("fraction, ratio", [*[(f, 8) for f in (64, 8, 3, 2)],
+                                             *[pytest.param(f, r, marks=pytest.mark.knobs) for r in (0, 1 << 20)
+                                               for f in (64, 2)]])
 def test_short_rows_every_k_fraction(monkeypatch, N, fraction, ratio):
     """Short rows at k = N/64 .. N/2: random, integer plateaus (0..63: every value a run of ties), one
     all-equal row, NaN / -inf / -0.0 sprinkled in, lengths 0, 1, k - 1 and full; both orders. With the plan
-    the shapes pick (``direct_ratio`` 8), the delegates plan always (0) and the direct plan always."""
+    the shapes pick (``direct_ratio`` 8) at every fraction; the delegates plan always (0) and the direct plan
+    always at the smallest and the largest k."""
     from sparse_ref.workloads import make_distribution
 
     monkeypatch.setitem(topk_module.TUNING, "direct_ratio", ratio)

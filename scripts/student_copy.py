@@ -65,6 +65,10 @@ def main(argv=None) -> int:
     if args.out.resolve() in sources:
         parser.error(f"argument --out: expected a folder other than the notebooks' own ({args.out}): the student "
                      "copies would overwrite the solutions. Fix: --out build/exercises")
+    for path in args.notebooks:
+        if path.suffix != ".ipynb" or not path.is_file():
+            parser.error(f"argument notebooks: expected .ipynb files, got {str(path)!r} ("
+                         f"{'not a notebook' if path.is_file() else 'no such file'}). Fix: make exercises")
     args.out.mkdir(parents=True, exist_ok=True)
     for path in args.notebooks:
         nb = student_notebook(path)

@@ -131,8 +131,11 @@ def check_device(name: str, device, error: type[SparseRefError] = ConfigError) -
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         fail(name, "a device such as 'cpu' or 'cuda'", describe(device), error=error)
-    if dev.type == "meta":
-        fail(name, "a device with data (cpu or cuda)", "meta", error=error)
+    if dev.type not in ("cpu", "cuda"):
+        fail(name, "'cpu' or 'cuda' (what the kernels and references run on)", repr(str(dev)), error=error)
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        fail(name, f"a CUDA GPU torch can see ({torch.cuda.device_count()} here)", repr(str(dev)),
+             "pass device='cpu' (the kernels run through Triton's interpreter), or a GPU that is there.", error)
     return dev
 
 

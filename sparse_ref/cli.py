@@ -51,19 +51,19 @@ def cli_output_file(text: str):
 
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a file path, got an empty string")
-    path = Path(text)
+    path = Path(text).resolve()  # ".." taken before any folder is made ("a/missing/../b": "a/b")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"expected a file path, got the folder {text!r}")
-    existing = next(p for p in (path.absolute().parent, *path.absolute().parents) if p.exists())
+    existing = next(p for p in (path.parent, *path.parents) if p.exists())
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"cannot create a folder under {str(existing)!r}: it is a file")
-    made = [p for p in path.absolute().parents if not p.exists()]
+    made = [p for p in path.parents if not p.exists()]
     try:
         for folder in reversed(made):
             folder.mkdir()
         if path.exists() and not os.access(path, os.W_OK):
             raise PermissionError(f"{text!r} is read-only")
-        with tempfile.NamedTemporaryFile(dir=path.absolute().parent, prefix=".probe-"):
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".probe-"):
             pass
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write {text!r} ({e.strerror or e}). Fix: choose a folder you "
@@ -73,6 +73,22 @@ def cli_output_file(text: str):
             if folder.exists():
                 folder.rmdir()
     return path
+
+
+def cli_environment(parser) -> None:
+    """The environment switches a command reads (``SPARSE_REF_FAST``, ``SPARSE_REF_CAPABILITY``) checked before any
+    work: a bad value exits 2 with its one-line message, not a traceback."""
+    import torch
+
+    from sparse_ref.backend import capability
+    from sparse_ref.device import fast_mode
+    from sparse_ref.errors import SparseRefError
+
+    try:
+        fast_mode()
+        capability(torch.device("cpu"))  # (the switch is read before the device)
+    except SparseRefError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n" if is_rank_zero() else None)
 
 
 def cli_image_file(text: str):

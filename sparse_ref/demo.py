@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_ref.cli import cli_image_file, cli_output_file, cli_parser, cli_positive_int
+from sparse_ref.cli import cli_environment, cli_image_file, cli_output_file, cli_parser, cli_positive_int
 from sparse_ref.config import SparseConfig
 from sparse_ref.device import default_device, describe_run
 from sparse_ref.engine import DecodeEngine
@@ -92,7 +92,9 @@ def sweep(budgets, *, context: int, batch: int, steps: int, seed: int = 0, devic
     rows, runs = [], [(m, b) for m in METHODS for b in budgets]
     start = time.perf_counter()
     for i, ((label, algorithm, gqa), budget) in enumerate(runs):
-        progress(f"[{i + 1}/{len(runs)}] {label:<20} budget {budget:>5}  ({time.perf_counter() - start:5.1f} s)")
+        spent = time.perf_counter() - start
+        left = f", about {spent / i * (len(runs) - i) / 60:.0f} min left" if i and spent > 60 else ""
+        progress(f"[{i + 1}/{len(runs)}] {label:<20} budget {budget:>5}  ({spent:5.1f} s{left})")
         rows.append(run_one(workload, algorithm, gqa, budget, context=context, batch=batch, steps=steps, device=device))
     return rows
 
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=cli_positive_int, help="tokens per request (default 4096, or 32768 on a GPU)")
     parser.add_argument("--batch", type=cli_positive_int, default=3, help="requests per step (default 3)")
     parser.add_argument("--steps", type=cli_positive_int, help="decode steps per run (default 3)")
-    parser.add_argument("--budgets", type=cli_positive_int, nargs="+", help="token budgets (default 128 256 512 1024)")
+    parser.add_argument("--budgets", type=cli_positive_int, nargs="+", action="extend",
+                        help="token budgets (default 128 256 512 1024; repeated flags add up)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=cli_image_file, default=Path("build") / "demo.png",
                         help="where to save the plot: .png, .pdf, .svg, ... (its folder is created)")
@@ -161,6 +164,7 @@ def main(argv=None) -> int:
                         help="tensor-parallel ranks: run under torchrun --standalone --nproc-per-node N (see demo_tp)")
     parser.add_argument("--json", type=cli_output_file, help="with --tp: write rank 0's results there as JSON")
     args = parser.parse_args(argv)
+    cli_environment(parser)
     device = default_device()
     gpu = device.type == "cuda"
     context, batch, steps, budgets = check_demo_args(parser, args, gpu)  # every combination, before any work

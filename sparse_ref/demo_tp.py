@@ -114,3 +114,8 @@ def main_tp(args, workload, *, context: int, steps: int, budget: int) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+if __name__ == "__main__":  # the --tp part of the demo, started from the demo's command line
+    sys.exit("python -m sparse_ref.demo_tp: error: this module is the demo's --tp run. Fix: torchrun --standalone "
+             "--nproc-per-node 2 -m sparse_ref.demo --tp 2 (2: the ranks)")

@@ -6,6 +6,7 @@ has not set it.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -28,8 +29,12 @@ def configure_triton() -> None:
     """Turn on Triton's interpreter when there is no GPU (unless the user chose already). The interpreter does a
     kernel's arithmetic in numpy, which warns where a GPU computes IEEE NaN and inf silently (a NaN score, an fp16
     overflow): those warnings say nothing about the kernel, so they are silenced."""
-    if not has_gpu():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not has_gpu() and "TRITON_INTERPRET" not in os.environ:
+        if "triton" in sys.modules:  # its own helpers (tl.cumsum's combine) were made for compiling already
+            raise ConfigError("sparse_ref: triton was imported before sparse_ref on a machine without a GPU, so "
+                              "its kernels cannot run through the interpreter. Fix: import sparse_ref first, or "
+                              "export TRITON_INTERPRET=1 before starting Python.")
+        os.environ["TRITON_INTERPRET"] = "1"
     if triton_interpreted():
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 

@@ -164,7 +164,8 @@ class DecodeEngine:
             offload.check_offload_backend(offloaded, self.backend)
             coord = self.coordinator
             size = offload.check_offload(offload_buffer, offload.most_tokens_read(
-                coord.algorithms, coord.configs, offloaded, dsa_topk, page_size), [algorithms[i] for i in offloaded])
+                coord.algorithms, coord.configs, offloaded, dsa_topk, page_size, max_context_len),
+                [algorithms[i] for i in offloaded])
             self.offload = offload.OffloadedKV(self.manager.token_to_kv_pool, offloaded, max_requests, size,
                                                max_context_len, self.backend, self.device)
 

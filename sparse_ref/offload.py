@@ -25,7 +25,7 @@ import torch
 
 from sparse_ref.adaptor import Metadata
 from sparse_ref.backend import torch_twin
-from sparse_ref.checks import INT32_MAX, check_int, fail
+from sparse_ref.checks import INT32_MAX, check_device, check_int, fail
 from sparse_ref.errors import ConfigError, PoolError
 
 
@@ -36,6 +36,11 @@ class OffloadedKV:
     leaves."""
 
     def __init__(self, pool, layers: list[int], rows: int, size: int, max_context_len: int, backend, device):
+        from sparse_ref.backend import Backend
+
+        if not isinstance(backend, Backend):
+            fail("backend", "a Backend (sparse_ref.backend.choose_backend)", repr(backend),
+                 "pass choose_backend('auto', device), as the engine does.", ConfigError)
         self.layers, self.backend = list(layers), backend
         self.host = HostKVPool.of_pool(pool)  # the same tensors: set_kv and the kernel write them
         self.hot = HotBuffer(pool.num_layers, rows, size, pool.num_kv_heads, pool.head_dim, max_context_len,
@@ -73,14 +78,15 @@ def swap_in_torch(hot: HotBuffer, layer: int, md: Metadata, batch, new_kv: tuple
     return table, counts
 
 
-def most_tokens_read(algorithms, configs, layers, dsa_topk: int, page_size: int) -> int:
-    """The most tokens one request reads in a step, in any of ``layers`` (the hot buffer must hold them)."""
+def most_tokens_read(algorithms, configs, layers, dsa_topk: int, page_size: int, max_context_len: int) -> int:
+    """The most tokens one request reads in a step besides its newest (reserved slot), in any of ``layers``: the hot
+    buffer must hold them. No row reads more than the ``max_context_len - 1`` tokens before its newest."""
     most = 0
     for layer in layers:
         algo, cfg = algorithms[layer], configs[layer]
         reads = dsa_topk if algo.name == "deepseek_dsa" else cfg.selection_width(algo.max_pages) * page_size
         most = max(most, reads, cfg.min_sparse_seq_len - 1)  # a row below min_sparse_seq_len reads it all
-    return most
+    return max(1, min(most, max_context_len - 1))
 
 
 class HostKVPool:
@@ -91,6 +97,7 @@ class HostKVPool:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype=torch.float32):
         check_sizes("HostKVPool", num_slots=num_slots, num_layers=num_layers, num_kv_heads=num_kv_heads,
                     head_dim=head_dim)
+        check_layers_and_dtype("HostKVPool", num_layers, None, dtype)
         pin = torch.cuda.is_available()
         shape = (num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
@@ -118,6 +125,8 @@ class HotBuffer:
         check_sizes("HotBuffer", num_layers=num_layers, num_rows=num_rows, num_kv_heads=num_kv_heads,
                     head_dim=head_dim, max_context_len=max_context_len)
         size = check_int("HotBuffer(size)", size, low=1, high=MAX_BUFFER, error=ConfigError)
+        check_layers_and_dtype("HotBuffer", num_layers, layers, dtype)
+        device = check_device("HotBuffer(device)", device)
         self.size, self.width, self.device = size, size + 1, torch.device(device)
         shape, on = (1 + num_rows * self.width, num_kv_heads, head_dim), {"device": self.device}
         has = set(range(num_layers) if layers is None else layers)
@@ -290,6 +299,17 @@ MAX_BUFFER = 1 << 16  # token slots a hot-buffer row may hold (the swap-in kerne
 def check_sizes(owner: str, **sizes) -> None:
     for name, value in sizes.items():
         check_int(f"{owner}({name})", value, low=1, high=INT32_MAX, error=ConfigError)
+
+
+def check_layers_and_dtype(owner: str, num_layers: int, layers, dtype) -> None:
+    """The layers that get slots, each in ``[0, num_layers)`` and once, and a K/V dtype the pool stores."""
+    if layers is not None and (not isinstance(layers, (list, tuple, range)) or len(set(layers)) != len(layers) or
+                               any(type(i) is not int or not 0 <= i < num_layers for i in layers)):
+        fail(f"{owner}(layers)", f"distinct layer indices in [0, {num_layers})", repr(layers),
+             "pass the offloaded layers (or None: every layer).", ConfigError)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        fail(f"{owner}(dtype)", "a floating torch.dtype, the KV pool's", repr(dtype),
+             "pass the dtype object, e.g. dtype=torch.bfloat16, not a string.", ConfigError)
 
 
 def check_offload(size, needed: int, layer_names: list[str]) -> int:

@@ -3,8 +3,9 @@
 Rank ``r`` of ``W`` holds KV heads ``[r H_kv / W, (r + 1) H_kv / W)`` and the query heads that read them
 (query head ``h`` reads KV head ``h // G``, so a rank's query heads are contiguous too): its slice of the
 KV pool and of the Quest bounds. ``req_to_token`` and the page allocator are the same on every rank,
-because every rank admits, grows and frees the same requests in the same order (checked after each
-join and leave). Each rank computes attention for its own heads; ``step`` gathers them.
+because every rank admits, grows and frees the same requests in the same order (compared before each
+call, so a change made on one rank alone is refused on every rank before anything changes). Each rank
+computes attention for its own heads; ``step`` gathers them.
 
 Quest, two modes (``quest_mode``):
 
@@ -203,19 +204,25 @@ class RankGroup:
                              "but another rank is not: the ranks are out of step. Fix: call add_request, finish "
                              "and step (and any hook) in the same order, with the same arguments, on every rank.")
 
-    def same_everywhere(self, what: str, value: torch.Tensor, layer: int = -1, detail: str = "") -> None:
-        """Refuse, on every rank, unless ``value`` (an int64 0-d tensor) is equal on every rank. Eager."""
+    def same_everywhere(self, what: str, value: torch.Tensor, layer: int = -1, detail: str = "",
+                        parts: Sequence[str] = ()) -> None:
+        """Refuse, on every rank, unless ``value`` (int64, 0-d or ``[n]``) is equal on every rank; ``parts`` names
+        each entry (the message says which differ). Eager."""
         self._agree(what, layer, value.device)
         if capturing():
             return
-        both, start = torch.stack([value, -value]).to(torch.int64), time.perf_counter()
+        value = value.reshape(-1).to(torch.int64)
+        both, start, n = torch.cat([value, -value]), time.perf_counter(), value.numel()
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         self._count(what, both, start)
-        if int(both[0]) != -int(both[1]):
+        differ = [i for i in range(n) if int(both[i]) != -int(both[n + i])]
+        if differ:
             noun = {"config": "settings", "pools": "pools", "selection": "selections"}[what]
-            raise _ERRORS[what](f"tensor parallel: the ranks' {noun} differ{detail}. Fix: " + {
+            names = f" ({', '.join(parts[i] for i in differ)})" if parts else ""
+            raise _ERRORS[what](f"tensor parallel: the ranks' {noun} differ{names}{detail}. Fix: " + {
                 "config": "launch every rank with the same workload, algorithms, config and modes.",
-                "pools": "admit and finish the same requests in the same order on every rank.",
+                "pools": "admit and finish the same requests in the same order, through this engine, on every rank "
+                         "(a change made on one rank alone stays: build a new engine on every rank).",
                 "selection": "select with a deterministic top-k (ties to the lower id, as sparse_ref's), or "
                              "use dsa_mode='broadcast' to send rank 0's selection."}[what])
 
@@ -303,15 +310,16 @@ class TensorParallelEngine:
     def live(self):
         return self.engine.live
 
-    def _check_pools(self) -> None:
-        """req_to_token and the free pages are the same on every rank (deterministic allocation)."""
+    def _check_pools(self, call: str) -> None:
+        """Before every call: req_to_token, the free pages and the next request id are the same on every rank (each
+        admits and frees the same requests in the same order); a change made on one rank alone is refused on every
+        rank before anything changes."""
         m = self.engine.manager
-        value = tensor_hash(m.req_to_token_pool.req_to_token) + m.allocator.available_pages()
-        try:
-            self.comm.same_everywhere("pools", value, detail=" (req_to_token or the free pages)")
-        except PoolError:
-            self.broken = "the ranks' pools differ"
-            raise
+        r2t = m.req_to_token_pool.req_to_token
+        value = torch.tensor([0, m.allocator.available_pages(), m.next_rid], device=r2t.device)
+        value[0] = tensor_hash(r2t)
+        self.comm.same_everywhere("pools", value, detail=f" before {call}; nothing was changed",
+                                  parts=("req_to_token", "the free pages", "the next request id"))
 
     def _on_every_rank(self, call: str, args, check, apply):
         """``apply()`` on every rank, after every rank agreed on the call, its arguments and the outcome of its
@@ -321,6 +329,7 @@ class TensorParallelEngine:
         if self.broken is not None:
             raise RankError(f"tensor parallel: this engine is unusable: {self.broken}. Fix: build a new "
                             "TensorParallelEngine on every rank.")
+        self._check_pools(call)
         self.comm.begin(call, args, self.device, attempt(check)[0])
         error, value = attempt(apply)
         if getattr(error, "outcome_exchanged", False):  # another rank's failure, heard inside one of the step's
@@ -343,14 +352,11 @@ class TensorParallelEngine:
             e.workload.request(e.manager.next_rid if key is None else key, n, needle_depths)
             check_admit(e.manager, n)
 
-        req = self._on_every_rank("add_request", args, check, lambda: e.add_request(prompt_len, key, needle_depths))
-        self._check_pools()
-        return req
+        return self._on_every_rank("add_request", args, check, lambda: e.add_request(prompt_len, key, needle_depths))
 
     def finish(self, req) -> None:
         self._on_every_rank("finish", (getattr(req, "rid", None), getattr(req, "req_pool_idx", None)),
                             lambda: check_finish(self.engine, req), lambda: self.engine.finish(req))
-        self._check_pools()
 
     def step(self) -> tuple[StepResult, list[torch.Tensor]]:
         """One decode step on every rank: this rank's result, and each layer's output over all heads."""

@@ -51,6 +51,15 @@ def test_auto_is_torch_on_a_cpu_and_a_backend_passes_through():
             choose_backend(bad, "cpu")
 
 
+def test_auto_follows_the_device_not_the_machine(monkeypatch):
+    """Beside a GPU (simulated), ``auto`` on a CPU device is the torch side and on ``cuda:0`` the compiled one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(CAPABILITY_ENV, "9.0")
+    assert choose_backend("auto", "cpu").name == "torch"
+    gpu = choose_backend("auto", "cuda:0")
+    assert gpu.name == "triton" and gpu.compiled and gpu.capability == (9, 0) and not gpu.syncs
+
+
 @pytest.mark.parametrize("value", ["8", "eight", "8.x", "-1.0"])
 def test_a_bad_simulated_capability_is_refused(monkeypatch, value):
     monkeypatch.setenv(CAPABILITY_ENV, value)

@@ -161,6 +161,8 @@ def test_forward_batch_consistency_errors():
     f = _decode_fields()
     with pytest.raises(BatchError, match="forward_mode: expected ForwardMode"):
         ForwardBatch(**{**f, "forward_mode": "decode"})
+    with pytest.raises(BatchError, match=r"req_pool_indices: expected each request's row once, got \[1, 1\]"):
+        ForwardBatch(**{**f, "req_pool_indices": torch.tensor([1, 1])})  # (one row's KV written twice in a step)
     with pytest.raises(BatchError, match=r"seq_lens: expected 2 rows \(one per request\), got shape \(3,\)"):
         ForwardBatch(**{**f, "seq_lens": torch.ones(3, dtype=torch.int64)})
     three = torch.ones(3, dtype=torch.int64)

@@ -345,6 +345,7 @@ def test_seeded_init_is_deterministic():
     (dict(block_size=16), "block_size"),
     (dict(use_fp8="yes"), "use_fp8"),
     (dict(rope_theta=0.5), "rope_theta"),
+    (dict(rope_theta=1.0), "rope_theta"),  # theta ** (-2i / d) == 1: every pair turned by one angle, no frequencies
 ])
 def test_config_validation(change, match):
     with pytest.raises(ConfigError, match=match):

@@ -179,3 +179,108 @@ def test_nan_inputs_through_the_interpreter_print_no_numpy_warning():
     run = subprocess.run([sys.executable, "-c", NAN_LAUNCH], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
     assert "Warning" not in run.stderr, run.stderr
+
+
+# ---------------------------------------------------------------- first commands, first mistakes: one line each
+def run_python(*args, env=None, cwd=REPO):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+
+
+def test_the_package_and_the_tp_module_say_which_command_runs_them():
+    package = run_python("-m", "sparse_ref")
+    assert package.returncode == 1 and "python -m sparse_ref.demo" in package.stderr
+    assert "Traceback" not in package.stderr
+    tp = run_python("-m", "sparse_ref.demo_tp", "--tp", "2")  # (it once did nothing and exited 0)
+    assert tp.returncode == 1 and "torchrun --standalone --nproc-per-node 2 -m sparse_ref.demo" in tp.stderr
+
+
+def test_a_missing_notebook_for_the_student_copy_is_one_line(tmp_path):
+    run = run_python(str(REPO / "scripts" / "student_copy.py"), "missing.ipynb", "--out", str(tmp_path / "out"),
+                     cwd=tmp_path)
+    assert run.returncode == 2 and "missing.ipynb" in run.stderr and "no such file" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
+
+
+def test_triton_imported_first_on_a_cpu_is_explained():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", "import triton, sparse_ref"], capture_output=True, text=True,
+                         timeout=300, env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 1 and "import sparse_ref first" in run.stderr.splitlines()[-1], run.stderr
+    show = "import sparse_ref, triton, os; print(os.environ['TRITON_INTERPRET'])"
+    fine = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=300,
+                          env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert fine.returncode == 0 and fine.stdout.strip() == "1", fine.stderr
+
+
+@pytest.mark.parametrize("main, argv", [(demo.main, ["--quick"]), (bench.main, ["topk", "--allow-cpu"])])
+@pytest.mark.parametrize("name, value", [("SPARSE_REF_FAST", "maybe"), ("SPARSE_REF_CAPABILITY", "eight")])
+def test_a_bad_environment_switch_is_one_line_before_any_work(main, argv, name, value, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    out = capsys.readouterr()
+    (line,) = out.err.strip().splitlines()
+    assert name in line and "Fix:" in line and out.out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_repeated_budgets_add_up(monkeypatch):
+    seen = {}
+
+    def check(parser, args, gpu):
+        seen["budgets"] = args.budgets
+        raise SystemExit(0)
+
+    monkeypatch.setattr(demo, "check_demo_args", check)
+    with pytest.raises(SystemExit):
+        demo.main(["--budgets", "128", "--budgets", "256", "64"])
+    assert seen["budgets"] == [128, 256, 64]
+
+
+def test_an_out_path_through_a_missing_folder_and_back_makes_and_removes_nothing_else(tmp_path):
+    """``a/missing/../b/x.json`` once made ``missing``, removed the existing empty ``a/b`` and ended in a traceback."""
+    from sparse_ref.cli import cli_output_file
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    assert cli_output_file(str(tmp_path / "a" / "missing" / ".." / "b" / "x.json")) == tmp_path / "a" / "b" / "x.json"
+    assert cli_output_file(str(tmp_path / "a" / "missing" / ".." / "c" / "x.json")) == tmp_path / "a" / "c" / "x.json"
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["b"] and not list((tmp_path / "a" / "b").iterdir())
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "mps", "xla"])
+def test_a_device_torch_cannot_run_here_is_refused_at_the_entry_points(device):
+    from sparse_ref.engine import DecodeEngine
+    from sparse_ref.errors import ConfigError
+    from sparse_ref.offload import HotBuffer
+    from sparse_ref.workloads import PlantedEngineWorkload
+
+    wl = PlantedEngineWorkload(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, seed=0)
+    with pytest.raises(ConfigError, match="device"):
+        DecodeEngine(wl, ["quest"], device=device)
+    with pytest.raises(ConfigError, match="device"):
+        HotBuffer(1, 1, 4, 1, 8, 16, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused_with_the_fix():
+    from sparse_ref.engine import DecodeEngine
+    from sparse_ref.errors import ConfigError
+    from sparse_ref.workloads import PlantedEngineWorkload
+
+    wl = PlantedEngineWorkload(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, seed=0)
+    with pytest.raises(ConfigError, match=r"device: expected a CUDA GPU torch can see \(0 here\).*device='cpu'"):
+        DecodeEngine(wl, ["quest"], device="cuda")
+
+
+def test_a_long_demo_says_how_long_is_left(monkeypatch):
+    """``--steps 10000`` runs for hours: after the first run, each progress line says about how long is left."""
+    clock = iter([0, 0, *range(90, 100_000, 90)])  # the start, then each run takes 90 s
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(demo, "run_one", lambda *args, **kwargs: None)
+    lines = []
+    demo.sweep([64, 128], context=512, batch=2, steps=10_000, progress=lines.append, workload=object())
+    runs = len(lines)
+    assert runs == 2 * len(demo.METHODS) and "left" not in lines[0]
+    assert lines[1].endswith(f"about {90 * (runs - 1) / 60:.0f} min left)"), lines[1]

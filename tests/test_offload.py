@@ -18,7 +18,7 @@ from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
 from sparse_ref.engine_graph import GraphedDecodeStep
 from sparse_ref.errors import ConfigError, SparseRefError
-from sparse_ref.offload import HostKVPool, HotBuffer, check_offload_backend, positions_read
+from sparse_ref.offload import HostKVPool, HotBuffer, OffloadedKV, check_offload_backend, positions_read
 from sparse_ref.workloads import PlantedEngineWorkload
 
 DEVICE = sparse_ref.default_device()
@@ -181,6 +181,27 @@ def test_a_buffer_smaller_than_what_a_step_reads_is_refused_before_anything_is_b
         engines(offload_buffer=0)
     pair = engines(offload_buffer=16)  # the smallest buffer still equals the all-on-device engine
     assert run(SCRIPT, pair) == 9 and pair[1].offload.hot.misses > 0
+
+
+def test_the_buffer_holds_a_dsa_layers_top_k_and_no_more_than_the_context():
+    """A DSA layer reads its top-k (24 here, past Quest's 16 and the short rows' 11): a smaller buffer is refused
+    when the engine is built, not at its first step; no row reads more than the context before its newest token,
+    so a buffer of max_context_len - 1 slots is enough whatever the selection."""
+    wl = PlantedEngineWorkload(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8, num_needles=2,
+                               num_head_needles=1, local_window=4, indexer_config=INDEXER, seed=13)
+    cfg = SparseConfig(page_budget=2, num_recent_pages=1, num_sink_pages=1, min_sparse_seq_len=12)
+    kw = dict(dsa_topk=24, page_size=P, max_requests=2, max_context_len=64, backend="torch")
+    with pytest.raises(ConfigError, match=r"offload_buffer: expected at least 24 token slots"):
+        DecodeEngine(wl, ["deepseek_dsa", None], cfg, offload_buffer=23, **kw)
+    e = DecodeEngine(wl, ["deepseek_dsa", None], cfg, offload_buffer=24, **kw)
+    e.add_request(40)
+    e.step()  # 24 of 41 tokens read, in 24 slots
+    short = {**kw, "max_context_len": 20}
+    with pytest.raises(ConfigError, match=r"offload_buffer: expected at least 19 token slots"):
+        DecodeEngine(wl, ["deepseek_dsa", None], cfg, offload_buffer=18, **short)
+    e = DecodeEngine(wl, ["deepseek_dsa", None], cfg, offload_buffer=19, **short)
+    e.add_request(19)
+    assert e.step().layers[0].offload is not None  # the last step the context allows: 19 read besides the newest
 
 
 def test_a_graphed_step_runs_the_offload_kernel_and_refuses_the_reference():
@@ -346,15 +367,28 @@ def test_an_offload_buffer_is_checked_even_when_every_layer_is_dense(bad):
     assert DecodeEngine(wl, [None, None], offload_buffer=16).offload is None  # nothing to offload: allowed
 
 
+def pool():
+    from sparse_ref.memory import TokenToKVPool
+
+    return TokenToKVPool(8, P, 1, 1, 2, torch.float32, "cpu", host_layers=[0])
+
+
 def test_the_offload_classes_refuse_bad_sizes_and_rows():
     for make, name in ((lambda: HostKVPool(-1, 1, 1, 2), "num_slots"),
                        (lambda: HostKVPool(9, 0, 1, 2), "num_layers"),
                        (lambda: HotBuffer(1, 2, -1, 1, 2, 16), "size"),
                        (lambda: HotBuffer(1, 2, 70000, 1, 2, 16), "size"),
                        (lambda: HotBuffer(1, 0, 4, 1, 2, 16), "num_rows"),
-                       (lambda: HotBuffer(1, 2, 4, 1, 2, 0), "max_context_len")):
+                       (lambda: HotBuffer(1, 2, 4, 1, 2, 0), "max_context_len"),
+                       (lambda: HotBuffer(2, 2, 4, 1, 2, 16, layers=[2]), "layers"),
+                       (lambda: HotBuffer(2, 2, 4, 1, 2, 16, layers=[-1]), "layers"),  # (would wrap to the last)
+                       (lambda: HotBuffer(2, 2, 4, 1, 2, 16, layers=[1, 1]), "layers"),
+                       (lambda: HotBuffer(1, 2, 4, 1, 2, 16, dtype="float16"), "dtype"),
+                       (lambda: HostKVPool(9, 1, 1, 2, dtype=torch.int32), "dtype"),
+                       (lambda: OffloadedKV(pool(), [0], 2, 4, 16, "triton", "cpu"), "backend")):
         with pytest.raises(ConfigError, match=name):
             make()
+    assert OffloadedKV(pool(), [0], 2, 4, 16, choose_backend("torch", "cpu"), "cpu").hot.k[0].shape == (11, 1, 2)
     hot = HotBuffer(1, 3, 4, 1, 2, 16)
     hot.token[0, 2] = 5  # the last row holds a token: forget(-1) once emptied it (another request's row)
     for row in (-1, 3, "0", 1.0):

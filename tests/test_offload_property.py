@@ -36,7 +36,7 @@ def pair(extra: int, dtype, backend: str):
               device=DEVICE if backend == "triton" else "cpu")
     base = DecodeEngine(wl, LAYERS, cfg, **kw)
     c = base.coordinator
-    smallest = offload.most_tokens_read(c.algorithms, c.configs, [0, 1], 8, P)
+    smallest = offload.most_tokens_read(c.algorithms, c.configs, [0, 1], 8, P, CONTEXT)
     return base, DecodeEngine(wl, LAYERS, cfg, offload_buffer=smallest + extra, **kw), smallest
 
 

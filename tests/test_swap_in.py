@@ -173,8 +173,10 @@ def test_refuses_bad_state_before_launch():
     with pytest.raises(SparseRefError, match="new_k"):
         call(new_kv=(new_kv[0][:1], new_kv[1]))
     for name, bad in (("lru", hot.lru[:, :, :3].contiguous()), ("clock", torch.zeros(1, dtype=torch.int64, **on)),
-                      ("stats", torch.zeros(2, dtype=torch.int32, **on)), ("size", 0)):
-        broken = SimpleNamespace(**{**vars(hot), name: bad})
+                      ("stats", torch.zeros(2, dtype=torch.int32, **on)), ("size", 0),
+                      ("last_used", hot.last_used.long()), ("last_used", hot.last_used[:, :, :3].contiguous()),
+                      ("hot", [hot.k[0][: 1 + 2 * 4]])):  # K/V one slot short a row: 1 + rows x size
+        broken = SimpleNamespace(**{**vars(hot), "k" if name == "hot" else name: bad})
         with pytest.raises(SparseRefError, match=name):
             call(hot=broken)
     assert int(hot.clock[0]) == 0 and hot.hits == hot.misses == 0
@@ -244,9 +246,16 @@ BAD_CALLS = {
     "a page past the request": lambda c: {"selected": torch.tensor([[0, 2], [1, 3]], dtype=torch.int32,
                                                                      device=DEVICE)},
     "a page twice": lambda c: {"selected": torch.tensor([[0, 0], [1, 2]], dtype=torch.int32, device=DEVICE)},
+    "pages out of order": lambda c: {"selected": torch.tensor([[2, 0], [1, 2]], dtype=torch.int32, device=DEVICE)},
+    "lengths past the selection": lambda c: {"lengths": torch.tensor([2, 3], dtype=torch.int32, device=DEVICE)},
     "a dense row past the buffer": lambda c: {"sparse_mask": torch.tensor([False, True], device=DEVICE),
                                               "width": 16},
     "a slot past the host pool": lambda c: {"r2t": c["r2t"] + 1000},
+    "a slot equal to the host pool's size": lambda c: {"r2t": c["r2t"].index_fill(1, torch.tensor([0], device=DEVICE),
+                                                                                  97)},  # host: 1 + 3 x 32 slots
+    "a row of seq_len 0": lambda c: {"seq_lens": torch.tensor([10, 0], device=DEVICE), "sparse_mask":
+                                     torch.tensor([True, False], device=DEVICE)},
+    "a row one past max_context_len": lambda c: {"seq_lens": torch.tensor([10, 33], device=DEVICE)},
     "the newest token on the padding slot": lambda c: {"new_loc": torch.zeros(2, dtype=torch.int64, device=DEVICE)},
     "another request's new-token slot": lambda c: {"new_loc": c["new_loc"].flip(0)},
     "a stale batch (row 0 reused since)": lambda c: {"r2t": torch.cat([c["r2t"][:1] + 64, c["r2t"][1:]])},

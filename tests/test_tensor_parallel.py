@@ -93,27 +93,39 @@ def test_a_call_one_rank_makes_differently_is_refused_on_every_rank_before_anyth
 
 
 def test_a_call_that_fails_on_one_rank_only_raises_on_every_rank_naming_it():
-    """Same arguments, one rank fails: refused by its checks (pages taken out of band), nothing changes anywhere
-    and the ranks go on; failed with an error that is not a project error (out of memory), every rank raises a
-    RankError naming rank 1 at once (no collective timeout), and the engine, now apart, refuses later calls."""
+    """Same arguments, one rank apart: pages taken out of band there are found before the call (the pools compared,
+    nothing changes anywhere, the ranks go on once they match); a refusal of one rank's checks is raised on every
+    rank naming it; an error that is not a project error on every rank is rolled back everywhere (the engine goes
+    on); on one rank only (out of memory), every rank raises a RankError naming rank 1 at once (no collective
+    timeout), and the engine, now apart, refuses later calls."""
     results = tp_scenarios.run_ranks(tp_scenarios.outcomes, timeout=90)
     ranks = [r for _, r in (results[rank] for rank in sorted(results))]
     assert all(status == "ok" for status, _ in results.values()), results
     for name in ("add, pages out of band", "step, pages out of band"):
-        assert ranks[1][name].startswith("PoolError: ") and "rank" not in ranks[1][name].split(":")[1], ranks[1]
-        assert ranks[0][name].startswith(f"PoolError: tensor parallel: rank 1 refused its {name.split(',')[0]}"), \
-            ranks[0][name]
-        assert "with nothing changed" in ranks[0][name]
+        call = "add_request" if name.startswith("add") else "step"
+        assert all(r[name].startswith("PoolError: tensor parallel: the ranks' pools differ (the free pages) before "
+                                      f"{call}; nothing was changed") for r in ranks), (name, ranks)
         assert ranks[0][name + " state"] == ranks[1][name + " state"] == [(0, 20)]
     assert ranks[0]["step after"] == ranks[1]["step after"] == "ok"
     assert ranks[0]["step after state"] == ranks[1]["step after state"] == [(0, 21)]
+    name = "add, refused on rank 1"
+    assert ranks[1][name] == "PoolError: no room on this rank (simulated)", ranks[1][name]
+    assert ranks[0][name].startswith("PoolError: tensor parallel: rank 1 refused its add_request"), ranks[0][name]
+    assert "with nothing changed" in ranks[0][name] and ranks[0][name + " state"] == ranks[1][name + " state"]
+    for rank, r in enumerate(ranks):
+        assert r["add, out of memory everywhere"].startswith(f"RankError: tensor parallel: add_request failed on "
+                                                             f"rank {rank} with RuntimeError"), r
+        assert "refuses every later call" not in r["add, out of memory everywhere"]
+        assert r["add, out of memory everywhere state"] == [(0, 21)]  # rolled back on every rank
+        assert r["after the add failed everywhere"] == "ok" and r["after the add failed everywhere state"] == [(0, 22)]
     for name, call in (("add, out of memory", "add_request"), ("step, out of memory", "step")):
         assert ranks[1][name].startswith(f"RankError: tensor parallel: {call} failed on rank 1 with RuntimeError: "
                                          "CUDA out of memory (simulated)"), ranks[1][name]
         assert ranks[0][name].startswith(f"RankError: tensor parallel: rank 1 failed in its {call}"), ranks[0][name]
         assert all("refuses every later call" in r[name] for r in ranks)
-    assert ranks[0]["add, out of memory state"] == [(0, 21), (1, 9)]  # rank 0 admitted it, rank 1 rolled back
-    assert ranks[1]["add, out of memory state"] == [(0, 21)]
+    assert ranks[0]["add, out of memory state"] == [(0, 22), (2, 9)]  # rank 0 admitted it, rank 1 rolled back
+    # (rid 1 went to the request that failed everywhere: a rid is never given twice)
+    assert ranks[1]["add, out of memory state"] == [(0, 22)]
     for name in ("after the failed add", "after the failed step"):
         assert all(r[name].startswith("RankError: tensor parallel: this engine is unusable") for r in ranks), name
     assert ranks[0]["after the failed add state"] == ranks[0]["add, out of memory state"]  # nothing more ran
@@ -139,17 +151,22 @@ def test_a_rank_failing_before_a_steps_exchange_stops_every_rank(world, layers, 
 
 
 def test_changes_made_outside_the_engine_on_one_rank_are_caught_on_every_rank():
-    """The exchange's kind is in its tag; the pools are compared after every join and leave, free pages included;
-    a step agrees on the live requests and their lengths."""
+    """The exchange's kind is in its tag; the pools (req_to_token, the free pages, the next request id) are compared
+    before every call, so a change one rank made alone is refused on every rank, named, before anything changes."""
     ranks = values(tp_scenarios.run_ranks(tp_scenarios.out_of_band, timeout=90))
+    pools = "PoolError: tensor parallel: the ranks' pools differ"
     for r in ranks:
         assert r["kind"].startswith("BatchError: tensor parallel: rank "), r["kind"]
         assert "(scores, layer 0)" in r["kind"] or "(selection, layer 0)" in r["kind"], r["kind"]
-        for name in ("join", "leave"):
-            assert r[name].startswith("PoolError: tensor parallel: the ranks' pools differ"), (name, r[name])
-        assert r["after the join"].startswith("RankError: tensor parallel: this engine is unusable"), r
-        for name in ("step, other live", "step, other lengths"):
-            assert r[name].startswith("BatchError: tensor parallel: the ranks call step with different arguments"), r
+        assert r["join"].startswith(f"{pools} (the free pages) before add_request; nothing was changed"), r["join"]
+        assert r["after the join"].startswith(f"{pools} (the free pages) before step"), r["after the join"]
+        assert r["join state"] == r["after the join state"] == []  # nothing admitted on either rank
+        assert r["admitted on one rank"].startswith(f"{pools} (req_to_token, the free pages, the next request id) "
+                                                    "before add_request"), r["admitted on one rank"]
+        assert r["leave"].startswith(f"{pools} (the free pages) before finish"), r["leave"]
+        assert r["step, other live"].startswith(f"{pools} (req_to_token, the free pages) before step"), r
+        assert r["step, other lengths"].startswith(f"{pools} (req_to_token") and "before step" in \
+            r["step, other lengths"], r
 
 
 def test_the_exchange_tag_includes_the_layer():

@@ -28,13 +28,19 @@ def test_a_register_row_is_selected_directly_when_the_delegates_keep_an_eighth(N
     assert p.G <= p.n_pad  # a register row has at most a delegate per score
 
 
+def test_only_a_register_row_is_selected_directly():
+    """A long row whose delegates would keep more than an eighth still takes the three launches."""
+    assert plan(2, 8192, 2048).direct and not plan(2, 16384, 2048).direct  # both n_pad <= 8 G
+    assert not plan(1, 131072, 4096).direct
+
+
 def test_k_too_wide_for_delegates_sends_long_rows_to_the_whole_row_select():
     assert plan(2, 65536, 4096).force_fallback is False  # G = 8192 = max_delegates
     assert plan(2, 65536, 4097).force_fallback is True
     assert plan(2, 8192, 8192).force_fallback is False  # a register row never falls back
 
 
-@pytest.mark.parametrize("R, N", [(1, 131072), (8, 131072), (64, 16384), (128, 131072)])
+@pytest.mark.parametrize("R, N", [(1, 131072), (8, 131072), (32, 16384), (64, 16384), (128, 131072)])
 def test_few_rows_get_smaller_chunks_until_they_fill_the_gpu(R, N):
     p = plan(R, N, 2048)
     programs = R * -(-N // p.chunk)
@@ -56,3 +62,8 @@ def test_the_launches_follow_the_plan():
         out = torch.empty(2, 16, dtype=torch.int32, device=device)
         run = launch_topk(x, 16, None, None, out)
         assert run.names == names and run.plan == plan(2, N, 16)
+    for N, k in ((4000, 16), (300, 16)):  # a register row: the delegates plan, then the direct one
+        run = launch_topk(torch.randn(2, N, device=device), k, None, None,
+                          torch.empty(2, k, dtype=torch.int32, device=device))
+        want = short_row_warps(run.plan.n_pad) if run.plan.direct else TUNING["num_warps"]
+        assert run.launches[0].warps == want and run.plan.direct is (N == 300)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from sparse_ref.config import IndexerConfig, SparseConfig
 from sparse_ref.engine import DecodeEngine
+from sparse_ref.errors import PoolError
 from sparse_ref.tensor_parallel import RankGroup, RankWorkload, TensorParallelEngine
 from sparse_ref.workloads import PlantedEngineWorkload
 
@@ -140,27 +141,40 @@ def agreement(rank, world):
 
 
 def outcomes(rank, world):
-    """Calls that fail on rank 1 only, with the same arguments on every rank: pages taken out of band there (its
-    add_request, then its step, refused), an error that is not a project error during rank 1's add_request, and
-    one during its step's forward with no exchange inside (per-rank Quest and a dense layer). Returns what each
-    attempt raised on this rank and the live requests after it."""
+    """Calls that fail on some ranks, with the same arguments on every rank: pages taken out of band on rank 1 (the
+    pools compared before each call: refused everywhere, nothing changed); a refusal of rank 1's own checks; an
+    error that is not a project error during add_request on every rank (rolled back everywhere: the engine goes
+    on), then on rank 1 only, and during rank 1's step's forward with no exchange inside (per-rank Quest and a
+    dense layer). Returns what each attempt raised on this rank and the live requests after it."""
     out = {}
     attempt = partial(record, out)
 
     def oom(*args, **kwargs):
         raise RuntimeError("CUDA out of memory (simulated)")
 
+    def refuse(*args, **kwargs):
+        raise PoolError("no room on this rank (simulated)")
+
     tp = TensorParallelEngine(workload(), LAYERS, config(), **ENGINE)
     tp.add_request(20)  # 5 full pages: its next step needs a page
     allocator = tp.engine.manager.allocator
-    taken = allocator.alloc(allocator.available_pages() - 2) if rank == 1 else []  # room for 8 tokens, not 21
+    taken = allocator.alloc(2) if rank == 1 else []
     attempt("add, pages out of band", lambda: tp.add_request(21), tp)
-    taken += allocator.alloc(2) if rank == 1 else []  # none left: the step cannot grow the request
     attempt("step, pages out of band", tp.step, tp)
     allocator.free(taken[::-1])  # back as they were (the free list is a stack)
     attempt("step after", tp.step, tp)
+    workload_of = tp.engine.workload
     if rank == 1:
-        tp.engine.workload.prefill = oom
+        workload_of.request = refuse
+    attempt("add, refused on rank 1", lambda: tp.add_request(9), tp)
+    if rank == 1:
+        del workload_of.request
+    workload_of.prefill = oom
+    attempt("add, out of memory everywhere", lambda: tp.add_request(9), tp)
+    del workload_of.prefill
+    attempt("after the add failed everywhere", tp.step, tp)
+    if rank == 1:
+        workload_of.prefill = oom
     attempt("add, out of memory", lambda: tp.add_request(9), tp)
     attempt("after the failed add", tp.step, tp)
     tp = TensorParallelEngine(workload(), ["quest", None, None], config(), quest_mode="per_rank", **ENGINE)
@@ -194,9 +208,9 @@ def failure_in_step(rank, world, layers, kind):
 
 def out_of_band(rank, world):
     """Changes rank 1 makes outside the tensor-parallel engine, each caught on every rank at the next exchange: two
-    different exchanges at one layer, a page taken before a join (the pools differ), a page taken before a leave
-    (only the free pages differ), a request finished, or a step run, on rank 1's engine alone (the next step's
-    live requests or lengths differ). Returns what each attempt raised on this rank."""
+    different exchanges at one layer, a page taken before a join (the pools differ), a request admitted through
+    rank 1's own engine, a page taken before a leave (only the free pages differ), a request finished, or a step
+    run, on rank 1's engine alone. Returns what each attempt raised on this rank."""
     out = {}
     attempt = partial(record, out)
 
@@ -205,8 +219,12 @@ def out_of_band(rank, world):
     tp = TensorParallelEngine(workload(), LAYERS, config(), **ENGINE)
     if rank == 1:
         tp.engine.manager.allocator.alloc(1)
-    attempt("join", lambda: tp.add_request(20))
-    attempt("after the join", tp.step)
+    attempt("join", lambda: tp.add_request(20), tp)
+    attempt("after the join", tp.step, tp)
+    tp = TensorParallelEngine(workload(), LAYERS, config(), **ENGINE)
+    if rank == 1:
+        tp.engine.add_request(9)  # admitted through rank 1's own engine, not the tensor-parallel one
+    attempt("admitted on one rank", lambda: tp.add_request(20))
     tp = TensorParallelEngine(workload(), LAYERS, config(), **ENGINE)
     tp.add_request(20)
     if rank == 1:

@@ -34,7 +34,7 @@ from sparse_ref.bench.offload import bench_offload
 from sparse_ref.bench.quest import bench_quest, bench_retrieve
 from sparse_ref.bench.timing import COPY_DETAIL, Timer, copy_bandwidth
 from sparse_ref.bench.topk import bench_select, bench_topk, bench_topk_sweep
-from sparse_ref.cli import cli_output_file, cli_parser, json_safe
+from sparse_ref.cli import cli_environment, cli_output_file, cli_parser, json_safe
 
 SUITES = {"topk": bench_topk, "sweep": bench_topk_sweep, "select": bench_select, "quest": bench_quest,
           "retrieve": bench_retrieve, "decode": bench_decode, "dsa": bench_dsa, "engine": bench_engine,
@@ -53,6 +53,7 @@ def main(argv=None) -> dict:
                         help="run on CPU through Triton's interpreter (tiny sizes; not GPU numbers; never written "
                              f"into {RESULTS_DIR}/)")
     args = parser.parse_args(argv)
+    cli_environment(parser)
     device = sparse_ref.default_device()
     on_cpu = device.type != "cuda"
     if on_cpu and not args.allow_cpu:

@@ -235,15 +235,17 @@ def check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size,
     check_range("batch.seq_lens", seq_lens, 1, min(req_to_token.shape[1], max_ctx),
                 "each request holds its newest token, within req_to_token and the hot buffer's max_context_len.")
     check_new_token_slots(req_to_token, rows, seq_lens - 1, batch.out_cache_loc, "batch.", SparseRefError)
+    check_range("lengths", lengths, 0, selected.shape[1], "at most the selection's width (past it, a row would "
+                "read the next row's pages).")
     live = torch.arange(selected.shape[1], device=selected.device)[None, :] < lengths[:, None]
     sparse = (sparse_mask & (lengths > 0))[:, None] & live
     pages = -(-seq_lens // page_size)
     if bool((sparse & ((selected < 0) | (selected >= pages[:, None]))).any()):
         fail("selected", "within lengths, pages of the row's own request: [0, ceil(seq_len / page_size))",
              str(selected.tolist()[:4]), "pass the selection of retrieve_topk for this batch.")
-    ids = torch.where(sparse, selected.long(), -1).sort(dim=1).values
-    if bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()):
-        fail("selected", "each kept page once in a row", str(selected.tolist()[:4]), "pass retrieve_topk's selection.")
+    if bool((sparse[:, 1:] & (selected[:, 1:] <= selected[:, :-1])).any()):  # ascending: each page once, and the
+        fail("selected", "each row's kept pages ascending, each once", str(selected.tolist()[:4]),  # tokens read
+             "pass retrieve_topk's selection (ascending, -1 padded).")  # form a prefix, as positions_read lists them
     reads = torch.where(sparse, (seq_lens[:, None] - selected.long() * page_size).clamp(0, page_size), 0).sum(1)
     sparse_row = sparse_mask & (lengths > 0)
     reads = torch.where(sparse_row, reads, seq_lens.clamp(max=width))  # (a table cuts at width)

@@ -456,41 +456,43 @@ def check_order_hash(fn):
         assert ids.view(-1)[i] == ids.view(-1)[j] or fn(far.view(3, 16)) != fn(ids), f"a swap of flat ids {i}, {j} " \
             "must change the hash"
     ids = torch.randint(0, 5000, (3, 16), generator=g, dtype=torch.int32)
-    for pos in range(8):  # two ids moved so that any small-weight linear hash (a sum, a weighted sum) cancels out
+    for pos in range(8):  # two ids moved so that a linear hash with small weights (a sum, 1, 2, 3, ...) cancels out
         for a in (1, 2, 3):
             for b in (-1, -2, -3):
                 moved = ids.clone().view(-1)
                 moved[pos] += a
                 moved[pos + 1] += b
                 assert fn(moved.view(3, 16)) != fn(ids), f"ids [{pos}] + {a} and [{pos + 1}] {b} must change the " \
-                    "hash (a linear hash, such as a weighted sum, cannot tell these apart)"
+                    "hash (a linear hash with small weights cannot tell these apart)"
     _passed("order_hash")
 
 
 # ------------------------------------------------------------------ 10_offload
-def _lru_victims_spec(tokens, last_used, clock, m):
-    free = [s for s in range(len(tokens)) if last_used[s] != clock]
+def _lru_victims_spec(tokens, last_used, hits, m):
+    free = [s for s in range(len(tokens)) if s not in hits]
     free.sort(key=lambda s: (tokens[s] >= 0, last_used[s] if tokens[s] >= 0 else 0, s))
     return sorted(free[:m])
 
 
 def check_lru_victims(fn):
-    """``fn(tokens, last_used, clock, m) -> list``: the ``m`` slots a row's misses take, in slot order: never a slot
-    used this step (``last_used == clock``), empty slots (token -1) first, then the least recently used, ties to
-    the lower slot."""
-    cases = [([-1, -1, -1], [0, 0, 0], 1, 2), ([5, 7, 9, 11], [3, 1, 2, 1], 4, 2), ([5, 7, -1, 11], [4, 1, 0, 4], 4, 1),
-             ([5, 7, 9], [2, 2, 2], 3, 3), ([5, 7, 9], [3, 1, 3], 3, 1), ([4, 8], [1, 1], 2, 0)]
+    """``fn(tokens, last_used, hits, m) -> list``: the ``m`` slots a row's misses take, in slot order: never a slot
+    this step reads (``hits``, whose stamps are not updated yet: they may be the oldest), empty slots (token -1)
+    first, then the least recently used, ties to the lower slot."""
+    cases = [([-1, -1, -1], [0, 0, 0], [], 2), ([5, 7, 9, 11], [3, 1, 2, 1], [], 2),
+             ([5, 7, -1, 11], [4, 1, 0, 4], [], 1), ([5, 7, 9], [2, 2, 2], [], 3), ([5, 7, 9], [3, 1, 3], [0, 2], 1),
+             ([5, 7, 9, 11], [1, 4, 2, 3], [0], 2),  # the oldest slot is read this step: a plain LRU would take it
+             ([5, -1, 9], [1, 0, 2], [0, 2], 1), ([4, 8], [1, 1], [0, 1], 0)]
     g = _gen(10)
     for _ in range(40):
         size = int(torch.randint(1, 9, (1,), generator=g))
-        clock = 6
-        used = torch.randint(0, clock + 1, (size,), generator=g).tolist()
+        used = torch.randint(0, 6, (size,), generator=g).tolist()
         tokens = [int(t) if torch.rand(1, generator=g) > 0.2 else -1 for t in torch.randperm(50, generator=g)[:size]]
         used = [0 if t < 0 else u for t, u in zip(tokens, used, strict=True)]
-        cases.append((tokens, used, clock, int(torch.randint(0, 1 + sum(u != clock for u in used), (1,), generator=g))))
-    for tokens, used, clock, m in cases:
-        got, want = list(fn(list(tokens), list(used), clock, m)), _lru_victims_spec(tokens, used, clock, m)
-        assert got == want, f"tokens {tokens}, last_used {used}, clock {clock}, m={m}: got {got}, want {want}"
+        hits = [s for s in range(size) if tokens[s] >= 0 and torch.rand(1, generator=g) < 0.4]
+        cases.append((tokens, used, hits, int(torch.randint(0, 1 + size - len(hits), (1,), generator=g))))
+    for tokens, used, hits, m in cases:
+        got, want = list(fn(list(tokens), list(used), list(hits), m)), _lru_victims_spec(tokens, used, hits, m)
+        assert got == want, f"tokens {tokens}, last_used {used}, hits {hits}, m={m}: got {got}, want {want}"
     _passed("lru_victims")
 
 

@@ -172,14 +172,16 @@ WRONG = {
                                                                                     last_slot=True)),
     ],
     "check_lru_victims": [
-        ("the lowest free slots, no LRU", lambda tokens, used, clock, m: [
-            s for s in range(len(tokens)) if used[s] != clock][:m]),
-        ("the most recently used evicted", lambda tokens, used, clock, m: sorted(sorted(
-            (s for s in range(len(tokens)) if used[s] != clock),
+        ("the lowest free slots, no LRU", lambda tokens, used, hits, m: [
+            s for s in range(len(tokens)) if s not in hits][:m]),
+        ("the most recently used evicted", lambda tokens, used, hits, m: sorted(sorted(
+            (s for s in range(len(tokens)) if s not in hits),
             key=lambda s: (tokens[s] >= 0, -used[s], s))[:m])),
-        ("victims in LRU order, not slot order", lambda tokens, used, clock, m: sorted(
-            (s for s in range(len(tokens)) if used[s] != clock),
+        ("victims in LRU order, not slot order", lambda tokens, used, hits, m: sorted(
+            (s for s in range(len(tokens)) if s not in hits),
             key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))[:m]),
+        ("a plain LRU that may evict a slot read this step", lambda tokens, used, hits, m: sorted(sorted(
+            range(len(tokens)), key=lambda s: (tokens[s] >= 0, used[s] if tokens[s] >= 0 else 0, s))[:m])),
     ],
     "check_break_even_batch": [
         ("against the device at batch 1, not its best", lambda td, to, nd, no: next(

@@ -102,4 +102,39 @@ def test_the_track_tells_the_story_in_order():
         "05_triton_topk")]))
     assert "split_softmax_mass" in "".join(track.load("09_decode_kernels").cells[i].source
                                            for i in dict(rows)["09_decode_kernels"])
-    assert order[-1] == "10_offload" and "memory_and_bandwidth" in track.load("10_offload").cells[rows[-1][1][0]].source
+    close = track.load("10_offload")
+    assert order[-1] == "10_offload" and "memory_and_bandwidth" in "".join(close.cells[i].source for i in rows[-1][1])
+    assert "hot buffer" in close.cells[rows[-1][1][0]].source  # its premise, shown before the picture
+
+
+@pytest.mark.parametrize("row", track.TRACK, ids=lambda r: f"{r.notebook} c{r.cells[0]}")
+def test_a_track_cell_explains_what_it_uses_from_a_cell_it_skips(row):
+    """A function a track cell calls, defined in a code cell the track skips (it runs, the audience does not see
+    it), is named in a comment of that cell that says what it is and "not on the track" (05's ``torch_keys``; "from
+    the cell above" pointed at a cell the audience never saw); a track cell never
+    needs an earlier row's premise that comes later (the second seed error after the indexer it names)."""
+    import ast
+
+    nb = track.load(row.notebook)
+    shown = {i for r in track.TRACK if r.notebook == row.notebook for i in r.cells}
+    skipped = {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and i not in shown and i < max(row.cells):
+            tree = ast.parse("\n".join(s for s in cell.source.splitlines() if not s.startswith(("%", "!"))))
+            skipped.update({node.name: i for node in tree.body if isinstance(node, ast.FunctionDef)})
+    for i in row.cells:
+        cell = nb.cells[i]
+        if cell.cell_type != "code":
+            continue
+        tree = ast.parse("\n".join(s for s in cell.source.splitlines() if not s.startswith(("%", "!"))))
+        comments = " ".join(line.split("#", 1)[1] for line in cell.source.splitlines() if "#" in line)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in skipped:
+                name = node.func.id
+                assert name in comments and "not on the track" in comments, (
+                    f"{row.notebook} c{i} calls {name} (c{skipped[name]}, not on the track) without a comment that "
+                    "says what it is and that the track skips it")
+    order = [(r.notebook, r.anchor) for r in track.TRACK]
+    assert order.index(("04_dsa_indexer", "## The second seed error")) > \
+        order.index(("04_dsa_indexer", "# 04 · The DeepSeek DSA lightning indexer"))
+

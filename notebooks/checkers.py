@@ -219,6 +219,29 @@ def check_kth_digit(fn):
     _passed("kth_digit")
 
 
+SENTINEL_PAD = 4096  # elements of sentinel on each side of a Triton exercise's input
+
+
+def _between_sentinels(t, value):
+    """``(view, buffer)``: ``t`` copied into the middle of a larger buffer filled with ``value``. The interpreter
+    checks no bounds, so a load past the tensor without a mask reads ``value`` (and fails the check, with a
+    sentence saying so) instead of whatever memory lies there; a store past it changes the buffer's ends."""
+    buffer = torch.full((t.numel() + 2 * SENTINEL_PAD,), value, dtype=t.dtype, device=t.device)
+    view = buffer[SENTINEL_PAD: SENTINEL_PAD + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view, buffer
+
+
+def _check_sentinels(buffers, where):
+    """The ends of each ``_between_sentinels`` buffer are as they were: nothing was written outside the inputs."""
+    for name, (buffer, value) in buffers.items():
+        ends = torch.cat([buffer[:SENTINEL_PAD], buffer[-SENTINEL_PAD:]])
+        assert bool((ends == value).all()), f"{where}: the kernel wrote outside {name} (a store without a mask?)"
+
+
+OUTSIDE = " (the inputs sit between sentinel values: a load past a tensor without a mask reads them)"
+
+
 def check_row_argmax(fn):
     """``fn(x [R, N], lengths [R])``: the Triton launcher of a top-1 kernel, int32 ``[R]``: the id of each row's
     largest score among its first ``lengths[r]``, ties to the lower id, NaN and -inf never chosen, -1 when the
@@ -238,10 +261,12 @@ def check_row_argmax(fn):
         lengths = torch.full((x.shape[0],), x.shape[1]) if lengths is None else lengths
         want = topk(x.to(device), 1, lengths.to(device))[:, 0].cpu()
         assert torch.equal(want, topk_reference(x, 1, lengths)[:, 0])
-        got = torch.as_tensor(fn(x.to(device), lengths.to(device))).cpu()
+        (xs, xb), (ls, lb) = _between_sentinels(x.to(device), 1e30), _between_sentinels(lengths.to(device), 1 << 30)
+        got = torch.as_tensor(fn(xs, ls)).cpu()
+        _check_sentinels({"x": (xb, 1e30), "lengths": (lb, 1 << 30)}, name)
         assert got.dtype == torch.int32 and got.shape == want.shape, f"{name}: got {got.dtype} {tuple(got.shape)}, " \
             f"want int32 {tuple(want.shape)}"
-        assert torch.equal(got, want), f"{name}: got ids {got.tolist()}, want {want.tolist()}"
+        assert torch.equal(got, want), f"{name}: got ids {got.tolist()}, want {want.tolist()}{OUTSIDE}"
     _passed("row_argmax")
 
 
@@ -253,8 +278,10 @@ def check_row_max(fn):
     for r, n in ((3, 5), (1, 1), (4, 1000), (2, 130)):
         x = torch.randn(r, n, generator=g)
         x[0, 0] = float("-inf")
-        got = fn(x.to(device)).cpu()
-        assert torch.equal(got, x.amax(1)), f"[{r}, {n}]: got {got.tolist()}, want {x.amax(1).tolist()}"
+        xs, xb = _between_sentinels(x.to(device), 1e30)
+        got = fn(xs).cpu()
+        _check_sentinels({"x": (xb, 1e30)}, f"[{r}, {n}]")
+        assert torch.equal(got, x.amax(1)), f"[{r}, {n}]: got {got.tolist()}, want {x.amax(1).tolist()}{OUTSIDE}"
     _passed("row_max")
 
 
@@ -396,14 +423,17 @@ def check_page_table_kernel(fn):
         selected, lengths = select_pages(scores, seq_lens, mask, P, cfg)
         args = [t.to(device) for t in (selected, lengths, seq_lens.int(), rows)] + [r2t.to(device)]
         want = page_table_from_selection(args[0], args[1], args[1] > 0, args[2], args[3], args[4], P)[:2]
-        got = fn(*args, P)
+        placed = [_between_sentinels(t, 1 << 20) for t in args]  # past an input: a page id far outside req_to_token
+        got = fn(*(view for view, _ in placed), P)
+        _check_sentinels({name: (buffer, 1 << 20) for name, (_, buffer) in zip(
+            ("selected", "lengths", "seq_lens", "rows", "req_to_token"), placed, strict=True)}, f"case {case}")
         for name, a, b in (("page_table", got[0], want[0]), ("kv_lens", got[1], want[1])):
             a = torch.as_tensor(a).cpu()
             assert a.dtype == torch.int32 and a.shape == b.shape, f"case {case} (bs {bs}, {pages} pages, P {P}): " \
                 f"{name} is {a.dtype} {tuple(a.shape)}, want int32 {tuple(b.shape)}"
             bad = (a != b.cpu()).nonzero()
             assert bad.numel() == 0, f"case {case} (bs {bs}, {pages} pages, P {P}): {name}{bad[0].tolist()} is " \
-                f"{a[tuple(bad[0])].item()}, want {b.cpu()[tuple(bad[0])].item()} (lengths {lengths.tolist()})"
+                f"{a[tuple(bad[0])].item()}, want {b.cpu()[tuple(bad[0])].item()} (lengths {lengths.tolist()}){OUTSIDE}"
     _passed("page_table_kernel")
 
 

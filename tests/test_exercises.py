@@ -166,3 +166,57 @@ def test_student_copy_refuses_to_overwrite_the_notebooks(tmp_path, capsys):
         student["main"]([str(source / nb.name), "--out", str(source)])
     assert info.value.code == 2 and "--out" in capsys.readouterr().err
     assert (source / nb.name).read_bytes() == before
+
+
+# ---------------------------------------------------------------- a missing mask fails, with a sentence saying why
+def test_a_row_max_kernel_without_its_mask_is_rejected_as_reading_outside():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def unmasked_max(x_ptr, out_ptr, N, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, N, BLOCK):
+            best = tl.maximum(best, tl.load(x_ptr + row * stride + start + tl.arange(0, BLOCK)))  # no mask
+        tl.store(out_ptr + row, tl.max(best, axis=0))
+
+    def row_max(x):
+        out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        unmasked_max[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=128)
+        return out
+
+    with pytest.raises(AssertionError, match="a load past a tensor without a mask"):
+        _checkers().check_row_max(row_max)
+
+
+def test_a_top1_kernel_that_stores_past_its_output_or_reads_past_its_row_is_rejected():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def unmasked_top1(x_ptr, len_ptr, out_ptr, N, BLOCK: tl.constexpr):  # the lengths and the tail ignored
+        r = tl.program_id(0)
+        ids = tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + r * N + ids)
+        v = tl.where(v == v, v, float("-inf"))
+        m = tl.max(v, axis=0)
+        tl.store(out_ptr + r, tl.min(tl.where(v == m, ids, BLOCK), axis=0))
+
+    @triton.jit
+    def writes_lengths(x_ptr, len_ptr, out_ptr, N, BLOCK: tl.constexpr):  # scribbles past the lengths it read
+        r = tl.program_id(0)
+        tl.store(len_ptr + r + 4096, 0)
+        tl.store(out_ptr + r, -1)
+
+    def launcher(kernel):
+        def row_argmax(x, lengths):
+            out = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
+            kernel[(x.shape[0],)](x, lengths, out, x.shape[1], BLOCK=2048)
+            return out
+        return row_argmax
+
+    with pytest.raises(AssertionError, match="a load past a tensor without a mask"):
+        _checkers().check_row_argmax(launcher(unmasked_top1))
+    with pytest.raises(AssertionError, match="wrote outside lengths"):
+        _checkers().check_row_argmax(launcher(writes_lengths))

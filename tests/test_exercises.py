@@ -14,6 +14,8 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -169,18 +171,34 @@ def test_student_copy_refuses_to_overwrite_the_notebooks(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- a missing mask fails, with a sentence saying why
+# (module level: the compile check re-imports every kernel a test launched, by module and name)
+@triton.jit
+def unmasked_max(x_ptr, out_ptr, N, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, N, BLOCK):
+        best = tl.maximum(best, tl.load(x_ptr + row * stride + start + tl.arange(0, BLOCK)))  # no mask
+    tl.store(out_ptr + row, tl.max(best, axis=0))
+
+
+@triton.jit
+def unmasked_top1(x_ptr, len_ptr, out_ptr, N, BLOCK: tl.constexpr):  # the lengths and the tail ignored
+    r = tl.program_id(0)
+    ids = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + r * N + ids)
+    v = tl.where(v == v, v, float("-inf"))
+    m = tl.max(v, axis=0)
+    tl.store(out_ptr + r, tl.min(tl.where(v == m, ids, BLOCK), axis=0))
+
+
+@triton.jit
+def writes_lengths(x_ptr, len_ptr, out_ptr, N, BLOCK: tl.constexpr):  # scribbles past the lengths it read
+    r = tl.program_id(0)
+    tl.store(len_ptr + r + 4096, 0)
+    tl.store(out_ptr + r, -1)
+
+
 def test_a_row_max_kernel_without_its_mask_is_rejected_as_reading_outside():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def unmasked_max(x_ptr, out_ptr, N, stride, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, N, BLOCK):
-            best = tl.maximum(best, tl.load(x_ptr + row * stride + start + tl.arange(0, BLOCK)))  # no mask
-        tl.store(out_ptr + row, tl.max(best, axis=0))
-
     def row_max(x):
         out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         unmasked_max[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=128)
@@ -191,24 +209,6 @@ def test_a_row_max_kernel_without_its_mask_is_rejected_as_reading_outside():
 
 
 def test_a_top1_kernel_that_stores_past_its_output_or_reads_past_its_row_is_rejected():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def unmasked_top1(x_ptr, len_ptr, out_ptr, N, BLOCK: tl.constexpr):  # the lengths and the tail ignored
-        r = tl.program_id(0)
-        ids = tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + r * N + ids)
-        v = tl.where(v == v, v, float("-inf"))
-        m = tl.max(v, axis=0)
-        tl.store(out_ptr + r, tl.min(tl.where(v == m, ids, BLOCK), axis=0))
-
-    @triton.jit
-    def writes_lengths(x_ptr, len_ptr, out_ptr, N, BLOCK: tl.constexpr):  # scribbles past the lengths it read
-        r = tl.program_id(0)
-        tl.store(len_ptr + r + 4096, 0)
-        tl.store(out_ptr + r, -1)
-
     def launcher(kernel):
         def row_argmax(x, lengths):
             out = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)

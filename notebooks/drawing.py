@@ -40,8 +40,27 @@ def _arrow(ax, start, end, label=""):
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
 
 
-def decode_step_pipeline():
-    """One decode step, one layer: req_to_token -> Quest / DSA scores -> top-k -> adaptor -> attention."""
+STAGES = ("req_to_token", "quest", "dsa", "topk", "adaptor", "attention")
+# The stages each notebook builds (00's picture, marked at the top of every notebook)
+NOTEBOOK_STAGES = {"00": STAGES, "01": ("req_to_token",), "02": ("topk", "adaptor"), "03": ("quest",),
+                   "04": ("dsa",), "05": ("topk",), "06": ("quest", "dsa"), "07": STAGES,
+                   "08": ("quest", "dsa", "attention"), "09": ("topk", "adaptor", "attention"),
+                   "10": ("req_to_token", "attention")}
+
+
+def you_are_here(notebook: str) -> None:
+    """00's picture of the decode step with the stages ``notebook`` ("03") builds marked, the others faded."""
+    marked = NOTEBOOK_STAGES[notebook]
+    fig = decode_step_pipeline(marked)
+    fig.axes[0].set_title(f"Notebook {notebook}: the marked stages of one decode step", fontsize=12)
+    names = ", ".join(marked) if len(marked) < len(STAGES) else "every stage"
+    show_figure(fig, f"Diagram of one sparse decode step (req_to_token, Quest and DSA scores, top-k, adaptor, "
+                f"attention) with the stages this notebook builds drawn in colour and the rest faded: {names}.")
+
+
+def decode_step_pipeline(marked=STAGES):
+    """One decode step, one layer: req_to_token -> Quest / DSA scores -> top-k -> adaptor -> attention; the stages
+    not in ``marked`` are faded (the top of each notebook marks its own)."""
     fig, ax = plt.subplots(figsize=(15, 4.6))
     ax.set_xlim(0, 15.2)
     ax.set_ylim(0, 4.6)
@@ -58,6 +77,13 @@ def decode_step_pipeline():
     adapt = _box(ax, (9.7, 1.55), w, h, "adaptor",
                  "logical -> physical pages\nvia req_to_token\nKV length per request,\ncumulative lengths", "#e7dff2")
     attn = _box(ax, (12.8, 1.55), w, h, "attention", "over the selected KV only\n(dense rows: all of it)", "#f6d5d5")
+    for patch, stage in zip(ax.patches, STAGES, strict=True):  # the boxes, in the order drawn
+        if stage not in marked:
+            patch.set_facecolor("0.93")
+            patch.set_edgecolor("0.75")
+        elif len(marked) < len(STAGES):
+            patch.set_linewidth(2.6)
+            patch.set_edgecolor("tab:red")
     _arrow(ax, r2t[1], quest[0], "pages of the row")
     _arrow(ax, r2t[1], dsa[0], "tokens of the row")
     _arrow(ax, quest[1], topk[0], "[bs, pages]")

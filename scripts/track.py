@@ -38,26 +38,26 @@ class Row:
 
 
 TRACK = (
-    Row("00_overview", (4, 5), "## 1. The decode step as a picture",
+    Row("00_overview", (6, 7), "## 1. The decode step as a picture",
         "the decode step as a picture: pools, scores, selection, page table, attention"),
-    Row("02_retrieval_contract", (5, 6, 7, 9, 10, 13), "### What a req_to_token row holds past its length",
+    Row("02_retrieval_contract", (7, 8, 9, 11, 12, 15), "### What a req_to_token row holds past its length",
         "a stale row: past its length a row names another request's pages; the first SGLang error, its fix"),
-    Row("03_quest", (9,), "## 2. The upper bound",
+    Row("03_quest", (11,), "## 2. The upper bound",
         "Quest's bound as a 3-line function (the next cell checks it on random pages: say its result)"),
-    Row("04_dsa_indexer", (0, 24, 25), "# 04 · The DeepSeek DSA lightning indexer",
+    Row("04_dsa_indexer", (0, 26, 27), "# 04 · The DeepSeek DSA lightning indexer",
         "the DSA moment: what the indexer computes, and the causal scores and top-k of a prompt"),
-    Row("04_dsa_indexer", (34, 36, 37), "## The second seed error",
+    Row("04_dsa_indexer", (36, 38, 39), "## The second seed error",
         "the second SGLang error, now that the indexer is known: DSA's retrieval needs it and its inputs; the fix"),
-    Row("05_triton_topk", (2, 3, 6, 7, 9, 10, 11, 12, 13), "## 0. One Triton program: a primer",
+    Row("05_triton_topk", (4, 5, 8, 9, 11, 12, 13, 14, 15), "## 0. One Triton program: a primer",
         "the top-k moment: one Triton program (a primer), then a radix select in full with the helpers it calls "
         "(keys, the histogram walk, the ordered compaction), equal to the reference on ties, NaN, -inf and short "
         "rows"),
-    Row("07_end_to_end", (0, 7, 8, 11, 34), "# 07",
+    Row("07_end_to_end", (0, 9, 10, 13, 36), "# 07",
         "the engine's hooks (their table), walked by hand; why the Quest layer's error is 1.07; the step as one "
         "picture"),
-    Row("09_decode_kernels", (9, 11), "## 2. Paged flash-decode attention",
+    Row("09_decode_kernels", (11, 13), "## 2. Paged flash-decode attention",
         "the decode kernels' picture: a row split into slices, merged by log-sum-exp"),
-    Row("10_offload", (0, 4), "# 10",
+    Row("10_offload", (0, 6), "# 10",
         "the close: the hot buffer, then memory against bandwidth, the whole trade of offload in one picture"),
 )
 

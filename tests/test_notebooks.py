@@ -152,3 +152,26 @@ def test_code_cells_are_short_and_figures_carry_alt_text(path):
         lines = cell.source.splitlines()
         assert len(lines) <= 30, f"{path.name} cell {i}: {len(lines)} lines (split it, or move drawing out)"
         assert "plt.show()" not in cell.source, f"{path.name} cell {i}: use show_figure(fig, alt) instead"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
+def test_every_notebook_opens_and_closes_in_the_same_places(path):
+    """After the parameters cell: three "After this notebook you can" lines, then 00's picture with this notebook's
+    stages marked. Last: the recap, a three-question check whose answers open under each question, and the
+    sources (links only). No other recap heading anywhere."""
+    cells = nbformat.read(path, as_version=4).cells
+    number = path.name[:2]
+    outcomes = cells[2].source
+    assert cells[2].cell_type == "markdown" and outcomes.startswith("**After this notebook you can:**"), path.name
+    assert len(re.findall(r"^\* ", outcomes, re.M)) == 3, f"{path.name}: three outcomes"
+    assert cells[3].cell_type == "code" and f'drawing.you_are_here("{number}")' in cells[3].source, path.name
+    recap, check, sources = (c.source for c in cells[-3:])
+    assert recap.startswith("## Recap\n") and check.startswith("## Check yourself\n"), path.name
+    assert len(re.findall(r"^\d\. ", check, re.M)) == 3 and check.count("<details><summary>Answer</summary>") == 3
+    assert sources.startswith("## Sources\n"), path.name
+    links = re.findall(r"^\* \[[^\]]+\]\((https://[^)\s]+)\)$", sources, re.M)
+    assert len(links) >= 2 and len(links) == len(re.findall(r"^\* ", sources, re.M)), f"{path.name}: links only"
+    others = [i for i, c in enumerate(cells[:-3]) if c.cell_type == "markdown" and
+              re.search(r"^#+ (What we built|Summary|Recap|Takeaways)|\*\*Takeaways", c.source, re.M)]
+    assert not others, f"{path.name}: a recap outside the closing (cells {others})"
+

@@ -93,7 +93,7 @@ def test_the_track_tells_the_story_in_order():
     rows = [(r.notebook, r.cells) for r in track.TRACK]
     order = [n for n, _ in rows]
     assert order.index("02_retrieval_contract") < order.index("05_triton_topk")
-    stale, first_error = 5, 10  # 02: the stale row (c5-c7) comes before the seed error (c10)
+    stale, first_error = 7, 12  # 02: the stale row (c7-c9) comes before the seed error (c12)
     cells_02 = dict(rows)["02_retrieval_contract"]
     assert stale in cells_02 and first_error in cells_02 and cells_02.index(stale) < cells_02.index(first_error)
     dsa = [i for i, (n, c) in enumerate(rows) if n == "04_dsa_indexer" and 0 in c]

@@ -242,6 +242,114 @@ def _check_sentinels(buffers, where):
 OUTSIDE = " (the inputs sit between sentinel values: a load past a tensor without a mask reads them)"
 
 
+# ------------------------------------------------------------------ 05: the puzzles (section 0b)
+def _puzzle(name, case, fn, inputs, out, want, fill, compare=None):
+    """``fn(*inputs, out)`` with every tensor between sentinels (``fill``: one per tensor, ``out``'s last and unlike
+    the inputs', so that a store past ``out`` of what was read past an input changes it): nothing written
+    outside, and ``out`` (or ``compare(got)``) as ``want``."""
+    device = sparse_ref.default_device()
+    placed = [_between_sentinels(t.to(device), value) for t, value in zip((*inputs, out), fill, strict=True)]
+    fn(*(view for view, _ in placed))
+    names = [f"input {i}" for i in range(len(inputs))] + ["out"]
+    _check_sentinels({n: (buffer, value) for n, (_, buffer), value in zip(names, placed, fill, strict=True)},
+                     f"{name}, {case}")
+    got = placed[-1][0].cpu()
+    ok = compare(got) if compare else (torch.allclose(got, want, rtol=1e-4, atol=1e-4) if got.is_floating_point()
+                                       else torch.equal(got, want))
+    assert ok, f"{name}, {case}: got {got.reshape(-1)[:6].tolist()}..., want {want.reshape(-1)[:6].tolist()}{OUTSIDE}"
+    return got
+
+
+BIG = 1e30  # a float sentinel: a row max or sum that reads one is wrong by far
+
+
+def check_masked_copy(fn):
+    """``fn(x, out)``: ``out[i] = x[i]`` for a 1-D ``x`` of any length (not a multiple of the block)."""
+    for n in (1, 100, 1000, 4097):
+        x = torch.randn(n, generator=_gen(n))
+        _puzzle("masked_copy", f"N={n}", fn, [x], torch.empty(n), x, (BIG, -3.0))
+    _passed("masked_copy")
+
+
+def check_add_column_bias(fn):
+    """``fn(x [R, C], bias [C], out [R, C])``: ``out = x + bias`` with 2-D tiles, masked on both edges."""
+    for r, c in ((1, 1), (5, 37), (33, 130), (70, 17)):
+        x, bias = torch.randn(r, c, generator=_gen(r)), torch.randn(c, generator=_gen(c))
+        _puzzle("add_column_bias", f"[{r}, {c}]", fn, [x, bias], torch.empty(r, c), x + bias, (BIG, BIG, -3.0))
+    _passed("add_column_bias")
+
+
+def check_row_sum(fn):
+    """``fn(x [R, N], out [R])``: each row's sum, a loop over the row's blocks."""
+    for r, n in ((1, 1), (3, 100), (4, 1000), (2, 2049)):
+        x = torch.randn(r, n, generator=_gen(n))
+        _puzzle("row_sum", f"[{r}, {n}]", fn, [x], torch.empty(r), x.sum(1), (BIG, -3.0))
+    _passed("row_sum")
+
+
+def check_keep_positive(fn):
+    """``fn(x [N], out [N], count [1])``: the positive values of ``x`` in their order at the front of ``out``
+    (the rest of ``out`` untouched) and how many in ``count``; N at most 1024 (one block, a prefix sum)."""
+    for n in (1, 7, 100, 1000):
+        x = torch.randn(n, generator=_gen(n))
+        x[0] = 0.0  # zero is not positive
+        kept = x[x > 0]
+        device = sparse_ref.default_device()
+        (xs, xb), (outs, ob), (cs, cb) = (_between_sentinels(t.to(device), v) for t, v in
+                                        ((x, BIG), (torch.full((n,), -7.0), -7.0),
+                                         (torch.full((1,), -1, dtype=torch.int32), -1)))
+        fn(xs, outs, cs)
+        _check_sentinels({"x": (xb, BIG), "out": (ob, -7.0), "count": (cb, -1)}, f"keep_positive, N={n}")
+        got = outs.cpu()
+        assert int(cs[0]) == kept.numel(), f"keep_positive, N={n}: count {int(cs[0])}, want {kept.numel()}"
+        assert torch.equal(got[:kept.numel()], kept) and bool((got[kept.numel():] == -7.0).all()), \
+            f"keep_positive, N={n}: out {got[:8].tolist()}..., want {kept[:8].tolist()} then untouched{OUTSIDE}"
+    _passed("keep_positive")
+
+
+def check_histogram(fn):
+    """``fn(x int32 [N], out int32 [BINS])``: how many of ``x`` (values in ``[0, BINS)``) fall in each bin."""
+    for n, bins in ((1, 4), (100, 16), (1000, 64), (5000, 256)):
+        x = torch.randint(0, bins, (n,), generator=_gen(n), dtype=torch.int32)
+        want = torch.bincount(x, minlength=bins).int()
+        _puzzle("histogram", f"N={n}, {bins} bins", fn, [x], torch.zeros(bins, dtype=torch.int32), want, (0, -5),
+                compare=lambda got, want=want: torch.equal(got, want))  # (a read past x adds to bin 0)
+    _passed("histogram")
+
+
+def check_dot_tile(fn):
+    """``fn(a [M, K], b [K, N], out [M, N])``: ``a @ b`` in fp32, tiles of 16 (``tl.dot``), masked edges."""
+    for m, k, n in ((1, 1, 1), (16, 16, 16), (20, 33, 17), (50, 70, 40)):
+        a, b = torch.randn(m, k, generator=_gen(m)), torch.randn(k, n, generator=_gen(n))
+        _puzzle("dot_tile", f"[{m}, {k}] @ [{k}, {n}]", fn, [a, b], torch.empty(m, n), a @ b, (BIG, BIG, -3.0),
+                compare=lambda got, want=a @ b: torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+    _passed("dot_tile")
+
+
+def check_online_softmax(fn):
+    """``fn(x [R, N], out [R, N])``: each row's softmax, the row read in blocks with a running max and sum
+    (rows longer than a block; -inf entries included)."""
+    for r, n in ((1, 1), (3, 100), (2, 1000), (4, 3000)):
+        x = torch.randn(r, n, generator=_gen(n)) * 5
+        x[0, -1] = float("-inf") if n > 1 else x[0, -1]
+        _puzzle("online_softmax", f"[{r}, {n}]", fn, [x], torch.empty(r, n), torch.softmax(x, 1), (BIG, -3.0))
+    _passed("online_softmax")
+
+
+def check_gather_pages(fn):
+    """``fn(pool [slots, D], table int32 [pages], out [seq_len, D])``: token ``t`` of a request is row
+    ``table[t // P] * P + t % P`` of the pool (P = 4), for ``t < seq_len`` (the last page partly full)."""
+    for pages, seq_len, d in ((1, 1, 4), (3, 10, 8), (5, 17, 16), (9, 33, 24)):
+        g = _gen(seq_len)
+        pool = torch.randn(4 * 12, d, generator=g)
+        table = 1 + torch.randperm(11, generator=g)[:pages].int()
+        t = torch.arange(seq_len)
+        want = pool[table[t // 4].long() * 4 + t % 4]
+        _puzzle("gather_pages", f"{pages} pages, seq_len {seq_len}, D={d}", fn, [pool, table],
+                torch.empty(seq_len, d), want, (BIG, 0, -3.0))  # (past the table: page 0, the padding)
+    _passed("gather_pages")
+
+
 def check_row_argmax(fn):
     """``fn(x [R, N], lengths [R])``: the Triton launcher of a top-1 kernel, int32 ``[R]``: the id of each row's
     largest score among its first ``lengths[r]``, ties to the lower id, NaN and -inf never chosen, -1 when the

@@ -48,7 +48,7 @@ TRACK = (
         "the DSA moment: what the indexer computes, and the causal scores and top-k of a prompt"),
     Row("04_dsa_indexer", (36, 38, 39), "## The second seed error",
         "the second SGLang error, now that the indexer is known: DSA's retrieval needs it and its inputs; the fix"),
-    Row("05_triton_topk", (4, 5, 8, 9, 11, 12, 13, 14, 15), "## 0. One Triton program: a primer",
+    Row("05_triton_topk", (4, 5, 25, 26, 28, 29, 30, 31, 32), "## 0. One Triton program: a primer",
         "the top-k moment: one Triton program (a primer), then a radix select in full with the helpers it calls "
         "(keys, the histogram walk, the ordered compaction), equal to the reference on ties, NaN, -inf and short "
         "rows"),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_exercises import PUZZLES
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "notebooks"))
@@ -234,10 +235,10 @@ def test_checker_rejects_a_plausible_mistake(checker, wrong):
 
 
 def test_every_exercise_checker_has_two_mistakes():
-    """Each checker of the notebooks' exercises is tried with at least two wrong solutions (Triton ones: in
-    test_exercises.py)."""
+    """Each checker of the notebooks' exercises is tried with at least two wrong solutions (Triton ones, the
+    puzzles among them: in test_exercises.py, which also holds two a puzzle)."""
     names = {n for n in dir(checkers) if n.startswith("check_")}
-    triton = {"check_row_argmax", "check_page_table_kernel"}
+    triton = {"check_row_argmax", "check_page_table_kernel", *(f"check_{name}" for name in PUZZLES)}
     assert names - triton == set(WRONG), sorted(names - triton ^ set(WRONG))
     assert all(len(w) >= 2 for w in WRONG.values())
 

@@ -220,3 +220,117 @@ def test_a_top1_kernel_that_stores_past_its_output_or_reads_past_its_row_is_reje
         _checkers().check_row_argmax(launcher(unmasked_top1))
     with pytest.raises(AssertionError, match="wrote outside lengths"):
         _checkers().check_row_argmax(launcher(writes_lengths))
+
+
+# ---------------------------------------------------------------- 05's puzzles: each checker rejects two mistakes
+@triton.jit
+def copy_unmasked(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs))
+
+
+@triton.jit
+def bias_unmasked_columns(x_ptr, b_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    inside = rows[:, None] < R  # the column edge forgotten
+    offs = rows[:, None] * C + cols[None, :]
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=inside) + tl.load(b_ptr + cols)[None, :], mask=inside)
+
+
+@triton.jit
+def row_sum_unmasked(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, N, BLOCK):
+        total += tl.load(x_ptr + row * N + start + tl.arange(0, BLOCK))
+    tl.store(out_ptr + row, tl.sum(total, axis=0))
+
+
+@triton.jit
+def keep_positive_unmasked(x_ptr, out_ptr, count_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)  # past N: the sentinels, positive
+    keep = x > 0
+    tl.store(out_ptr + tl.cumsum(keep.to(tl.int32), axis=0) - 1, x, mask=keep)
+    tl.store(count_ptr, tl.sum(keep.to(tl.int32), axis=0))
+
+
+@triton.jit
+def histogram_unmasked(x_ptr, out_ptr, N, BINS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_add(out_ptr + tl.arange(0, BINS), tl.histogram(tl.load(x_ptr + offs), BINS))
+
+
+@triton.jit
+def dot_unmasked_k(a_ptr, b_ptr, out_ptr, M, N, K, B: tl.constexpr):
+    rows = tl.program_id(0) * B + tl.arange(0, B)
+    cols = tl.program_id(1) * B + tl.arange(0, B)
+    acc = tl.zeros([B, B], tl.float32)
+    for k0 in range(0, K, B):  # the K edge unmasked: past K, a's next row and b's sentinels
+        ks = k0 + tl.arange(0, B)
+        a = tl.load(a_ptr + rows[:, None] * K + ks[None, :], mask=rows[:, None] < M, other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * N + cols[None, :], mask=cols[None, :] < N, other=0.0)
+        acc += tl.dot(a, b, input_precision="ieee")
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def softmax_tail_zero(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    m, s = tl.full([], float("-inf"), tl.float32), tl.zeros([], tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0)  # a masked lane as 0, not -inf: exp(0) counts
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0)
+        tl.store(out_ptr + row * N + cols, tl.exp(x - m) / s, mask=cols < N)
+
+
+@triton.jit
+def gather_unmasked(pool_ptr, table_ptr, out_ptr, D: tl.constexpr, P: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, BD)
+    tl.store(out_ptr + t * D + d, tl.load(pool_ptr + (tl.load(table_ptr + t // P) * P + t % P) * D + d))
+
+
+def _grid1(n, block):
+    return (triton.cdiv(n, block),)
+
+
+PUZZLES = {  # checker name -> (a kernel with a mask missing, a plausible mistake in torch)
+    "masked_copy": (lambda x, out: copy_unmasked[_grid1(x.numel(), 256)](x, out, x.numel(), BLOCK=256),
+                    lambda x, out: out[:256].copy_(x[:256])),  # the first block only
+    "add_column_bias": (lambda x, b, out: bias_unmasked_columns[(triton.cdiv(x.shape[0], 16), triton.cdiv(
+        x.shape[1], 32))](x, b, out, *x.shape, BR=16, BC=32), lambda x, b, out: out.copy_(x + b.mean())),
+    "row_sum": (lambda x, out: row_sum_unmasked[(x.shape[0],)](x, out, x.shape[1], BLOCK=512),
+                lambda x, out: out.copy_(x.mean(1))),
+    "keep_positive": (lambda x, out, count: keep_positive_unmasked[(1,)](x, out, count, x.numel(), BLOCK=1024),
+                      lambda x, out, count: (out[:int((x >= 0).sum())].copy_(x[x >= 0]),  # zero kept
+                                             count.fill_(int((x >= 0).sum())))),
+    "histogram": (lambda x, out: histogram_unmasked[_grid1(x.numel(), 1024)](x, out, x.numel(), BINS=out.numel(),
+                                                                             BLOCK=1024),
+                  lambda x, out: out.copy_(torch.bincount(x[:1024].long(), minlength=out.numel()))),
+    "dot_tile": (lambda a, b, out: dot_unmasked_k[(triton.cdiv(a.shape[0], 16), triton.cdiv(b.shape[1], 16))](
+        a, b, out, a.shape[0], b.shape[1], a.shape[1], B=16), lambda a, b, out: out.copy_(a[:, :16] @ b[:16])),
+    "online_softmax": (lambda x, out: softmax_tail_zero[(x.shape[0],)](x, out, x.shape[1], BLOCK=1024),
+                       lambda x, out: out.copy_(torch.cat([torch.softmax(c, 1) for c in x.split(1024, 1)], 1))),
+    "gather_pages": (lambda pool, table, out: gather_unmasked[(out.shape[0],)](
+        pool, table, out, D=pool.shape[1], P=4, BD=triton.next_power_of_2(pool.shape[1])),
+        lambda pool, table, out: out.copy_(pool[:out.shape[0]])),  # the pages in order, not through the table
+}
+
+
+@pytest.mark.parametrize("name", PUZZLES)
+@pytest.mark.parametrize("which", ["a mask missing", "a plausible mistake"])
+def test_each_puzzle_checker_rejects_a_missing_mask_and_a_plausible_mistake(name, which):
+    wrong = PUZZLES[name][which == "a plausible mistake"]
+    with pytest.raises(AssertionError) as info:
+        getattr(_checkers(), f"check_{name}")(wrong)
+    if which == "a mask missing":
+        assert "mask" in str(info.value), str(info.value)[:300]  # the sentence says what went wrong
+

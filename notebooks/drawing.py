@@ -993,3 +993,82 @@ def needle_against_depth(found: dict, depths, budget: int, context: int):
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- 05 and 09: a kernel's memory traffic
+MASKED_OFF, OUTSIDE = -2, -3  # what an image entry holds beside a program's number (-1: nothing touched it)
+
+
+def trace_memory(kernel, grid, *args, **constexprs) -> dict:
+    """Run ``kernel[grid](*args, **constexprs)`` (CPU tensors) through Triton's interpreter, recording every load
+    and store: ``{argument name: int [2, numel + 16]}`` per tensor argument (flattened), row 0 loads and row 1
+    stores, each entry the program (flattened grid index) that touched it last, ``MASKED_OFF`` for a masked lane
+    past the tensor's end, ``OUTSIDE`` for an unmasked access past it, -1 untouched."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    records, load, store = [], InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+
+    def record(kind, builder, ptrs, mask):
+        records.append((kind, builder.grid_idx, ptrs.data.astype(np.int64).ravel(),
+                        np.broadcast_to(mask.data, ptrs.data.shape).ravel().astype(bool)))
+
+    def traced_load(self, ptrs, mask, *rest):
+        record(0, self, ptrs, mask)
+        return load(self, ptrs, mask, *rest)
+
+    def traced_store(self, ptrs, value, mask, *rest):
+        record(1, self, ptrs, mask)
+        return store(self, ptrs, value, mask, *rest)
+
+    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = traced_load, traced_store
+    try:
+        kernel[grid](*args, **constexprs)
+    finally:
+        InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = load, store
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    images = {}
+    for name, t in zip(kernel.arg_names, args, strict=False):
+        if not isinstance(t, torch.Tensor):
+            continue
+        n, image = t.numel(), np.full((2, t.numel() + 16), -1)
+        for kind, (x, y, z), ptrs, mask in records:
+            idx = (ptrs - t.data_ptr()) // t.element_size()
+            near = (idx >= 0) & (idx < n + 16)
+            image[kind, idx[near & mask & (idx < n)]] = x + grid3[0] * (y + grid3[1] * z)
+            image[kind, idx[near & ~mask & (idx >= n)]] = MASKED_OFF
+            image[kind, idx[near & mask & (idx >= n)]] = OUTSIDE
+        images[name] = image
+    return images
+
+
+def show_memory_traffic(kernel, grid, *args, title: str, **constexprs) -> None:
+    """``trace_memory``'s picture: for each tensor argument, which program loaded (top row) and stored (bottom row)
+    each element, a colour per program, masked-off lanes grey past the tensor's end, an unmasked access outside
+    the tensor red. Where kernels are compiled for a GPU it says so in one line instead."""
+    from matplotlib.colors import ListedColormap
+
+    from sparse_ref.device import triton_interpreted
+
+    if not triton_interpreted():
+        print("(the memory picture runs the kernel through Triton's interpreter: run this notebook on a CPU to see it)")
+        return
+    images = trace_memory(kernel, grid, *args, **constexprs)
+    programs = int(np.prod(grid))
+    colours = ListedColormap(["tab:red", "0.85"] + [plt.get_cmap("tab20")(i % 20) for i in range(programs)])
+    fig, axes = plt.subplots(len(images), 1, figsize=(12, 1.3 * len(images) + 0.6), squeeze=False)
+    for ax, (name, image) in zip(axes[:, 0], images.items(), strict=True):
+        n = image.shape[1] - 16
+        used = max(n, int(np.nonzero((image != -1).any(0))[0].max(initial=-1)) + 1)
+        part = image[:, :used]  # colour index: OUTSIDE 0, MASKED_OFF 1, program p at p + 2; untouched blank
+        shown = np.where(part == -1, np.nan, np.where(part >= 0, part + 2, part - OUTSIDE))
+        ax.imshow(shown, aspect="auto", cmap=colours, vmin=0, vmax=programs + 1, interpolation="nearest")
+        ax.axvline(n - 0.5, color="black", linewidth=1.5)
+        ax.set_yticks([0, 1], ["loaded", "stored"])
+        ax.set_title(f"{name}: {n} elements (the black line is its end)", fontsize=9, loc="left")
+        ax.set_xlabel("element (flattened)", fontsize=8)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(f"{title}: a colour per program, grey masked off, red outside the tensor", fontsize=11)
+    fig.tight_layout()
+    show_figure(fig, f"{title}. For each tensor argument of the kernel, two strips of its elements, loaded and "
+                f"stored, coloured by the program of the {programs} that touched each; lanes masked off past a "
+                "tensor's end are grey, and an access outside a tensor without a mask would be red.")

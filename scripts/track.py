@@ -48,14 +48,14 @@ TRACK = (
         "the DSA moment: what the indexer computes, and the causal scores and top-k of a prompt"),
     Row("04_dsa_indexer", (36, 38, 39), "## The second seed error",
         "the second SGLang error, now that the indexer is known: DSA's retrieval needs it and its inputs; the fix"),
-    Row("05_triton_topk", (4, 5, 25, 26, 28, 29, 30, 31, 32), "## 0. One Triton program: a primer",
+    Row("05_triton_topk", (4, 5, 27, 28, 30, 31, 32, 33, 34), "## 0. One Triton program: a primer",
         "the top-k moment: one Triton program (a primer), then a radix select in full with the helpers it calls "
         "(keys, the histogram walk, the ordered compaction), equal to the reference on ties, NaN, -inf and short "
         "rows"),
     Row("07_end_to_end", (0, 9, 10, 13, 36), "# 07",
         "the engine's hooks (their table), walked by hand; why the Quest layer's error is 1.07; the step as one "
         "picture"),
-    Row("09_decode_kernels", (11, 13), "## 2. Paged flash-decode attention",
+    Row("09_decode_kernels", (12, 14), "## 2. Paged flash-decode attention",
         "the decode kernels' picture: a row split into slices, merged by log-sum-exp"),
     Row("10_offload", (0, 6), "# 10",
         "the close: the hot buffer, then memory against bandwidth, the whole trade of offload in one picture"),

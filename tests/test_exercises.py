@@ -334,3 +334,33 @@ def test_each_puzzle_checker_rejects_a_missing_mask_and_a_plausible_mistake(name
     if which == "a mask missing":
         assert "mask" in str(info.value), str(info.value)[:300]  # the sentence says what went wrong
 
+
+
+# ---------------------------------------------------------------- the memory picture's trace (notebooks/drawing.py)
+@triton.jit
+def copy_masked(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the trace runs the kernel through the interpreter (CPU)")
+def test_the_memory_trace_shows_each_programs_elements_and_its_masked_lanes():
+    import drawing
+
+    images = drawing.trace_memory(copy_masked, (3,), torch.randn(20), torch.empty(20), 20, BLOCK=8)
+    assert set(images) == {"x_ptr", "out_ptr"}
+    want = [0] * 8 + [1] * 8 + [2] * 4 + [drawing.MASKED_OFF] * 4 + [-1] * 12  # program 2 masks 4 lanes past 20
+    assert images["x_ptr"][0].tolist() == want and images["x_ptr"][1].tolist() == [-1] * 36  # loaded, not stored
+    assert images["out_ptr"][1].tolist() == want and images["out_ptr"][0].tolist() == [-1] * 36
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the trace runs the kernel through the interpreter (CPU)")
+def test_the_memory_trace_marks_an_unmasked_access_outside_the_tensor():
+    import drawing
+
+    buffer = torch.zeros(64)  # x and out inside a larger buffer: reading past them is harmless here
+    x, out = buffer[8:28], torch.zeros(64)[8:28]
+    images = drawing.trace_memory(copy_unmasked, (3,), x, out, 20, BLOCK=8)
+    assert images["x_ptr"][0, 20:24].tolist() == [drawing.OUTSIDE] * 4  # the last program's 4 lanes past the end
+    assert images["out_ptr"][1, 20:24].tolist() == [drawing.OUTSIDE] * 4
+    assert (images["x_ptr"][0, :20] >= 0).all()

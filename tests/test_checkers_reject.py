@@ -248,3 +248,15 @@ def test_the_mistakes_are_really_wrong_and_the_reference_passes():
     checkers.check_topk_in_prefix(lambda s, lens, k: topk_reference(s, k, lens, order="index"))
     checkers.check_ordered_bits(lambda x: keys_of(x + 0.0))
     assert math.isfinite(float(torch.exp(torch.tensor(80.0))))
+
+
+# 05's Triton puzzles: a kernel with a mask missing (tests/test_exercises.py holds the kernels, at module level for
+# the compile check) and a plausible mistake in torch
+@pytest.mark.parametrize("name", PUZZLES)
+@pytest.mark.parametrize("which", ["a mask missing", "a plausible mistake"])
+def test_each_puzzle_checker_rejects_a_missing_mask_and_a_plausible_mistake(name, which):
+    wrong = PUZZLES[name][which == "a plausible mistake"]
+    with pytest.raises(AssertionError) as info:
+        getattr(checkers, f"check_{name}")(wrong)
+    if which == "a mask missing":
+        assert "mask" in str(info.value), str(info.value)[:300]  # the sentence says what went wrong

@@ -325,17 +325,6 @@ PUZZLES = {  # checker name -> (a kernel with a mask missing, a plausible mistak
 }
 
 
-@pytest.mark.parametrize("name", PUZZLES)
-@pytest.mark.parametrize("which", ["a mask missing", "a plausible mistake"])
-def test_each_puzzle_checker_rejects_a_missing_mask_and_a_plausible_mistake(name, which):
-    wrong = PUZZLES[name][which == "a plausible mistake"]
-    with pytest.raises(AssertionError) as info:
-        getattr(_checkers(), f"check_{name}")(wrong)
-    if which == "a mask missing":
-        assert "mask" in str(info.value), str(info.value)[:300]  # the sentence says what went wrong
-
-
-
 # ---------------------------------------------------------------- the memory picture's trace (notebooks/drawing.py)
 @triton.jit
 def copy_masked(x_ptr, out_ptr, N, BLOCK: tl.constexpr):

@@ -259,15 +259,19 @@ def test_cuda_graph_replay_equals_eager():
 
 
 def test_default_split_counts_on_an_h200_sized_gpu(monkeypatch):
-    """The split rule, evaluated for a 132-SM GPU without one: the counts whose H200 timings the
-    ``choose_num_splits`` docstring quotes (33 / 17 / 3 at bs=1 / 8 / 64), capped by the KV length."""
+    """The split rule, evaluated for a 132-SM GPU without one: the counts whose timings the ``choose_num_splits``
+    docstring quotes (short splits round down, long ones up), capped by the KV length."""
     from sparse_ref.kernels import decode_attention as da
 
     monkeypatch.setattr(da, "_sm_count", lambda index: 132)
-    cuda = torch.device("cuda", 0)
+    cuda, long = torch.device("cuda", 0), da.LONG_SPLIT_GQA
     assert da.choose_num_splits(1, 32, 32768, 32, cuda) == 33
-    assert da.choose_num_splits(8, 8, 32768, 64, cuda) == 17
-    assert da.choose_num_splits(64, 8, 32768, 64, cuda) == 3
+    assert da.choose_num_splits(8, 8, 32768, 64, cuda, long) == 16  # 1024 programs, not 1088 (a nearly empty wave)
+    assert da.choose_num_splits(8, 8, 65536, 64, cuda, long) == 16  # 4096 tokens a split: the long tile
+    assert da.choose_num_splits(16, 8, 16384, 64, cuda, long) == 8
+    assert da.choose_num_splits(64, 8, 2048, 64, cuda, long) == 2
+    assert da.choose_num_splits(64, 8, 32768, 64, cuda, long) == 3  # long splits round up
+    assert da.choose_num_splits(64, 8, 32768, 64, cuda) == 2  # (no long tile: short splits round down)
     assert da.choose_num_splits(1, 32, 100, 32, cuda) == 4  # at most one split per block of 32 tokens
     assert da.choose_num_splits(1, 1, 10**7, 32, cuda) == da.MAX_SPLITS
     assert da.choose_num_splits(0, 8, 0, 64, cuda) == 1

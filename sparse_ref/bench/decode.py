@@ -72,13 +72,17 @@ def bench_decode(device, timer, copy_bw, quick, on_cpu):
     from sparse_ref.kernels.decode_attention import paged_decode_attention
 
     rows = []
-    # (a) the dense kernel: bs=64 GQA (the 80%-of-copy target) and bs=1 MHA (the baseline of the bs=1 step rows).
+    # (a) the dense kernel: bs=64 GQA (the 80%-of-copy target) and bs=1 MHA (the baseline of the bs=1 step rows);
+    # without --quick also bs=1 128K, bs=8 64K and bs=64 2K.
     # Timed first, on freshly allocated inputs, before the torch reference runs (its tens of GB of temporaries
     # come after).
     if on_cpu:
         dense_shapes = [(2, 4, 2, 16, 200, 4, 80), (1, 4, 4, 16, 200, 4, None)]
     else:
         dense_shapes = [(64, 32, 8, 128, 32768, 16, 80), (1, 32, 32, 128, 32768, 16, None)]
+        if not quick:  # the other shapes a server runs, each beside cuDNN: a long batch-1 row, bs=8, short rows
+            dense_shapes += [(1, 32, 32, 128, 131072, 16, None), (8, 32, 8, 128, 65536, 16, None),
+                             (64, 32, 8, 128, 2048, 16, None)]
     for bs, h_q, h_kv, d, ctx, P, target in dense_shapes:
         q, k, v, table, kv_lens = dense_attention_inputs(bs, h_q, h_kv, d, ctx, P, torch.bfloat16, device)
         out = torch.empty(q.shape, dtype=torch.float32, device=device)

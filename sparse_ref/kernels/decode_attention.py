@@ -227,19 +227,23 @@ def programs_target(device: torch.device) -> int:
     return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int, device: torch.device,
+                      long_split: int = 0) -> int:
     """Splits per (request, KV head) from shapes only (never from ``kv_lens`` values: no host sync).
 
     About ``PROGRAMS_PER_SM`` programs per SM (many splits at bs=1, a few at bs=64), at most one per
-    ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``. Measured on an
-    H200 (bf16, D=128, page 16; L2 cold), this rule against the best split count tried (1-33):
-    bs=1, 32 heads: 33 splits, 176 us over 32K (best 176), 640 us over 128K (best), 25.0 us over 2048
-    tokens (best 23.3 with 16); bs=8, 8 KV heads, 32K: 17 splits, 317 us (best 299 with 6); bs=64, 8 KV
-    heads, 32K: 3 splits, 2237 us (best 2223). Split counts that leave a nearly empty last wave are
-    the trap: at bs=1, 17 splits took 227 us over 32K and 1006 us over 128K.
+    ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``. Short splits round
+    down, so no last wave runs nearly empty; splits of at least ``long_split`` tokens (the long-split tile: fewer
+    programs fit an SM, and more of them hide latency better) round up. Same-process A/B on an H100 (bf16, D=128,
+    page 16, L2 cold; cuDNN SDPA beside): bs=8 with 8 KV heads at 64K, 16 splits 740 us against 801 with 17 (the
+    17th pushed each split under the long tile's 4096 tokens; cuDNN 708); bs=16 at 16K, 8 splits 380 against 422
+    with 9 (cuDNN 361); bs=64 at 2K, 2 splits 201 against 206 with 3; bs=64 at 32K keeps 3 long splits (2834
+    against 2890 us with 2); bs=1 and bs=4 unchanged (33 splits).
     """
-    base = max(1, bs * num_kv_heads)
-    want = triton.cdiv(programs_target(device), base)
+    base, target = max(1, bs * num_kv_heads), programs_target(device)
+    want = triton.cdiv(target, base)
+    if not (long_split and triton.cdiv(max(max_kv_len, 1), want) >= long_split):
+        want = max(1, target // base)
     return max(1, min(want, triton.cdiv(max(max_kv_len, 1), block_n), MAX_SPLITS))
 
 
@@ -306,8 +310,10 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
                                TUNING["block_n"], TUNING["num_warps"], TUNING["precise"], TUNING["num_stages"])
     num_splits = TUNING["num_splits"]
     if num_splits is None:  # (from the short-split tile; only a cap of one split per tile of tokens depends on it)
-        num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, config()["constexprs"]["BLOCK_N"],
-                                       q.device)
+        short = config()
+        long_split = 0 if config(split_len=1 << 30) == short else LONG_SPLIT_GQA if group >= 2 else LONG_SPLIT_MHA
+        num_splits = choose_num_splits(bs, num_kv_heads, width * page_size, short["constexprs"]["BLOCK_N"],
+                                       q.device, long_split)
     cfg = config(split_len=triton.cdiv(width * page_size, num_splits))
     ce = cfg["constexprs"]
     q = q.contiguous()

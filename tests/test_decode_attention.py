@@ -269,7 +269,9 @@ def test_default_split_counts_on_an_h200_sized_gpu(monkeypatch):
     assert da.choose_num_splits(8, 8, 32768, 64, cuda, long) == 16  # 1024 programs, not 1088 (a nearly empty wave)
     assert da.choose_num_splits(8, 8, 65536, 64, cuda, long) == 16  # 4096 tokens a split: the long tile
     assert da.choose_num_splits(16, 8, 16384, 64, cuda, long) == 8
-    assert da.choose_num_splits(64, 8, 2048, 64, cuda, long) == 2
+    assert da.choose_num_splits(64, 8, 2048, 64, cuda, long) == 1  # every SM holds two programs: no split
+    assert da.choose_num_splits(64, 8, 4096, 64, cuda, long) == 2  # (4096 tokens: the long tile, split)
+    assert da.choose_num_splits(32, 8, 2048, 64, cuda, long) == 4  # 256 programs: under two an SM
     assert da.choose_num_splits(64, 8, 32768, 64, cuda, long) == 3  # long splits round up
     assert da.choose_num_splits(64, 8, 32768, 64, cuda) == 2  # (no long tile: short splits round down)
     assert da.choose_num_splits(1, 32, 100, 32, cuda) == 4  # at most one split per block of 32 tokens

@@ -238,12 +238,16 @@ def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int,
     page 16, L2 cold; cuDNN SDPA beside): bs=8 with 8 KV heads at 64K, 16 splits 740 us against 801 with 17 (the
     17th pushed each split under the long tile's 4096 tokens; cuDNN 708); bs=16 at 16K, 8 splits 380 against 422
     with 9 (cuDNN 361); bs=64 at 2K, 2 splits 201 against 206 with 3; bs=64 at 32K keeps 3 long splits (2834
-    against 2890 us with 2); bs=1 and bs=4 unchanged (33 splits).
+    against 2890 us with 2); bs=1 and bs=4 unchanged (33 splits). Rows shorter than the long tile whose requests
+    already give every SM two programs are not split (the merge launch is the cost): bs=64 at 2K 191 us against
+    196 with 2 splits (cuDNN 186), bs=48 at 2K 149 against 165; at 4K one split took 410 against 365 with 2.
     """
     base, target = max(1, bs * num_kv_heads), programs_target(device)
     want = triton.cdiv(target, base)
     if not (long_split and triton.cdiv(max(max_kv_len, 1), want) >= long_split):
         want = max(1, target // base)
+    if long_split and max_kv_len < long_split and base >= 2 * target // PROGRAMS_PER_SM:
+        want = 1  # short rows and every SM holding two programs already: no split, and no merge launch
     return max(1, min(want, triton.cdiv(max(max_kv_len, 1), block_n), MAX_SPLITS))
 
 

@@ -125,6 +125,13 @@ def check_choice(name: str, value, choices, fix: str = "", error: type[SparseRef
     return value
 
 
+def check_kv_dtype(name: str, dtype, error: type[SparseRefError]) -> None:
+    """A floating ``torch.dtype`` (K/V are stored in it), not a string."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        fail(name, "a floating torch.dtype such as torch.float16", describe(dtype),
+             "pass the dtype object, e.g. dtype=torch.bfloat16, not a string.", error)
+
+
 def check_device(name: str, device, error: type[SparseRefError] = ConfigError) -> torch.device:
     """``device`` as a ``torch.device`` that holds data (cpu or cuda; not meta, not a typo)."""
     try:

@@ -19,6 +19,7 @@ from sparse_ref.checks import (
     check_fits_memory,
     check_index_list,
     check_int,
+    check_kv_dtype,
     check_range,
     check_tensor,
     describe,
@@ -409,9 +410,7 @@ def check_kv_pool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtyp
     num_layers = check_int("TokenToKVPool(num_layers)", num_layers, low=1, error=PoolError)
     num_kv_heads = check_int("TokenToKVPool(num_kv_heads)", num_kv_heads, low=1, error=PoolError)
     head_dim = check_int("TokenToKVPool(head_dim)", head_dim, low=1, error=PoolError)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        fail("TokenToKVPool(dtype)", "a floating torch.dtype such as torch.float16", describe(dtype),
-             "pass the dtype object, e.g. dtype=torch.bfloat16, not a string.", PoolError)
+    check_kv_dtype("TokenToKVPool(dtype)", dtype, PoolError)
     check_fits_memory("TokenToKVPool", 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim
                       * torch.empty(0, dtype=dtype).element_size())
     return num_layers, num_kv_heads, head_dim, check_device("TokenToKVPool(device)", device, PoolError)

@@ -25,7 +25,7 @@ import torch
 
 from sparse_ref.adaptor import Metadata
 from sparse_ref.backend import torch_twin
-from sparse_ref.checks import INT32_MAX, check_device, check_int, fail
+from sparse_ref.checks import INT32_MAX, check_device, check_int, check_kv_dtype, fail
 from sparse_ref.errors import ConfigError, PoolError
 
 
@@ -126,8 +126,7 @@ class HotBuffer:
                     head_dim=head_dim, max_context_len=max_context_len)
         size = check_int("HotBuffer(size)", size, low=1, high=MAX_BUFFER, error=ConfigError)
         check_layers_and_dtype("HotBuffer", num_layers, layers, dtype)
-        device = check_device("HotBuffer(device)", device)
-        self.size, self.width, self.device = size, size + 1, torch.device(device)
+        self.size, self.width, self.device = size, size + 1, check_device("HotBuffer(device)", device)
         shape, on = (1 + num_rows * self.width, num_kv_heads, head_dim), {"device": self.device}
         has = set(range(num_layers) if layers is None else layers)
         self.k = [torch.zeros(shape, dtype=dtype, **on) if i in has else None for i in range(num_layers)]
@@ -307,9 +306,7 @@ def check_layers_and_dtype(owner: str, num_layers: int, layers, dtype) -> None:
                                any(type(i) is not int or not 0 <= i < num_layers for i in layers)):
         fail(f"{owner}(layers)", f"distinct layer indices in [0, {num_layers})", repr(layers),
              "pass the offloaded layers (or None: every layer).", ConfigError)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        fail(f"{owner}(dtype)", "a floating torch.dtype, the KV pool's", repr(dtype),
-             "pass the dtype object, e.g. dtype=torch.bfloat16, not a string.", ConfigError)
+    check_kv_dtype(f"{owner}(dtype)", dtype, ConfigError)
 
 
 def check_offload(size, needed: int, layer_names: list[str]) -> int:

@@ -234,13 +234,9 @@ def choose_num_splits(bs: int, num_kv_heads: int, max_kv_len: int, block_n: int,
     About ``PROGRAMS_PER_SM`` programs per SM (many splits at bs=1, a few at bs=64), at most one per
     ``block_n`` tokens of the static bound ``max_kv_len = W * P``, at most ``MAX_SPLITS``. Short splits round
     down, so no last wave runs nearly empty; splits of at least ``long_split`` tokens (the long-split tile: fewer
-    programs fit an SM, and more of them hide latency better) round up. Same-process A/B on an H100 (bf16, D=128,
-    page 16, L2 cold; cuDNN SDPA beside): bs=8 with 8 KV heads at 64K, 16 splits 740 us against 801 with 17 (the
-    17th pushed each split under the long tile's 4096 tokens; cuDNN 708); bs=16 at 16K, 8 splits 380 against 422
-    with 9 (cuDNN 361); bs=64 at 2K, 2 splits 201 against 206 with 3; bs=64 at 32K keeps 3 long splits (2834
-    against 2890 us with 2); bs=1 and bs=4 unchanged (33 splits). Rows shorter than the long tile whose requests
-    already give every SM two programs are not split (the merge launch is the cost): bs=64 at 2K 191 us against
-    196 with 2 splits (cuDNN 186), bs=48 at 2K 149 against 165; at 4K one split took 410 against 365 with 2.
+    programs fit an SM, and more of them hide latency) round up; rows shorter than that tile are not split once
+    the requests give every SM two programs (no merge launch). The A/Bs behind each rule: ``docs/performance.md``,
+    "Attention at five shapes beside cuDNN".
     """
     base, target = max(1, bs * num_kv_heads), programs_target(device)
     want = triton.cdiv(target, base)

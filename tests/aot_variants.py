@@ -49,12 +49,12 @@ TOPK += [  # 64 x 64K and 8 x 128K at k = 2048 (LOCAL); 1 x 128K (the row's merg
 ]
 TOPK += [
     *[aot_variant(candidates.candidates_kernel, dict(**rc, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BITMASK=bm, REVERSE=rv),
-                  {"num_warps": nw}, cand="*i32" if bm else "*i64", work="*i32", sync="*i32", **rt, **AOT_PTRS)
+                  {"num_warps": nw}, cand="*i32", runs="*i64", work="*i32", sync="*i32", **rt, **AOT_PTRS)
       for (rt, rc), g, ch, c, nw, rv, bm in zip(AOT_ROWS * 2, (4096, 8192, 4096, 4096), (2048, 1024, 8192, 4096),
                                                 (5, 7, 3, 5), (4, 8, 16, 8), (True, False, True, False),
                                                 (True, False, False, True), strict=True)],
     *[aot_variant(select.select_kernel, dict(**rc, G=g, CHUNK=ch, SLOTS=g, LOG_C=c, BITMASK=bm, PAIR=pr, SPAN=sp,
-                                       TILE=tl_), {"num_warps": nw}, cand="*i32" if bm else "*i64", work="*i32",
+                                       TILE=tl_), {"num_warps": nw}, cand="*i32", runs="*i64", work="*i32",
                   sync="*i32", **rt, **AOT_PTRS)
       for (rt, rc), g, ch, c, nw, pr, sp, tl_, bm in zip(AOT_ROWS * 2, (4096, 8192, 4096, 4096),
                                                          (2048, 1024, 8192, 4096), (5, 7, 3, 5), (16, 8, 16, 16),
@@ -65,7 +65,8 @@ TOPK += [
 TOPK += [
     aot_variant(select.whole_row_kernel, dict(**rc, BLOCK=1024), **rt, **AOT_PTRS) for rt, rc in AOT_ROWS]
 TOPK += [
-    aot_variant(sort.sort_winners_kernel, dict(W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32"),
+    aot_variant(sort.sort_runs_kernel, dict(RUN=2048, W_PAD=2048), {"num_warps": 16}, scores="*fp32", out="*i32",
+                runs="*i32"),  # one tile a row: the ids back into out
     *[aot_variant(sort.sort_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, scores="*fp32", out="*i32",
                   runs="*i64") for run in (256, 512)],
     *[aot_variant(sort.merge_runs_kernel, dict(RUN=run, W_PAD=2048), {"num_warps": 4}, runs="*i64", out="*i32")

@@ -79,3 +79,14 @@ def test_the_docs_fit_a_screen():
     for path, most in (("docs/structures.md", 80), ("docs/performance.md", 300), ("README.md", 220)):
         lines = len((REPO / path).read_text().splitlines())
         assert lines <= most, f"{path}: {lines} lines, budget {most} (details belong in docs/)"
+
+
+TOPK_WING, TOPK_WING_BUDGET = REPO / "sparse_ref" / "kernels" / "topk", 1300
+
+
+def test_the_topk_wing_is_within_its_budget():
+    """The exact top-k (``sparse_ref/kernels/topk/``: every line of its files, docstrings and checks included) stays
+    readable: a design that adds lines takes as many out elsewhere."""
+    counts = {p.name: len(p.read_text().splitlines()) for p in sorted(TOPK_WING.glob("*.py"))}
+    assert len(counts) >= 8, counts
+    assert sum(counts.values()) <= TOPK_WING_BUDGET, f"top-k wing: {sum(counts.values())} lines: {counts}"

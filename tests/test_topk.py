@@ -136,13 +136,12 @@ def test_long_path_flags(monkeypatch):
     assert flags.tolist() == [0, 0, 0, 2, 2]
     monkeypatch.setitem(topk_module.TUNING, "slots", 2)
     out = out.new_empty(5, 5)
-    # with 2 slots all overflow. The periodic row has many keys above its k-th delegate, and the descending
-    # row's T (its 5th delegate cut to 16 bits, not refined: only 5 delegates reach it) sits below its 5th
-    # key, so 5 keys are > T: both take the whole-row radix (flag 1); the plateaus the tie path. So does the
-    # ascending row, as the row-wide threshold (its exact 5th delegate) leaves fewer than 5 keys above T;
-    # with 2 delegates programs per row T is the threshold of the program holding the smaller delegates
-    # (``local_threshold``), far below: flag 1
-    flags = [2, 1, 1, 2, 2]
+    # with 2 slots all overflow. The periodic row has many keys above its k-th delegate: the whole-row radix
+    # (flag 1); the plateaus take the tie path. With the row-wide threshold (its window rounds run until the
+    # bin holds no delegate beyond the 5th: slack 5 // 8 = 0) T is the exact 5th delegate of the ascending
+    # and the descending row, fewer than 5 keys are above it: the tie path. With 2 delegates programs per row
+    # T is the threshold of the program holding the smaller delegates (``local_threshold``), far below: flag 1
+    flags = [2, 2, 1, 2, 2]
     assert topk_module.launch_topk(x, 5, None, None, out).flags.tolist() == [1, 1, 1, 2, 2]
     assert torch.equal(out.cpu(), topk_reference(x.cpu(), 5, order="index"))
     monkeypatch.setitem(topk_module.TUNING, "local_threshold", 0)
@@ -198,10 +197,10 @@ def test_whole_row_radix_counts_ties_across_its_tiles(monkeypatch, above):
 
 @pytest.mark.knobs
 def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
-    """A plateau at 0.3 (its key has low bits below the 16-bit cut): every delegate is 0.3, so the cut T
-    would sit below the plateau and every plateau key would be > T (the slow whole-row radix). The
-    delegates' last program sees more than k + k/8 delegates reach the cut T and refines T to the exact
-    k-th delegate: the plateau keys EQUAL T and the row takes the tie path."""
+    """A plateau at 0.3 (its key has low bits below a 16-bit cut): every delegate is 0.3, so a cut T would sit
+    below the plateau and every plateau key would be > T (the slow whole-row radix). The delegates' last
+    program's window rounds stop on the one value the kept delegates hold: T is the exact k-th delegate, the
+    plateau keys EQUAL T and the row takes the tie path."""
     for name, value in PATHS["long"].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     g = torch.Generator().manual_seed(4)
@@ -215,10 +214,10 @@ def test_plateau_below_16_bits_takes_the_tie_path(monkeypatch):
 
 @pytest.mark.knobs
 def test_long_rows_packed_in_a_narrow_range(monkeypatch):
-    """Scores within 0.1% of each other share their top 16 bits: more than k + k/8 delegates reach the
-    16-bit cut of T, so the delegates' last program makes T the exact k-th delegate. Here they differ
-    below 16 bits, so it takes radix rounds 3-4 (equal ones would take a min and a max); with the exact
-    T the candidates fit the slots (flag 0), with the 16-bit cut every key would be one (a fallback)."""
+    """Scores within 0.1% of each other share their top 16 bits: a T cut to 16 bits would let every key through
+    (a fallback). The delegates' last program bins the delegates of the k-th one's top-8-bit bin over their own
+    range, round after round, until at most k/8 delegates beyond the k-th reach the edge: the candidates fit
+    the slots (flag 0)."""
     for name, value in PATHS["long"].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     g = torch.Generator().manual_seed(11)
@@ -493,7 +492,7 @@ def test_runs_of_slots_in_any_order(monkeypatch, shuffle):
     delegates, candidates, select = stats.launches
     delegates()
     candidates()
-    slots, starts, counts = stats.slots, stats.run_starts, stats.counts
+    slots, starts, counts = stats.runs, stats.run_starts, stats.counts
     before = starts.clone()
     for r in range(x.shape[0]):
         runs = [slots[r, int(b):int(b) + int(n)].clone() for b, n in zip(starts[r], counts[r], strict=True)]
@@ -518,16 +517,19 @@ def bitmask_columns(words: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.knobs
-def test_candidates_bitmask(monkeypatch):
+@pytest.mark.parametrize("mode", ["bitmask", "long"])  # the bitmask mode; the runs mode marks them too
+def test_candidates_bitmask(monkeypatch, mode):
     """The candidates launch marks exactly the keys >= T of every row (NaN, -inf and columns past the
-    length never), and its per-chunk counts of keys > T and == T match the row."""
-    for name, value in PATHS["bitmask"].items():
+    length never), in both modes (an overflowing row's fallback reads the words), and its per-chunk counts of
+    keys > T and == T match the row."""
+    for name, value in PATHS[mode].items():
         monkeypatch.setitem(topk_module.TUNING, name, value)
     x = long_path_rows(1500, 20, seed=3).cpu()
     x[4, 1000:1300] = x[4, 17]  # a plateau straddling chunks
     lengths = torch.tensor([1500, 1499, 700, 1, 1500, 64, 0])
     out = torch.empty(7, 20, dtype=torch.int32, device=DEVICE)
     stats = topk_module.prepare(x.to(DEVICE), 20, None, lengths.to(DEVICE), out)
+    assert stats.bitmask == (mode == "bitmask")
     delegates, candidates, select = stats.launches
     delegates()
     candidates()

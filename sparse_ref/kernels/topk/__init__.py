@@ -1,9 +1,8 @@
 """Exact batched top-k: one read of the row, then exact work on a few thousand candidates only.
 
 Semantics: ``selection.topk_reference``; the design: ``docs/topk.md``. This module checks the inputs and launches in
-order what ``planning.py`` decided from the shapes: a row of up to ``register_row`` scores in one program
-(``rows.py``), a longer one in three launches (``threshold.py``, ``candidates.py``, ``select.py``), then ``sort.py``.
-"""
+order what ``planning.py`` decided from the shapes: a row of up to ``register_row`` scores in one program (``rows.py``),
+a longer one in three launches (``threshold.py``, ``candidates.py``, ``select.py``), then ``sort.py``."""
 
 from __future__ import annotations
 
@@ -79,21 +78,21 @@ class Launch:
 @dataclass
 class TopkRun:
     """One call: its plan, its ``launches`` in order (``launch`` runs them) and the buffers they leave for a reader:
-    each row's path ``flags`` (0 exact select on the candidates or directly, 2 tie path, 3 the keys above T
-    selected again, 1 whole-row radix) and, on long rows, the ``threshold`` keys, each chunk's keys ``above`` it and
-    equal to it (``ties``), the mode (``bitmask``), the candidate ``slots`` and the ``bits`` (bitmask mode) or each
-    chunk's ``counts`` and ``run_starts`` (runs mode)."""
+    each row's path ``flags`` (0 exact select on the candidates or directly, 2 tie path, 3 the keys above T selected
+    again, 1 whole-row radix) and, on long rows, the ``threshold`` keys, each chunk's keys ``above`` it and equal to it
+    (``ties``), the candidates' ``bits`` (keys >= T), the mode (``bitmask``), the ``slots`` (bitmask mode, and an
+    overflowing row's keys > T) or the ``runs`` with each chunk's ``counts`` and ``run_starts``."""
 
     plan: Plan
     launches: tuple
     flags: torch.Tensor
-    sync: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     above: torch.Tensor | None = None
     ties: torch.Tensor | None = None
     bitmask: bool = False
     slots: torch.Tensor | None = None
     bits: torch.Tensor | None = None
+    runs: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     run_starts: torch.Tensor | None = None
     span: int = 0  # columns per select program
@@ -141,8 +140,9 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
     head = [HEAD.value + i * (1 << log_c) for i in range(4)]  # (the work layout: docs/topk.md)
     work = torch.empty((R, head[3] + (1 << log_c) + p.G + PAIR_SCRATCH.value), dtype=torch.int32, device=device)
     bitmask = R * C >= TUNING["bitmask_programs"]
-    n_words = C * (p.chunk // 32) if bitmask else 0
-    cand = torch.empty((R, 2 * n_words + p.slots), dtype=torch.int32 if bitmask else torch.int64, device=device)
+    n_words = C * (p.chunk // 32)
+    cand = torch.empty((R, 2 * n_words + p.slots), dtype=torch.int32, device=device)  # (layout: docs/topk.md)
+    runs = torch.empty((R, p.slots) if not bitmask else (1,), dtype=torch.int64, device=device)
     tile = max(p.chunk, min(TUNING["tie_tile"], p.n_pad))  # a flagged row: its select programs' loads
     spans = max(1, min(triton.cdiv(N, tile), TUNING["select_programs"] // R))  # select programs per row
     span = max(tile, triton.next_power_of_2(triton.cdiv(N, spans)))  # (a power of two: whole tiles, chunks and
@@ -156,14 +156,16 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
                (*row, work, sync, *tail), dict(G=p.G, COLS=p.cols, ROWS=rows_per, LOG_C=log_c,
                                                LOCAL=p.G // p.cols <= TUNING["local_threshold"], **pdl)),
         Launch("candidates", candidates.candidates_kernel, (R * C,), TUNING["candidate_warps"],
-               (*row, cand, work, sync, *tail), dict(G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=log_c,
-                                                     BITMASK=bitmask, REVERSE=TUNING["reverse_rows"], **pdl)),
+               (*row, cand, runs, work, sync, *tail),
+               dict(G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=log_c, BITMASK=bitmask, REVERSE=TUNING["reverse_rows"],
+                    **pdl)),
         Launch("select", select.select_kernel, (R, triton.cdiv(N, span)), SELECT_WARPS,
-               (*row, out, cand, work, sync, *tail), dict(G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=log_c,
-                                                          BITMASK=bitmask, PAIR=p.pair, SPAN=span, TILE=tile, **pdl)))
-    return TopkRun(p, launches, work[:, FLAG.value], sync=sync, threshold=work[:, T_.value],
+               (*row, out, cand, runs, work, sync, *tail),
+               dict(G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=log_c, BITMASK=bitmask, PAIR=p.pair, SPAN=span,
+                    TILE=tile, **pdl)))
+    return TopkRun(p, launches, work[:, FLAG.value], threshold=work[:, T_.value],
                    above=work[:, head[0]:head[0] + C], ties=work[:, head[1]:head[1] + C], bitmask=bitmask,
-                   slots=cand[:, 2 * n_words:], bits=cand[:, :n_words] if bitmask else None,
+                   slots=cand[:, 2 * n_words:], bits=cand[:, :n_words], runs=None if bitmask else runs,
                    counts=None if bitmask else work[:, head[2]:head[2] + C],
                    run_starts=None if bitmask else work[:, head[3]:head[3] + C], span=span)
 

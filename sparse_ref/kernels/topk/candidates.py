@@ -20,14 +20,14 @@ from sparse_ref.kernels.topk.common import (
 
 
 @triton.jit
-def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
+def candidates_kernel(scores, stride_r, cand, runs, work, sync, N, W, k, lengths,
                        G: tl.constexpr, CHUNK: tl.constexpr,
                        SLOTS: tl.constexpr, LOG_C: tl.constexpr, BITMASK: tl.constexpr, REVERSE: tl.constexpr,
                        PDL: tl.constexpr):
-    """One light program = one CHUNK of a row (no tail, few warps). It stores its counts of keys
-    > T and == T and adds its candidates to the row's count (one atomic add). BITMASK: it marks them in the
-    row's bitmask (a dense store), and its keys == T in a second one when it has any; else it copies them
-    (``key << 32 | id``, ascending, placed by ``hit_ranks``) to the run of slots its atomic add returned.
+    """One light program = one CHUNK of a row (no tail, few warps). It stores its counts of keys > T and == T, adds its
+    candidates to the row's count (one atomic add) and marks them in the row's bitmask (a dense store), its keys == T in
+    a second one when it has any (an overflowing row's fallback reads them). Not BITMASK (the runs mode): it also copies
+    them (``key << 32 | id``, ascending, placed by ``hit_ranks``) to the run of ``runs`` its atomic add returned.
     REVERSE: the last rows first (the delegates launch read them last: more of them in L2)."""
     after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
@@ -48,14 +48,13 @@ def candidates_kernel(scores, stride_r, cand, work, sync, N, W, k, lengths,
     tl.store(work_row + HEAD + c, both >> 16)  # keys > T
     tl.store(work_row + HEAD + C_PAD + c, n_c - (both >> 16))  # keys == T
     base = tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")  # (runs: [base, base + n_c))
-    if BITMASK:  # the words of keys >= T; then, where the chunk has any, those of keys == T (the tie path's)
-        bits = cand + r.to(tl.int64) * (2 * C * WORDS + SLOTS) + c * WORDS
-        tl.store(bits + tl.arange(0, WORDS), bitmask_words(is_cand, WORDS))
-        if n_c > (both >> 16):
-            tl.store(bits + C * WORDS + tl.arange(0, WORDS), bitmask_words(is_cand & (key == T), WORDS))
-    else:
+    bits = cand + r.to(tl.int64) * (2 * C * WORDS + SLOTS) + c * WORDS  # the words of keys >= T; then, where
+    tl.store(bits + tl.arange(0, WORDS), bitmask_words(is_cand, WORDS))  # the chunk has any, those of keys == T
+    if n_c > (both >> 16):
+        tl.store(bits + C * WORDS + tl.arange(0, WORDS), bitmask_words(is_cand & (key == T), WORDS))
+    if not BITMASK:
         tl.store(work_row + HEAD + 2 * C_PAD + c, n_c)
         tl.store(work_row + HEAD + 3 * C_PAD + c, base)
         if base + n_c <= SLOTS:  # (their ranks from bitmask words: no prefix sum over the chunk)
-            tl.store(cand + r.to(tl.int64) * SLOTS + base + hit_ranks(is_cand, WORDS),
+            tl.store(runs + r.to(tl.int64) * SLOTS + base + hit_ranks(is_cand, WORDS),
                      (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_cand)

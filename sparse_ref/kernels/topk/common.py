@@ -1,7 +1,6 @@
-"""The device helpers the top-k kernels share (``docs/topk.md``): order-preserving int32 keys, radix and
-window rounds over 256-bin histograms, the exact rank of a few keys, ordered writes by prefix sums, bitmask
-words and their set bits as ascending slots, the per-row state's layout. ``@triton.jit`` helpers only,
-compiled into their callers."""
+"""The device helpers the top-k kernels share (``docs/topk.md``): order-preserving int32 keys, window rounds over
+256-bin histograms, the exact rank of a few keys, ordered writes by prefix sums, bitmask words and their set bits
+as ascending slots, the per-row state's layout. ``@triton.jit`` helpers only, compiled into their callers."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from sparse_ref.kernels import after_previous_launch  # noqa: F401 (re-exported:
 # The per-row state of the long rows: ``work`` (fresh each call), ``cand`` (fresh), ``sync`` (persistent, zero
 # between calls). Offsets below; the layout is in docs/topk.md.
 T_, SHIFT, FLAG, HEAD = (tl.constexpr(i) for i in (0, 1, 2, 4))
-MEMBERS, DHIST, CNT, CNT2, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260, 261))
+MEMBERS, DHIST, CNT, TMAX, SYNC = (tl.constexpr(i) for i in (1, 2, 258, 259, 260))
 PAIR_SCRATCH = tl.constexpr(256)
 
 
@@ -30,28 +29,13 @@ def keys_of(x, valid):
 
 @triton.jit
 def walk_histogram(h, k_rem):
-    """The bin d holding the k_rem-th largest of a histogram walked from the top, and the new k_rem:
-    a suffix sum, then one max over ``bin << 32 | keys above the bin`` (the count rides along with the bin)."""
+    """The bin d holding the k_rem-th largest of a histogram walked from the top, and the new k_rem: a suffix sum, then
+    one max over ``bin << 32 | keys above the bin`` (the count rides along with the bin)."""
     bins = tl.arange(0, h.shape[0])
     at_or_above = tl.cumsum(h, axis=0, reverse=True)
     best = tl.max(tl.where(at_or_above >= k_rem, (bins.to(tl.int64) << 32) | (at_or_above - h).to(tl.int64), -1),
                   axis=0)
     return (best >> 32).to(tl.int32), k_rem - (best & 0xFFFFFFFF).to(tl.int32)
-
-
-@triton.jit
-def radix_rounds(key, ut, k_rem, FIRST: tl.constexpr, LAST: tl.constexpr):
-    """Radix rounds FIRST..LAST-1 (8 bits each, top first) of the k_rem-th largest key; ``ut`` holds the
-    digits so far (unsigned order, as int32 bits). Returns the new ``ut`` and k_rem."""
-    u = key ^ -2147483648  # unsigned order, as int32 bits
-    for p in tl.static_range(FIRST, LAST):
-        match = key != -2147483648
-        if p > 0:
-            match = match & ((u >> (32 - 8 * p)) == (ut >> (32 - 8 * p)))
-        h = tl.histogram((u >> (24 - 8 * p)) & 0xFF, 256, mask=match)
-        d, k_rem = walk_histogram(h, k_rem)
-        ut = ut | (d << (24 - 8 * p))
-    return ut, k_rem
 
 
 @triton.jit
@@ -61,23 +45,9 @@ def key_range(key, member):
 
 
 @triton.jit
-def exact_delegate(dkey, ut, k_rem):
-    """The exact k-th delegate (as ``ut``) after radix rounds 1-2: when every delegate sharing those 16
-    bits is one key (plateaus; bf16 values), that key, by a min and a max; else rounds 3-4."""
-    u = dkey ^ -2147483648
-    member = (dkey != -2147483648) & ((u >> 16) == (ut >> 16))
-    lo, hi = key_range(dkey, member)
-    if lo == hi:
-        ut = lo ^ -2147483648
-    else:
-        ut, k_rem = radix_rounds(dkey, ut, k_rem, 2, 4)
-    return ut
-
-
-@triton.jit
 def pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
-    """``(t, ties)``: the k_rem-th largest of the m <= PAIR keys at scratch[0:m] and how many keys equal
-    to ``t`` it takes; a key's rank is the count of keys above it (a [PAIR, PAIR] compare)."""
+    """``(t, ties)``: the k_rem-th largest of the m <= PAIR keys at scratch[0:m] and how many keys equal to ``t`` it
+    takes; a key's rank is the count of keys above it (a [PAIR, PAIR] compare)."""
     i = tl.arange(0, PAIR)
     mk = tl.load(scratch + i, mask=i < m, other=-2147483648)
     above = tl.sum((mk[None, :] > mk[:, None]).to(tl.int32), axis=1)  # keys above each key
@@ -87,9 +57,9 @@ def pairwise_kth(scratch, m, k_rem, PAIR: tl.constexpr):
 
 @triton.jit
 def write_above_and_ties(key, ids, t, need, ties_before, out_row, pos0, W):
-    """Store the ids (order of ``ids``) of the keys > t and of the keys == t whose rank among the
-    row's ties (``ties_before`` come earlier) is at most ``need``, from out_row[pos0]; returns how many. Two
-    dependent prefix sums (one packed sum stored wrong ids on the H200: docs/performance.md)."""
+    """Store the ids (order of ``ids``) of the keys > t and of the keys == t whose rank among the row's ties
+    (``ties_before`` come earlier) is at most ``need``, from out_row[pos0]; returns how many. Two dependent prefix sums
+    (one packed sum stored wrong ids on the H200: docs/performance.md)."""
     eq = key == t
     take = (key > t) | (eq & (ties_before + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
     pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -115,8 +85,8 @@ def popcount32(word):
 
 @triton.jit
 def hit_ranks(hit, WORDS: tl.constexpr):
-    """For each element of a [WORDS * 32] mask, how many hits come before it, with no prefix sum over the
-    elements: one over the words' bit counts, plus a popcount of the bits below it in its word."""
+    """For each element of a [WORDS * 32] mask, how many hits come before it, with no prefix sum over the elements: one
+    over the words' bit counts, plus a popcount of the bits below it in its word."""
     lane = tl.arange(0, 32)[None, :]
     word = bitmask_words(hit, WORDS)
     count = popcount32(word)
@@ -127,9 +97,9 @@ def hit_ranks(hit, WORDS: tl.constexpr):
 
 @triton.jit
 def words_to_slots(word, w, done, dst, col0):
-    """Store the columns of the set bits of ``word`` (bit i of word w is column ``col0 + 32 w + i``) at
-    dst[done:], ascending; returns the new ``done``. Each word's first slot from one prefix sum over the bit
-    counts; round j stores every word's lowest remaining bit: a store per set bit, no search."""
+    """Store the columns of the set bits of ``word`` (bit i of word w is column ``col0 + 32 w + i``) at dst[done:],
+    ascending; returns the new ``done``. Each word's first slot from one prefix sum over the bit counts; round j stores
+    every word's lowest remaining bit: a store per set bit, no search."""
     count = popcount32(word)
     first = done + tl.cumsum(count, axis=0) - count  # the slot of each word's lowest set bit
     for j in range(0, tl.max(count, axis=0)):
@@ -141,8 +111,8 @@ def words_to_slots(word, w, done, dst, col0):
 
 @triton.jit
 def bits_to_slots(words, n_words, dst, col0, WB: tl.constexpr):
-    """``words_to_slots`` over ``n_words`` words in memory, in blocks of WB (loads past L1: the previous
-    launch wrote them); returns how many."""
+    """``words_to_slots`` over ``n_words`` words in memory, in blocks of WB (loads past L1: the previous launch wrote
+    them); returns how many."""
     done = tl.zeros([], tl.int32)
     for w0 in range(0, n_words, WB):
         w = w0 + tl.arange(0, WB)
@@ -153,16 +123,15 @@ def bits_to_slots(words, n_words, dst, col0, WB: tl.constexpr):
 
 @triton.jit
 def key_bins(key, lo, shift):
-    """A key's bin among 256 bins of width 2**shift from ``lo`` (the difference as uint32: exact for
-    key >= lo; smaller keys, which callers mask, land in bin 255)."""
+    """A key's bin among 256 bins of width 2**shift from ``lo`` (the difference as uint32: exact for key >= lo; smaller
+    keys, which callers mask, land in bin 255)."""
     return tl.minimum((key - lo).to(tl.uint32, bitcast=True) >> shift.to(tl.uint32), 255).to(tl.int32)
 
 
 @triton.jit
 def bin_shift(lo, hi):
-    """The smallest shift whose 256 bins of width 2**shift from ``lo`` cover [lo, hi] (the exponent of
-    ``span >> 8`` as a float32). Each window round's shift is at least 8 below the last: four rounds end on
-    one key value."""
+    """The smallest shift whose 256 bins of width 2**shift from ``lo`` cover [lo, hi] (the exponent of ``span >> 8`` as
+    a float32). Each window round's shift is at least 8 below the last: four rounds end on one key value."""
     span = hi.to(tl.int64) - lo.to(tl.int64)
     exponent = ((((span >> 8).to(tl.float32)).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2)
     return tl.where(span > 255, exponent + 1, 0)
@@ -170,8 +139,8 @@ def bin_shift(lo, hi):
 
 @triton.jit
 def _window_round(key, member, k_rem, lo, hi):
-    """One round of ``narrow_window`` over [lo, hi]: the kept bin's lower edge, its keys, their count,
-    and how many of them the k_rem-th largest takes."""
+    """One round of ``narrow_window`` over [lo, hi]: the kept bin's lower edge, its keys, their count, and how many of
+    them the k_rem-th largest takes."""
     shift = bin_shift(lo, hi)
     b = key_bins(key, lo, shift)
     d, k_rem = walk_histogram(tl.histogram(b, 256, mask=member), k_rem)
@@ -182,12 +151,11 @@ def _window_round(key, member, k_rem, lo, hi):
 
 @triton.jit
 def narrow_window(key, member, m, k_rem, lo, hi, limit, EXCESS: tl.constexpr, ROUNDS: tl.constexpr):
-    """Up to ROUNDS window rounds toward the k_rem-th largest of the ``member`` keys (``m`` of them) in
-    [lo, hi]: each bins them in 256 bins over the window, keeps the bin of the k_rem-th, and the next window
-    is the kept keys' own range. Stops when the bin holds at most ``limit`` keys (EXCESS: at most ``limit``
-    more than k_rem) or one value. Returns ``(lo, member, m, k_rem)``: a lower bound that the original k_rem
-    keys reach (the k-th key itself when the kept keys are one value), the kept keys, their count and how
-    many of them the k-th takes."""
+    """Up to ROUNDS window rounds toward the k_rem-th largest of the ``member`` keys (``m`` of them) in [lo, hi]: each
+    bins them in 256 bins over the window, keeps the bin of the k_rem-th, and the next window is the kept keys' own
+    range. Stops when the bin holds at most ``limit`` keys (EXCESS: at most ``limit`` more than k_rem) or one value.
+    Returns ``(lo, member, m, k_rem)``: a lower bound that the original k_rem keys reach (the k-th key itself when the
+    kept keys are one value), the kept keys, their count and how many of them the k-th takes."""
     m, k_rem = m + tl.zeros([], tl.int32), k_rem + tl.zeros([], tl.int32)  # (scalars, even from an int arg of 1,
     # which arrives as a constexpr: the rounds below redefine them, and a branch may not change their type)
     over = m - k_rem if EXCESS else m
@@ -212,8 +180,8 @@ def pad_row(out_row, start, W, BLOCK: tl.constexpr):
 
 @triton.jit
 def row_k_len(r, N, W, k, lengths):
-    """Row r's k (an int, or a pointer to one a row; clamped to [0, W]) and valid length (``lengths``
-    a pointer, or None: full; clamped to [0, N])."""
+    """Row r's k (an int, or a pointer to one a row; clamped to [0, W]) and valid length (``lengths`` a pointer, or
+    None: full; clamped to [0, N])."""
     k = k + tl.zeros([], tl.int32)  # (an int becomes a scalar tensor; a pointer stays a pointer)
     if k.dtype.is_ptr():
         k = tl.load(k + r)

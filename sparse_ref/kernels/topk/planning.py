@@ -56,10 +56,10 @@ def short_row_warps(n_pad: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one call runs, from the shapes alone: a row held in registers (``register``; ``direct`` or the
-    delegates plan), or three launches (``G`` delegates per row in ``cols``-column programs, ``chunk``-column
-    candidate programs, ``slots`` slots, a pairwise rank of up to ``pair`` keys); ``force_fallback``: k too
-    wide for delegates, the whole-row radix select on every row."""
+    """How one call runs, from the shapes alone: a row held in registers (``register``; ``direct`` or the delegates
+    plan), or three launches (``G`` delegates per row in ``cols``-column programs, ``chunk``-column candidate programs,
+    ``slots`` slots, a pairwise rank of up to ``pair`` keys); ``force_fallback``: k too wide for delegates, the
+    whole-row radix select on every row."""
 
     register: bool
     direct: bool

@@ -1,8 +1,8 @@
-"""The whole top-k of one row held in registers by one program: the short rows of the top-k
-(``short_row_kernel``) and the page histories of ``sparse_ref.kernels.page_select``. Two plans, chosen
-on the host (``use_direct``): ``select_direct`` (window rounds over the whole row, cost nearly independent of
-k: rows where k is a large share) and ``select_in_registers`` (the long rows' delegate threshold, in
-registers: cheaper when k is small against the row). ``docs/topk.md`` has the design."""
+"""The whole top-k of one row held in registers by one program: the short rows of the top-k (``short_row_kernel``) and
+the page histories of ``sparse_ref.kernels.page_select``. Two plans, chosen on the host (``use_direct``):
+``select_direct`` (window rounds over the whole row, cost nearly independent of k: rows where k is a large share) and
+``select_in_registers`` (the long rows' delegate threshold, in registers: cheaper when k is small against the row).
+``docs/topk.md`` has the design."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from sparse_ref.kernels.topk.common import (
     narrow_window,
     pad_row,
     pairwise_kth,
-    radix_rounds,
     row_k_len,
     walk_histogram,
     words_to_slots,
@@ -25,24 +24,24 @@ from sparse_ref.kernels.topk.common import (
 
 
 def use_direct(n_pad: int, G: int, ratio: int) -> bool:
-    """Whether a row of ``n_pad`` scores takes ``select_direct`` (else the delegates plan with ``G``
-    delegates): when the delegates would keep at least 1/ratio of the row they save little."""
+    """Whether a row of ``n_pad`` scores takes ``select_direct`` (else the delegates plan with ``G`` delegates): when
+    the delegates would keep at least 1/ratio of the row they save little."""
     return n_pad <= ratio * G
 
 
 def direct_mode(direct: bool, value_bins: int) -> int:
-    """The DIRECT constexpr: 0 the delegates plan, else ``select_direct`` with a first round of
-    DIRECT value bins (1: none)."""
+    """The DIRECT constexpr: 0 the delegates plan, else ``select_direct`` with a first round of DIRECT value bins
+    (1: none)."""
     return max(1, value_bins) if direct else 0
 
 
 @triton.jit
 def value_round(x, ok, n, k_rem, BINS: tl.constexpr):
-    """The direct plan's first round on the float values: BINS equal-width bins over [min, max] of the
-    ``ok`` values, walked to the bin of the k_rem-th largest; returns ``(member, m, k_rem)``. Key bins are coarse
-    where a row spans both signs; value bins keep a few hundredths of the row. Halves, a difference and a
-    positive scale round monotonically, so a larger key never gets a lower bin. Skipped (every ok key kept)
-    on +inf, all-equal rows, or a span below 2**-99 (the scale would overflow)."""
+    """The direct plan's first round on the float values: BINS equal-width bins over [min, max] of the ``ok`` values,
+    walked to the bin of the k_rem-th largest; returns ``(member, m, k_rem)``. Key bins are coarse where a row spans
+    both signs; value bins keep a few hundredths of the row. Halves, a difference and a positive scale round
+    monotonically, so a larger key never gets a lower bin. Skipped (every ok key kept) on +inf, all-equal rows, or a
+    span below 2**-99 (the scale would overflow)."""
     lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
     hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
     finite = (hi <= 3.4028234663852886e38) & (lo <= hi)  # (-inf is never ok; no ok key: lo > hi)
@@ -62,8 +61,8 @@ def value_round(x, ok, n, k_rem, BINS: tl.constexpr):
 
 @triton.jit
 def _gather_hits(row, hit, count, scratch, N_PAD: tl.constexpr, SLOTS: tl.constexpr):
-    """``(ids, keys)`` [SLOTS] of the ``count`` <= SLOTS columns where ``hit`` is set, ascending (then
-    NONE keys): ids through bitmask words into ``scratch`` (no prefix sum over the row), keys from ``row``."""
+    """``(ids, keys)`` [SLOTS] of the ``count`` <= SLOTS columns where ``hit`` is set, ascending (then NONE keys): ids
+    through bitmask words into ``scratch`` (no prefix sum over the row), keys from ``row``."""
     words_to_slots(bitmask_words(hit, N_PAD // 32), tl.arange(0, N_PAD // 32), tl.zeros([], tl.int32), scratch, 0)
     tl.debug_barrier()
     s = tl.arange(0, SLOTS)
@@ -72,31 +71,38 @@ def _gather_hits(row, hit, count, scratch, N_PAD: tl.constexpr, SLOTS: tl.conste
 
 
 @triton.jit
+def _kth_key(key, member, m, k_rem, lo, hi, scratch, PAIR: tl.constexpr):
+    """``(t, ties)``: the k_rem-th largest of the m ``member`` keys in [lo, hi] and how many keys equal to ``t`` it
+    takes: window rounds until at most PAIR remain (else they ran to one key value: t is it), then a pairwise rank of
+    those (``scratch``: PAIR free int32)."""
+    t, member, m, k_rem = narrow_window(key, member, m, k_rem, lo, hi, PAIR, False, 4)
+    if PAIR > 0:
+        if m <= PAIR:
+            tl.debug_barrier()  # every thread's reads of the scratch are done
+            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
+            tl.debug_barrier()
+            t, k_rem = pairwise_kth(scratch, m, k_rem, PAIR)
+    return t, k_rem
+
+
+@triton.jit
 def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.constexpr):
-    """``(t, ties)``: the k_rem-th largest of the m <= PAIR ``member`` keys and how many keys equal
-    to ``t`` it takes: their keys gathered (``_gather_hits``), window rounds on those few down to 16, a
-    pairwise rank of the 16 (``scratch``: PAIR free int32)."""
+    """``_kth_key`` of the m <= PAIR ``member`` keys of a row in registers: their keys gathered (``_gather_hits``), then
+    window rounds on those few down to 16 and a pairwise rank of the 16."""
     s = tl.arange(0, PAIR)
     _, key = _gather_hits(row, member, m, scratch, N_PAD, PAIR)
     lo, hi = key_range(key, s < m)
-    t, few, f, k_rem = narrow_window(key, s < m, m, k_rem, lo, hi, 16, False, 4)
-    if f <= 16:  # (else the rounds ran to one key value: t is it)
-        tl.debug_barrier()  # every thread has read its ids
-        tl.store(scratch + tl.cumsum(few.to(tl.int32), axis=0) - 1, key, mask=few)
-        tl.debug_barrier()
-        t, k_rem = pairwise_kth(scratch, f, k_rem, 16)
-    return t, k_rem
+    return _kth_key(key, s < m, m, k_rem, lo, hi, scratch, 16)
 
 
 @triton.jit
 def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr,
                   VALUE_BINS: tl.constexpr):
-    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at
-    out_row[base:], ties to the lower id; returns min(k, valid keys). The exact k-th key ``t``: a value round
-    (VALUE_BINS > 1), window rounds over the kept keys' own range until at most PAIR remain (or one key
-    value), then ``_kth_in_bin``. One prefix sum of ``(key > t) << 16 | (key == t)`` then gives every key both
-    of its ranks (N_PAD <= 2**14 keeps it below 2**31): its place is the keys > t before it plus the ties
-    before it, capped at the ties the row takes."""
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:], ties to the
+    lower id; returns min(k, valid keys). The exact k-th key ``t``: a value round (VALUE_BINS > 1), window rounds over
+    the kept keys' own range until at most PAIR remain (or one key value), then ``_kth_in_bin``. One prefix sum of
+    ``(key > t) << 16 | (key == t)`` then gives every key both of its ranks (N_PAD <= 2**14 keeps it below 2**31): its
+    place is the keys > t before it plus the ties before it, capped at the ties the row takes."""
     tl.static_assert(N_PAD <= 16384)  # (the packed prefix sum: no int32 overflow)
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
@@ -128,30 +134,12 @@ def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.const
 
 
 @triton.jit
-def _write_winners(key, ids, k, out_row, base, W):
-    """Store the ids of the k largest keys (ties: lower id) at out_row[base:] in the order of ``ids``; returns
-    min(k, valid keys). Four radix rounds give the k-th key and how many keys equal to it the row takes."""
-    k_eff = tl.minimum(k, tl.sum((key != -2147483648).to(tl.int32), axis=0))
-    ut, ties = radix_rounds(key, tl.zeros([], tl.int32), tl.maximum(k_eff, 1), 0, 4)
-    t = tl.where(k_eff > 0, ut ^ -2147483648, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
-    write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
-    return k_eff
-
-
-@triton.jit
 def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, PAIR: tl.constexpr):
-    """Store the ids (order of ``ids``) of the k largest of the ``count`` candidate keys, all
-    in [lo, hi], at out_row[base:], ties to the lower id; returns min(k, count). Window rounds until the bin
-    holds at most PAIR keys, then a pairwise rank (``scratch``: PAIR free int32)."""
+    """Store the ids (order of ``ids``) of the k largest of the ``count`` valid keys, all in [lo, hi], at
+    out_row[base:], ties to the lower id (``_kth_key``); returns min(k, count). PAIR = 0: four window rounds run to the
+    k-th key itself."""
     k_eff = tl.minimum(k, count)
-    ok = key != -2147483648
-    t, member, m, ties = narrow_window(key, ok, count, tl.maximum(k_eff, 1), lo, hi, PAIR, False, 4)
-    if PAIR > 0:
-        if m <= PAIR:  # rank the bin's keys pairwise (when the rounds ran to one value, this finds it again)
-            tl.debug_barrier()  # the caller's reads of scratch are done
-            tl.store(scratch + tl.cumsum(member.to(tl.int32), axis=0) - 1, key, mask=member)
-            tl.debug_barrier()
-            t, ties = pairwise_kth(scratch, m, ties, PAIR)
+    t, ties = _kth_key(key, key != -2147483648, count, tl.maximum(k_eff, 1), lo, hi, scratch, PAIR)
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
     write_above_and_ties(key, ids, t, tl.where(k_eff > 0, ties, 0), 0, out_row, base, W)
     return k_eff
@@ -160,12 +148,12 @@ def _write_top_in_window(key, ids, count, k, lo, hi, out_row, base, W, scratch, 
 @triton.jit
 def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
                          N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr):
-    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at
-    out_row[base:] (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: 0 candidates in the slots,
-    2 tie path, 1 a radix select over the whole row. Steps 2-5 of ``docs/topk.md`` in registers: the max of G
-    strided sub-ranges, T from window rounds over them (the exact k-th delegate when the bin's edge lets more
-    keys through than the slots hold), the candidates through bitmask words into the slots, the exact
-    selection among them; when even the exact T overflows, the tie path or the whole row."""
+    """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:]
+    (``scratch_row``: SLOTS free int32). Returns ``(k_eff, path)``: 0 candidates in the slots, 2 tie path, 1 the k-th
+    key of the whole row. Steps 2-5 of ``docs/topk.md`` in registers: the max of G strided sub-ranges, T from window
+    rounds over them (the exact k-th delegate when the bin's edge lets more keys through than the slots hold), the
+    candidates through bitmask words into the slots, the exact selection among them; when even the exact T overflows,
+    the tie path or the whole row."""
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
     key = keys_of(tl.load(row + j, mask=valid, other=0.0), valid)
@@ -193,8 +181,10 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
         if usable & (above < k):  # the k-th key is Te: keys > Te plus the first k - above keys == Te
             k_eff = write_above_and_ties(key, j, T, k - above, 0, out_row, base, W)
             path = path + 2
-        else:  # exact radix select over the whole register row
-            k_eff = _write_winners(key, j, k, out_row, base, W)
+        else:  # the exact k-th key of the whole register row by window rounds
+            key_lo, key_hi = key_range(key, key != -2147483648)
+            k_eff = _write_top_in_window(key, j, tl.sum((key != -2147483648).to(tl.int32), axis=0), k, key_lo, key_hi,
+                                         out_row, base, W, scratch_row, PAIR)
             path = path + 1
     return k_eff, path
 
@@ -203,9 +193,8 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
 def short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
                      N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
                      BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
-    """One program = one row of at most N_PAD columns in registers: DIRECT (> 1, the value bins)
-    ``select_direct`` (``scratch``: PAIR int32 a row), 0 ``select_in_registers`` (SLOTS int32 a row, its path
-    in ``flags``)."""
+    """One program = one row of at most N_PAD columns in registers: DIRECT (> 1, the value bins) ``select_direct``
+    (``scratch``: PAIR int32 a row), 0 ``select_in_registers`` (SLOTS int32 a row, its path in ``flags``)."""
     r = tl.program_id(0)
     k, length = row_k_len(r, N, W, k, lengths)
     out_row = out + r.to(tl.int64) * W

@@ -1,9 +1,9 @@
-"""Launch 3 of the long-row top-k (``docs/topk.md``, steps 4-5): a few programs a row, each a span of its
-columns. When the candidates fit the slots, the exact selection among them alone (runs mode: the first
-program at once; bitmask mode: every program copies its span's candidates into the slots, the last one
-selects). When they do not, the fallback the row's counts choose: the tie path (flag 2), the keys above T
-selected again (flag 3), or the whole-row radix select (flag 1, also ``whole_row_kernel``). The row's last
-program resets its counters for the next call (CUDA graphs)."""
+"""Launch 3 of the long-row top-k (``docs/topk.md``, steps 4-5): a few programs a row, each a span of its columns. When
+the candidates fit the slots, the exact selection among them alone (runs mode: the first program at once; bitmask mode:
+every program copies its span's candidates into the slots, the last one selects). When they do not, the fallback the
+row's counts choose: the tie path (flag 2) or the keys above T selected again (flag 3), both from the candidates'
+bitmask words, or the whole-row radix select (flag 1, also ``whole_row_kernel``). The row's last program resets its
+counters for the next call (CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import triton.language as tl
 
 from sparse_ref.kernels.topk.common import (
     CNT,
-    CNT2,
     DHIST,
     FLAG,
     HEAD,
@@ -41,31 +40,23 @@ from sparse_ref.kernels.topk.common import (
 # ----------------------------------------------------------------------------- the fallback
 @triton.jit
 def _plan_tie_path(work_row, k, C, SLOTS: tl.constexpr, C_PAD: tl.constexpr):
-    """The fallback of an overflowing row, from the chunk counts of keys > T (``above``) and == T
-    (``ties``); every program of the row computes it itself. Returns ``(T, need, flag, above, ties)``: flag 2
-    when fewer than k keys are > T (the answer is those plus the ``need`` lowest-id keys == T), 3 when k or
-    more are and they fit the slots, 1 otherwise (or T = NONE: fewer than k delegates)."""
+    """The fallback of an overflowing row, from the chunk counts of keys > T (``above``) and == T (``ties``); every
+    program of the row computes it itself. Returns ``(need, flag, above, ties)``: flag 2 when fewer than k keys are > T
+    (the answer is those plus the ``need`` lowest-id keys == T), 3 when k or more are and they fit the slots, 1
+    otherwise (or T = NONE: fewer than k delegates)."""
     te = tl.load(work_row + T_)
     ci = tl.arange(0, C_PAD)
     above = tl.load(work_row + HEAD + ci, mask=ci < C, other=0)
     ties = tl.load(work_row + HEAD + C_PAD + ci, mask=ci < C, other=0)
     n_above = tl.sum(above, axis=0)
     flag = tl.where((te != -2147483648) & (k > 0) & (n_above < k), 2, tl.where(n_above <= SLOTS, 3, 1))
-    return te, k - n_above, flag, above, ties
+    return k - n_above, flag, above, ties
 
 
 @triton.jit
-def _busy_columns(busy, f, length, SPAN: tl.constexpr, CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """The columns [lo, hi) of span f between its first and last chunk flagged ``busy`` (chunk-aligned)."""
-    c = tl.arange(0, C_PAD)
-    lo = tl.maximum(f * SPAN, tl.min(tl.where(busy, c, C_PAD), axis=0) * CHUNK)
-    hi = tl.minimum(tl.minimum((f + 1) * SPAN, length), (tl.max(tl.where(busy, c, -1), axis=0) + 1) * CHUNK)
-    return lo, hi
-
-
-@triton.jit
-def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr):
-    """Radix round P over a row in memory (tile loop): the next digit of the k-th key and the new k_rem."""
+def _row_histogram(row, length, ut, P: tl.constexpr, BLOCK: tl.constexpr):
+    """The histogram of radix round P over a row in memory (tile loop): the digits of the keys that match ``ut``'s
+    digits so far."""
     h = tl.zeros([256], tl.int32)
     for t in range(0, length, BLOCK):
         offs = t + tl.arange(0, BLOCK)
@@ -75,24 +66,22 @@ def _row_histogram(row, length, ut, k_rem, P: tl.constexpr, BLOCK: tl.constexpr)
         if P > 0:
             match = match & ((u >> (32 - 8 * P)) == (ut >> (32 - 8 * P)))
         h += tl.histogram((u >> (24 - 8 * P)) & 0xFF, 256, mask=match)
-    d, k_rem = walk_histogram(h, k_rem)
-    return ut | (d << (24 - 8 * P)), k_rem
+    return h
 
 
 @triton.jit
 def _radix_select_row(row, length, k, out_row, W, BLOCK: tl.constexpr):
-    """Exact top-k of a row in memory by one program: 4 radix rounds over the row, then an ordered
-    compaction (the last resort)."""
-    valid_count = tl.zeros([], tl.int32)
-    for t in range(0, length, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        valid_count += tl.sum((keys_of(tl.load(row + offs, mask=offs < length, other=0.0), offs < length)
-                               != -2147483648).to(tl.int32), axis=0)
-    k_eff = tl.minimum(k, valid_count)
+    """Exact top-k of a row in memory by one program: 4 radix rounds over the row (the first also counts its valid
+    keys), then an ordered compaction (the last resort)."""
     ut = tl.zeros([], tl.int32)
+    h = _row_histogram(row, length, ut, 0, BLOCK)
+    k_eff = tl.minimum(k, tl.sum(h, axis=0))
     k_rem = tl.maximum(k_eff, 1)
     for p in tl.static_range(4):
-        ut, k_rem = _row_histogram(row, length, ut, k_rem, p, BLOCK)
+        if p > 0:
+            h = _row_histogram(row, length, ut, p, BLOCK)
+        d, k_rem = walk_histogram(h, k_rem)
+        ut = ut | (d << (24 - 8 * p))
     _write_row(row, tl.where(k_eff > 0, length, 0), ut ^ -2147483648, k_rem, out_row, W, BLOCK)
     pad_row(out_row, k_eff, W, BLOCK)
 
@@ -110,29 +99,11 @@ def _write_row(row, length, t, need, out_row, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN: tl.constexpr, TILE: tl.constexpr,
-                   CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Span f of a tie-path row (runs mode): its keys > T and its share of the lowest-id keys == T, at
-    the offsets the chunk counts give, tile by tile; only the chunks with something to store are read."""
-    c = tl.arange(0, C_PAD)
-    lo, hi = _busy_columns((above > 0) | ((tl.cumsum(ties, axis=0) - ties < need) & (ties > 0)), f, length, SPAN,
-                           CHUNK, C_PAD)
-    counts = (above.to(tl.int64) << 32) | ties  # keys > T | keys == T, per chunk: one sum per tile
-    for t0 in range(lo, hi, TILE):
-        before = tl.sum(tl.where(c * CHUNK < t0, counts, 0), axis=0)
-        above_before = (before >> 32).to(tl.int32)
-        ties_before = (before & 0xFFFFFFFF).to(tl.int32)
-        offs = t0 + tl.arange(0, TILE)
-        key = keys_of(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
-        write_above_and_ties(key, offs, te, need, ties_before, out_row, above_before + tl.minimum(ties_before, need),
-                              W)
-
-
-@triton.jit
 def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN: tl.constexpr, CHUNK: tl.constexpr,
                    C_PAD: tl.constexpr, WB: tl.constexpr):
-    """``_tie_path_span`` in the bitmask mode, from the candidates launch's words (keys >= T; keys == T
-    where a chunk has any): no key is read again. need = 0: the keys > T alone (flag 3, into the slots)."""
+    """Span f of a tie-path row (flag 2): its keys > T and its share of the lowest-id keys == T, at the offsets the
+    chunk counts give, from the candidates launch's words (keys >= T; keys == T where a chunk has any): no key is read
+    again. need = 0: the keys > T alone (flag 3, into the slots)."""
     c = tl.arange(0, C_PAD)
     ties_before = tl.sum(tl.where(c < f * (SPAN // CHUNK), ties, 0), axis=0)
     done = tl.sum(tl.where(c < f * (SPAN // CHUNK), above, 0), axis=0) + tl.minimum(ties_before, need)
@@ -154,36 +125,14 @@ def _tie_bits_span(bits_row, n_words, work_row, need, above, ties, dst, f, SPAN:
         ties_before += tl.sum(n_eq, axis=0)
 
 
-@triton.jit
-def _above_to_slots(row, length, te, above, cand_row, work_row, sync_row, f, SPAN: tl.constexpr, TILE: tl.constexpr,
-                    CHUNK: tl.constexpr, C_PAD: tl.constexpr):
-    """Span f of a flag-3 row in the runs mode: copy its keys > T into runs of slots from the row's
-    second slot counter (``CNT2``), with every chunk's count and first slot, for the row's last program."""
-    c = tl.arange(0, C_PAD)
-    start = c * CHUNK  # each chunk's first column
-    tl.store(work_row + HEAD + 2 * C_PAD + c, 0, mask=(start >= f * SPAN) & (start < (f + 1) * SPAN))
-    tl.debug_barrier()  # (the tiles below overwrite some of these zeros)
-    lo, hi = _busy_columns(above > 0, f, length, SPAN, CHUNK, C_PAD)
-    for t0 in range(lo, hi, TILE):
-        offs = t0 + tl.arange(0, TILE)
-        key = keys_of(tl.load(row + offs, mask=offs < hi, other=0.0), offs < hi)
-        is_above = key > te
-        n_in = tl.where((start >= t0) & (start < t0 + TILE) & (start < hi), above, 0)  # the tile's chunks
-        base = tl.atomic_add(sync_row + CNT2, tl.sum(n_in, axis=0), sem="relaxed")
-        tl.store(work_row + HEAD + 2 * C_PAD + c, n_in, mask=n_in > 0)
-        tl.store(work_row + HEAD + 3 * C_PAD + c, base + tl.cumsum(n_in, axis=0) - n_in, mask=n_in > 0)
-        tl.store(cand_row + base + tl.cumsum(is_above.to(tl.int32), axis=0) - 1,
-                 (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_above)
-
-
 # ----------------------------------------------------------------------------- the selection
 @triton.jit
 def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr, C_PAD: tl.constexpr,
                    PAIR: tl.constexpr):
-    """``(t, need)``: the k_eff-th largest candidate key and how many keys == t the row takes. 256 bins
-    of width 2**shift over [T, row max] by L2 atomic adds into the row's zeroed histogram (``tl.histogram``
-    was the select program's largest step), the walk to the k-th key's bin, window rounds when the bin holds
-    more than PAIR keys, then a pairwise rank of the bin's keys."""
+    """``(t, need)``: the k_eff-th largest candidate key and how many keys == t the row takes. 256 bins of width
+    2**shift over [T, row max] by L2 atomic adds into the row's zeroed histogram (``tl.histogram`` was the select
+    program's largest step), the walk to the k-th key's bin, window rounds when the bin holds more than PAIR keys, then
+    a pairwise rank of the bin's keys."""
     bins = key_bins(key, T, shift)
     tl.atomic_add(sync_row + DHIST + bins, 1, mask=ok, sem="relaxed")
     tl.debug_barrier()  # every thread's adds are done before anyone reads the counts
@@ -211,9 +160,9 @@ def _kth_candidate(key, ok, k_eff, T, shift, work_row, sync_row, G: tl.constexpr
 @triton.jit
 def select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G: tl.constexpr,
                      SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """The exact selection among ``total`` <= SLOTS candidate columns in the slots, ascending (the
-    bitmask mode): their keys from the row (in L2), ``t`` and ``need``, then one prefix sum over the slots
-    places every winner in the ascending output."""
+    """The exact selection among ``total`` <= SLOTS candidate columns in the slots, ascending (the bitmask mode): their
+    keys from the row (in L2), ``t`` and ``need``, then one prefix sum over the slots places every winner in the
+    ascending output."""
     s = tl.arange(0, SLOTS)
     ok = s < total
     ids = tl.load(slots_row + s, mask=ok, other=0, cache_modifier=".cg")  # (other programs wrote them)
@@ -236,10 +185,10 @@ def select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G:
 @triton.jit
 def _select_from_runs(cand_row, work_row, sync_row, out_row, total, k, C, W, G: tl.constexpr, CHUNK: tl.constexpr,
                       SLOTS: tl.constexpr, C_PAD: tl.constexpr, PAIR: tl.constexpr, BLOCK: tl.constexpr):
-    """The exact selection among ``total`` <= SLOTS candidates stored as ``key << 32 | id`` in runs
-    (one per chunk, ascending ids inside a run, the runs in any order: the runs mode). A slot's place is its
-    rank in id order among the keys > t plus its rank among the keys == t (capped at ``need``): one prefix sum
-    over the slots, read at the first and last slot of every run (``tl.gather``), gives both."""
+    """The exact selection among ``total`` <= SLOTS candidates stored as ``key << 32 | id`` in runs (one per chunk,
+    ascending ids inside a run, the runs in any order: the runs mode). A slot's place is its rank in id order among the
+    keys > t plus its rank among the keys == t (capped at ``need``): one prefix sum over the slots, read at the first
+    and last slot of every run (``tl.gather``), gives both."""
     s = tl.arange(0, SLOTS)
     ci = tl.arange(0, C_PAD)
     # Every load goes out together, past L1 (.cg: on a flag-3 row other programs of this launch wrote the slots).
@@ -279,12 +228,12 @@ def _select_from_runs(cand_row, work_row, sync_row, out_row, total, k, C, W, G: 
 
 
 @triton.jit
-def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
+def select_kernel(scores, stride_r, out, cand, runs, work, sync, N, W, k, lengths,
                    G: tl.constexpr, CHUNK: tl.constexpr,
                    SLOTS: tl.constexpr, LOG_C: tl.constexpr, BITMASK: tl.constexpr, PAIR: tl.constexpr,
                    SPAN: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
-    """One program = one SPAN of a row's columns (whole chunks); the module docstring says what each
-    does. The program that selects last resets the row's candidate count and counter: the others have read it."""
+    """One program = one SPAN of a row's columns (whole chunks); the module docstring says what each does. The program
+    that selects last resets the row's candidate count and counter: the others have read it."""
     after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     WB: tl.constexpr = SPAN // 32 if SPAN // 32 < 2048 else 2048  # bitmask words per block of bits_to_slots
@@ -297,11 +246,8 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
     sync_row = sync + r.to(tl.int64) * SYNC
     out_row = out + r.to(tl.int64) * W
     row = scores + r.to(tl.int64) * stride_r
-    if BITMASK:  # (per row: the words of keys >= T, those of keys == T, the slots)
-        bits_row = cand + r.to(tl.int64) * (2 * n_words + SLOTS)
-        slots_row = bits_row + 2 * n_words
-    else:
-        slots_row = cand + r.to(tl.int64) * SLOTS
+    bits_row = cand + r.to(tl.int64) * (2 * n_words + SLOTS)  # (per row: the words of keys >= T, those of
+    slots_row = bits_row + 2 * n_words  # keys == T, the slots)
     total = tl.load(sync_row + CNT)
     flag = tl.zeros([], tl.int32)
     if total <= SLOTS:
@@ -313,41 +259,29 @@ def select_kernel(scores, stride_r, out, cand, work, sync, N, W, k, lengths,
                            slots_row + tl.sum(tl.where(ci < f * (SPAN // CHUNK), n, 0), axis=0), f * SPAN, WB)
         elif f == 0:  # the runs: select at once, no waiting for the others
             tl.store(work_row + FLAG, 0)
-            _select_from_runs(slots_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS, C_PAD, PAIR,
-                              TILE)
+            _select_from_runs(runs + r.to(tl.int64) * SLOTS, work_row, sync_row, out_row, total, k, C, W, G, CHUNK,
+                              SLOTS, C_PAD, PAIR, TILE)
             tl.debug_barrier()  # every thread has read the count
             tl.store(sync_row + CNT, 0)
     else:  # the candidates overflowed the slots: the fallback, spread over the row's programs
-        te, need, flag, above, ties = _plan_tie_path(work_row, k, C, SLOTS, C_PAD)
+        need, flag, above, ties = _plan_tie_path(work_row, k, C, SLOTS, C_PAD)
         if flag == 2:
-            if BITMASK:
-                _tie_bits_span(bits_row, n_words, work_row, need, above, ties, out_row, f, SPAN, CHUNK, C_PAD, WB)
-            else:
-                _tie_path_span(row, length, te, need, above, ties, out_row, f, W, SPAN, TILE, CHUNK, C_PAD)
-        elif flag == 3:  # every key > T into the slots, for the row's last program
+            _tie_bits_span(bits_row, n_words, work_row, need, above, ties, out_row, f, SPAN, CHUNK, C_PAD, WB)
+        elif flag == 3:  # every key > T into the slots (the tie path with no ties wanted: ascending ids)
             total = k - need
-            if BITMASK:  # (the tie path with no ties wanted: ascending ids)
-                _tie_bits_span(bits_row, n_words, work_row, 0, above, ties, slots_row, f, SPAN, CHUNK, C_PAD, WB)
-            else:
-                _above_to_slots(row, length, te, above, slots_row, work_row, sync_row, f, SPAN, TILE, CHUNK, C_PAD)
+            _tie_bits_span(bits_row, n_words, work_row, 0, above, ties, slots_row, f, SPAN, CHUNK, C_PAD, WB)
         elif f == 0:
             _radix_select_row(row, length, k, out_row, W, TILE)
         if (f == 0) & (flag == 2):
             pad_row(out_row, k, W, TILE)  # (the tie path writes exactly k ids)
-    if BITMASK | (total > SLOTS) | (flag == 3):  # (flag 3: total is now the keys > T)
+    if BITMASK | (flag != 0):
         tl.debug_barrier()  # every thread's reads of the counts and writes to the slots are done
         if tl.atomic_add(sync_row, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last program
             tl.store(sync_row, 0)
             tl.store(sync_row + CNT, 0)
-            tl.store(sync_row + CNT2, 0)
             tl.store(work_row + FLAG, flag)
-            if (flag == 0) | (flag == 3):
-                if BITMASK:
-                    select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G, SLOTS, C_PAD,
-                                     PAIR, TILE)
-                else:
-                    _select_from_runs(slots_row, work_row, sync_row, out_row, total, k, C, W, G, CHUNK, SLOTS,
-                                      C_PAD, PAIR, TILE)
+            if (flag == 0) | (flag == 3):  # (flag 3: total is now the keys > T)
+                select_from_ids(row, slots_row, work_row, sync_row, out_row, total, k, W, G, SLOTS, C_PAD, PAIR, TILE)
 
 
 @triton.jit

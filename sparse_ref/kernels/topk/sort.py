@@ -1,6 +1,6 @@
-"""``order="score"`` for the top-k: each row's winners (ids ascending, -1 padded) reordered by descending
-score, ties by ascending id, as one descending int64 order of ``key << 32 | (2**32 - 1 - id)``: one
-``tl.sort`` a row, or for wide rows sorted runs merged by binary searches."""
+"""``order="score"`` for the top-k: each row's winners (ids ascending, -1 padded) reordered by descending score, ties by
+ascending id, as one descending int64 order of ``key << 32 | (2**32 - 1 - id)``: one ``tl.sort`` a row, or for wide rows
+sorted runs merged by binary searches."""
 
 from __future__ import annotations
 
@@ -22,32 +22,24 @@ def _packed_winners(scores, stride_r, out, r, j, W):
 
 
 @triton.jit
-def sort_winners_kernel(scores, stride_r, out, W, W_PAD: tl.constexpr, PDL: tl.constexpr):
-    """One program = one row's winners, reordered by descending score (ties: ascending id) in one tile."""
-    after_previous_launch(PDL)
-    r = tl.program_id(0)
-    j = tl.arange(0, W_PAD)
-    packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
-    n_valid = tl.sum((packed != -9223372036854775807 - 1).to(tl.int32), axis=0)
-    tl.store(out + r.to(tl.int64) * W + j, tl.where(j < n_valid, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32),
-                                                    -1), mask=j < W)
-
-
-@triton.jit
 def sort_runs_kernel(scores, stride_r, out, runs, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
-    """One program = RUN consecutive winners of a row, sorted descending into ``runs``."""
+    """One program = RUN consecutive winners of a row, sorted descending into ``runs``; RUN = W_PAD (the whole row in
+    one tile): the sorted ids back into ``out``, -1 padded."""
     after_previous_launch(PDL)
     r = tl.program_id(0)
     j = tl.program_id(1) * RUN + tl.arange(0, RUN)
     packed = tl.sort(_packed_winners(scores, stride_r, out, r, j, W), descending=True)
-    tl.store(runs + r.to(tl.int64) * W_PAD + j, packed)
+    if RUN == W_PAD:
+        ids = tl.where(packed != -9223372036854775807 - 1, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32), -1)
+        tl.store(out + r.to(tl.int64) * W + j, ids, mask=j < W)
+    else:
+        tl.store(runs + r.to(tl.int64) * W_PAD + j, packed)
 
 
 @triton.jit
 def merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
-    """One program = one sorted run of a row: an entry's place is the number of larger entries,
-    counted in every run by a binary search over the row's runs held in registers (``tl.gather``); -1 on the
-    run's share of the padding."""
+    """One program = one sorted run of a row: an entry's place is the number of larger entries, counted in every run by
+    a binary search over the row's runs held in registers (``tl.gather``); -1 on the run's share of the padding."""
     after_previous_launch(PDL)
     NR: tl.constexpr = W_PAD // RUN
     r = tl.program_id(0)
@@ -74,9 +66,9 @@ def merge_runs_kernel(runs, out, W, RUN: tl.constexpr, W_PAD: tl.constexpr, PDL:
 
 
 def sort_winners(scores, out, run: int, run_warps: int, warps: int, pdl: dict):
-    """Reorder each row of ``out`` by descending score, ties by ascending id: runs of ``run`` sorted
-    in parallel then merged (two launches) when rows are wider, else one sort a row. The first launch waits
-    for the selection without PDL (placed early, its programs crowd onto the SMs the selection frees)."""
+    """Reorder each row of ``out`` by descending score, ties by ascending id: runs of ``run`` sorted in parallel then
+    merged (two launches) when rows are wider, else one sort a row. The first launch waits for the selection without PDL
+    (placed early, its programs crowd onto the SMs the selection frees)."""
     R, W = out.shape
     w_pad = max(16, triton.next_power_of_2(W))
     if 0 < run < w_pad:
@@ -87,5 +79,6 @@ def sort_winners(scores, out, run: int, run_warps: int, warps: int, pdl: dict):
         merge_runs_kernel[(R, w_pad // run)](runs, out, W, RUN=run, W_PAD=w_pad, num_warps=nw, **pdl)
         return out
     num_warps = (warps if w_pad >= 2048 else 8 if w_pad >= 512 else 4) if scores.is_cuda else 1
-    sort_winners_kernel[(R,)](scores, scores.stride(0), out, W, W_PAD=w_pad, num_warps=num_warps, PDL=False)
+    sort_runs_kernel[(R, 1)](scores, scores.stride(0), out, out, W, RUN=w_pad, W_PAD=w_pad, num_warps=num_warps,
+                             PDL=False)
     return out

@@ -1,7 +1,6 @@
-"""Launch 1 of the long-row top-k (``docs/topk.md``, steps 2-3): the delegates of each row (the maximum of
-every column of its ``[N / G, G]`` view, one plain read) and its threshold T, which at least k row
-elements reach. The row's last program stores T and the select histogram's bin width: nothing goes back
-to the host."""
+"""Launch 1 of the long-row top-k (``docs/topk.md``, steps 2-3): the delegates of each row (the maximum of every column
+of its ``[N / G, G]`` view, one plain read) and its threshold T, which at least k row elements reach. The row's last
+program stores T and the select histogram's bin width: nothing goes back to the host."""
 
 from __future__ import annotations
 
@@ -17,11 +16,9 @@ from sparse_ref.kernels.topk.common import (
     after_previous_launch,
     bin_shift,
     delegates_of,
-    exact_delegate,
     key_range,
     keys_of,
     narrow_window,
-    radix_rounds,
     row_k_len,
     walk_histogram,
     work_row_of,
@@ -32,10 +29,9 @@ from sparse_ref.kernels.topk.common import (
 def delegates_kernel(scores, stride_r, work, sync, N, W, k, lengths,
                       G: tl.constexpr, COLS: tl.constexpr,
                       ROWS: tl.constexpr, LOG_C: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
-    """One program = COLS delegate columns of one row; then T. LOCAL (few programs a row): each
-    finds its own threshold (``_local_threshold``); else each adds its delegates' top-8-bit histogram to the
-    row's and the last program finds the k-th delegate (``_row_threshold``). T is NONE when the row has fewer
-    than k delegates."""
+    """One program = COLS delegate columns of one row; then T. LOCAL (few programs a row): each finds its own threshold
+    (``_local_threshold``); else each adds its delegates' top-8-bit histogram to the row's and the last program finds
+    the k-th delegate (``_row_threshold``). T is NONE when the row has fewer than k delegates."""
     after_previous_launch(PDL)
     C_PAD: tl.constexpr = 1 << LOG_C
     S: tl.constexpr = G // COLS  # programs per row
@@ -61,11 +57,10 @@ def delegates_kernel(scores, stride_r, work, sync, N, W, k, lengths,
 
 @triton.jit
 def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
-    """T from the programs' own delegates: program c finds T_c, the edge of the bin holding the
-    ceil(k / S)-th of its delegates (window rounds). The lowest T_c is reached by at least k delegates; the
-    row's last program takes the highest T_c that k delegates reach (tighter on sorted rows; on a cluster,
-    the cluster's value, so its ties sit at T). T_c passes through the pair scratch, the row max through an
-    atomic maximum (``TMAX``)."""
+    """T from the programs' own delegates: program c finds T_c, the edge of the bin holding the ceil(k / S)-th of its
+    delegates (window rounds). The lowest T_c is reached by at least k delegates; the row's last program takes the
+    highest T_c that k delegates reach (tighter on sorted rows; on a cluster, the cluster's value, so its ties sit at
+    T). T_c passes through the pair scratch, the row max through an atomic maximum (``TMAX``)."""
     k_c = tl.cdiv(k, S)
     ok = acc != -2147483648
     n_c = tl.sum(ok.to(tl.int32), axis=0)
@@ -90,9 +85,10 @@ def _local_threshold(acc, k, c, sync_row, work_row, delegates, G: tl.constexpr, 
 
 @triton.jit
 def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl.constexpr):
-    """T from all G delegates: each program adds its radix-round-1 histogram to the row's; the last
-    program walks it and finishes (``_kth_delegate``)."""
-    h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)  # radix round 1
+    """T from all G delegates: each program adds the histogram of its delegates' top 8 bits to the row's; the last
+    program walks it to the bin of the k-th delegate, then window rounds over that bin's delegates stop at an edge that
+    at most k/8 delegates beyond the k-th reach (the k-th itself on a plateau). NONE: fewer than k delegates."""
+    h = tl.histogram(((acc ^ -2147483648) >> 24) & 0xFF, 256, mask=acc != -2147483648)
     tl.atomic_add(sync_row + DHIST + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's store happens before the counter says "done"
     if tl.atomic_add(sync_row, 1, sem="acq_rel") == S - 1:
@@ -100,20 +96,13 @@ def _row_threshold(acc, k, sync_row, work_row, delegates, G: tl.constexpr, S: tl
         h = tl.load(sync_row + DHIST + tl.arange(0, 256), cache_modifier=".cg")
         tl.store(sync_row + DHIST + tl.arange(0, 256), tl.zeros([256], tl.int32))
         dkey = tl.load(delegates + tl.arange(0, G), cache_modifier=".cg")
-        T = tl.where(k > 0, _kth_delegate(h, dkey, k), 2147483647)  # k = 0: no candidates at all
-        _store_threshold(work_row, T, tl.max(dkey, axis=0))  # (the row max is the largest delegate)
-
-
-@triton.jit
-def _kth_delegate(h, dkey, k):
-    """The k-th delegate cut to 16 bits (radix round 2), exact (``exact_delegate``) when more than
-    k + k/8 delegates reach the cut; NONE when there are fewer than k delegates."""
-    n = tl.sum(h, axis=0)  # valid delegates
-    d, k_rem = walk_histogram(h, tl.maximum(tl.minimum(k, n), 1))
-    ut, k_rem = radix_rounds(dkey, d << 24, k_rem, 1, 2)
-    if tl.sum((dkey >= (ut ^ -2147483648)).to(tl.int32), axis=0) > k + k // 8:  # many share its 16 bits:
-        ut = exact_delegate(dkey, ut, k_rem)  # T = the exact k-th delegate
-    return tl.where(n >= k, ut ^ -2147483648, -2147483648)
+        n = tl.sum(h, axis=0)  # valid delegates
+        d, k_rem = walk_histogram(h, tl.maximum(tl.minimum(k, n), 1))
+        member = (dkey != -2147483648) & ((((dkey ^ -2147483648) >> 24) & 0xFF) == d)
+        lo, hi = key_range(dkey, member)
+        T, _, _, _ = narrow_window(dkey, member, tl.sum(member.to(tl.int32), axis=0), k_rem, lo, hi, k // 8, True, 3)
+        T = tl.where(n >= k, T, -2147483648)
+        _store_threshold(work_row, tl.where(k > 0, T, 2147483647), tl.max(dkey, axis=0))  # k = 0: no candidates
 
 
 @triton.jit

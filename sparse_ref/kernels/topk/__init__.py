@@ -86,6 +86,7 @@ class TopkRun:
     plan: Plan
     launches: tuple
     flags: torch.Tensor
+    sync: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     above: torch.Tensor | None = None
     ties: torch.Tensor | None = None
@@ -163,7 +164,7 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
                (*row, out, cand, runs, work, sync, *tail),
                dict(G=p.G, CHUNK=p.chunk, SLOTS=p.slots, LOG_C=log_c, BITMASK=bitmask, PAIR=p.pair, SPAN=span,
                     TILE=tile, **pdl)))
-    return TopkRun(p, launches, work[:, FLAG.value], threshold=work[:, T_.value],
+    return TopkRun(p, launches, work[:, FLAG.value], sync=sync, threshold=work[:, T_.value],
                    above=work[:, head[0]:head[0] + C], ties=work[:, head[1]:head[1] + C], bitmask=bitmask,
                    slots=cand[:, 2 * n_words:], bits=cand[:, :n_words], runs=None if bitmask else runs,
                    counts=None if bitmask else work[:, head[2]:head[2] + C],

@@ -48,8 +48,10 @@ def candidates_kernel(scores, stride_r, cand, runs, work, sync, N, W, k, lengths
     tl.store(work_row + HEAD + c, both >> 16)  # keys > T
     tl.store(work_row + HEAD + C_PAD + c, n_c - (both >> 16))  # keys == T
     base = tl.atomic_add(sync + r.to(tl.int64) * SYNC + CNT, n_c, sem="relaxed")  # (runs: [base, base + n_c))
-    bits = cand + r.to(tl.int64) * (2 * C * WORDS + SLOTS) + c * WORDS  # the words of keys >= T; then, where
-    tl.store(bits + tl.arange(0, WORDS), bitmask_words(is_cand, WORDS))  # the chunk has any, those of keys == T
+    # the words of keys >= T (both modes: an overflowing row's fallback reads them); then, where the chunk has any,
+    # those of keys == T
+    bits = cand + r.to(tl.int64) * (2 * C * WORDS + SLOTS) + c * WORDS
+    tl.store(bits + tl.arange(0, WORDS), bitmask_words(is_cand, WORDS))
     if n_c > (both >> 16):
         tl.store(bits + C * WORDS + tl.arange(0, WORDS), bitmask_words(is_cand & (key == T), WORDS))
     if not BITMASK:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_ref.kernels.topk import TUNING, launch_topk, plan
+from sparse_ref.kernels.topk import TUNING, launch_topk, plan, prepare
 from sparse_ref.kernels.topk.planning import MIN_PROGRAMS, short_row_warps
 
 
@@ -67,3 +67,12 @@ def test_the_launches_follow_the_plan():
                           torch.empty(2, k, dtype=torch.int32, device=device))
         want = short_row_warps(run.plan.n_pad) if run.plan.direct else TUNING["num_warps"]
         assert run.launches[0].warps == want and run.plan.direct is (N == 300)
+
+
+def test_the_direct_plans_kept_bin_grows_with_the_row():
+    """The direct plan's kept bin (its PAIR constexpr): ``short_pair`` keys per 4096 scores, so a row of 8192 skips the
+    window round over the whole row that its value round's bin of a few hundred keys would cost
+    (``docs/performance.md``)."""
+    for N, pair in ((300, 256), (4096, 256), (6000, 512), (8192, 512)):
+        run = prepare(torch.randn(2, N), N // 4, None, None, torch.empty(2, N // 4, dtype=torch.int32))
+        assert run.plan.direct and run.launches[0].constexprs["PAIR"] == pair, N

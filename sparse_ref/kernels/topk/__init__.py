@@ -121,7 +121,7 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
     k = k_tensor if k_tensor is not None else min(k_scalar, N)
     row = (scores, scores.stride(0))  # every launch reads the rows; then (N, W, k, lengths)
     if p.register:  # one program per row, the row in registers (rows.py)
-        pair = TUNING["short_pair"] if p.direct else p.pair
+        pair = TUNING["short_pair"] * max(1, p.n_pad // 4096) if p.direct else p.pair  # (direct: 512 at 8192)
         work = torch.empty((R, max(pair, 1) if p.direct else p.slots), dtype=torch.int32, device=device)
         flags = torch.empty(R, dtype=torch.int32, device=device)
         short_row = Launch("short_row", rows.short_row_kernel, (R,),

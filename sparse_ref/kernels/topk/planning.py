@@ -25,7 +25,7 @@ RANGES = {
 TUNING = Knobs("topk", RANGES, **{  # launch knobs: tests force paths with them (docs/topk.md)
     "register_row": 8192,  # rows up to this many columns: one program per row, row in registers (rows.py)
     "direct_ratio": 8,  # such rows (and page histories): selected directly when N_PAD <= this * G (rows.use_direct)
-    "short_pair": 256,  # directly: rounds over the row until the kept bin holds this many (0: to one value)
+    "short_pair": 256,  # directly: rounds until the kept bin holds this many per 4096 scores (0: to one value)
     "min_delegates": 256, "max_delegates": 8192,  # G = max(min_delegates, next_pow2(2 k)), at most max_delegates
     "slots": 0,  # if > 0: SLOTS (tests shrink it to force the fallback; else G, ~0.7 G expected)
     "chunk": 2048,  # columns per candidate program

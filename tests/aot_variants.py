@@ -30,13 +30,17 @@ AOT_ROWS = [(dict(k="i32"), dict(lengths=None)), (dict(k="*i32", lengths="*i64")
 
 # ----------------------------------------------------------------------------- the top-k
 TOPK = [  # the short rows: 8192 columns at k = 2048 (direct, 16 warps), k = 128 (delegates); bf16, rounds only
-    *[aot_variant(topk_rows.short_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b, DIRECT=d),
+    *[aot_variant(topk_rows.short_row_kernel, dict(**rc, N_PAD=8192, G=g, SLOTS=g, PAIR=pr, BLOCK_OUT=b, DIRECT=d,
+                                                   ALL=False),
                   {"num_warps": nw}, scratch="*i32", flags="*i32", **rt, **AOT_PTRS)
       for (rt, rc), g, b, pr, d, nw in zip(AOT_ROWS, (4096, 256), (1024, 128), (512, 128), (128, 0), (16, 8),
                                            strict=True)],
     aot_variant(topk_rows.short_row_kernel, dict(lengths=None, N_PAD=1024, G=256, SLOTS=256, PAIR=0, BLOCK_OUT=16,
-                                                 DIRECT=1), {"num_warps": 8}, scratch="*i32", flags="*i32",
+                                                 DIRECT=1, ALL=False), {"num_warps": 8}, scratch="*i32", flags="*i32",
                 k="i32", **{**AOT_PTRS, "scores": "*bf16"}),
+    aot_variant(topk_rows.short_row_kernel, dict(lengths=None, N_PAD=2048, G=2048, SLOTS=2048, PAIR=256,  # k = N
+                                                 BLOCK_OUT=1024, DIRECT=128, ALL=True), {"num_warps": 8},
+                scratch="*i32", flags="*i32", k="i32", **AOT_PTRS),
 ]
 TOPK += [  # 64 x 64K and 8 x 128K at k = 2048 (LOCAL); 1 x 128K (the row's merged histogram)
     *[aot_variant(threshold.delegates_kernel, dict(**rc, G=g, COLS=1024, ROWS=8, LOG_C=c, LOCAL=lc),

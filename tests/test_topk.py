@@ -719,3 +719,21 @@ def test_input_errors(call, match):
     with pytest.raises(SparseRefError, match=match) as info:
         call(x)
     assert "Fix" in str(info.value)
+
+
+@pytest.mark.parametrize("order", ["index", "score"])
+def test_rows_whose_k_takes_every_valid_key(order):
+    """Short requests: a row whose k reaches its valid keys takes them all (ascending, then -1) beside rows of the same
+    launch that select: k equal to a row's valid count exactly, one above it, NaN and -inf never valid, an empty row,
+    a row of one key. With k at least the width (every row's keys all win) the direct plan skips its rounds (ALL)."""
+    x = make_scores(6, 700, seed=41, specials=True)
+    lengths = torch.tensor([700, 64, 90, 0, 1, 650], device=DEVICE)
+    valid = (x == x) & (x != float("-inf")) & (torch.arange(700, device=DEVICE)[None, :] < lengths[:, None])
+    exact = int(valid[2].sum())  # row 2's valid keys: k == that takes every one
+    for k in (exact, exact + 1, 64, 700, 800):
+        run = topk_module.prepare(x, k, None, lengths, torch.empty(6, k, dtype=torch.int32, device=DEVICE))
+        assert run.plan.direct and run.launches[0].constexprs["ALL"] is (k >= 700)
+        got = check(x, k, lengths, order=order)
+        assert (got[3] == -1).all() and (got[4, 1:] == -1).all()
+        for r in (2, 5) if k >= 700 else (2,) if k >= exact else ():  # every valid key of the row
+            assert torch.equal(got[r][got[r] >= 0].sort().values.cpu(), valid[r].nonzero().flatten().int().cpu())

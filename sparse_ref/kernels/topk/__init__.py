@@ -129,7 +129,8 @@ def prepare(scores, k_scalar, k_tensor, lengths, out) -> TopkRun:
                            (*row, out, work, flags, N, W, k, lengths),
                            dict(N_PAD=p.n_pad, G=p.G, SLOTS=p.slots, PAIR=pair,
                                 BLOCK_OUT=min(1024, max(16, triton.next_power_of_2(W))),
-                                DIRECT=direct_mode(p.direct, TUNING["value_bins"])))
+                                DIRECT=direct_mode(p.direct, TUNING["value_bins"]),
+                                ALL=p.direct and k_tensor is None and k_scalar >= N))  # (every valid key wins)
         return TopkRun(p, (short_row,), flags)
     if p.force_fallback:  # every row takes the whole-row radix: flag 1
         block = TUNING["block"] if device.type == "cuda" else min(TUNING["block"], p.n_pad)

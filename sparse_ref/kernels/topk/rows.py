@@ -97,12 +97,13 @@ def _kth_in_bin(row, member, m, k_rem, scratch, N_PAD: tl.constexpr, PAIR: tl.co
 
 @triton.jit
 def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.constexpr, PAIR: tl.constexpr,
-                  VALUE_BINS: tl.constexpr):
+                  VALUE_BINS: tl.constexpr, ALL: tl.constexpr = False):
     """The k largest among columns [lo, hi) of a row held in registers, ids ascending at out_row[base:], ties to the
     lower id; returns min(k, valid keys). The exact k-th key ``t``: a value round (VALUE_BINS > 1), window rounds over
     the kept keys' own range until at most PAIR remain (or one key value), then ``_kth_in_bin``. One prefix sum of
     ``(key > t) << 16 | (key == t)`` then gives every key both of its ranks (N_PAD <= 2**14 keeps it below 2**31): its
-    place is the keys > t before it plus the ties before it, capped at the ties the row takes."""
+    place is the keys > t before it plus the ties before it, capped at the ties the row takes. ALL (k at least the
+    row's width: every valid key wins) skips the rounds."""
     tl.static_assert(N_PAD <= 16384)  # (the packed prefix sum: no int32 overflow)
     j = tl.arange(0, N_PAD)
     valid = (j >= lo) & (j < hi)
@@ -111,20 +112,22 @@ def select_direct(row, lo, hi, k, out_row, base, W, scratch_row, N_PAD: tl.const
     ok = key != -2147483648
     n = tl.sum(ok.to(tl.int32), axis=0)
     k_eff = tl.minimum(k, n)
-    if VALUE_BINS > 1:
-        member, m, k_rem = value_round(x, ok, n, tl.maximum(k_eff, 1), VALUE_BINS)
+    if ALL:  # every valid key wins: all are above NONE, no ties wanted
+        t, k_rem = tl.full([], -2147483648, tl.int32), tl.zeros([], tl.int32)
     else:
-        member, m, k_rem = ok, n, tl.maximum(k_eff, 1) + tl.zeros([], tl.int32)
-    t = tl.zeros([], tl.int32)
-    if m > PAIR:  # key rounds over the kept keys' own range until at most PAIR remain (or one key value: t)
-        key_lo, key_hi = key_range(key, member)
-        t, member, m, k_rem = narrow_window(key, member, m, k_rem, key_lo, key_hi, PAIR, False, 4)
-    if PAIR > 0:
-        if m <= PAIR:
-            t, k_rem = _kth_in_bin(row, member, m, k_rem, scratch_row, N_PAD, PAIR)
-    ties = k_rem
+        if VALUE_BINS > 1:
+            member, m, k_rem = value_round(x, ok, n, tl.maximum(k_eff, 1), VALUE_BINS)
+        else:
+            member, m, k_rem = ok, n, tl.maximum(k_eff, 1) + tl.zeros([], tl.int32)
+        t = tl.zeros([], tl.int32)
+        if m > PAIR:  # key rounds over the kept keys' own range until at most PAIR remain (or one key value: t)
+            key_lo, key_hi = key_range(key, member)
+            t, member, m, k_rem = narrow_window(key, member, m, k_rem, key_lo, key_hi, PAIR, False, 4)
+        if PAIR > 0:
+            if m <= PAIR:
+                t, k_rem = _kth_in_bin(row, member, m, k_rem, scratch_row, N_PAD, PAIR)
     t = tl.where(k_eff > 0, t, 2147483647)  # k_eff = 0: nothing is above INT32_MAX, no ties wanted
-    ties = tl.where(k_eff > 0, ties, 0)
+    ties = tl.where(k_eff > 0, k_rem, 0)
     gt, eq = key > t, key == t
     c = tl.cumsum((gt.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)
     eq_upto = c & 0xFFFF
@@ -192,16 +195,17 @@ def select_in_registers(row, lo, hi, k, out_row, base, W, scratch_row,
 @triton.jit
 def short_row_kernel(scores, stride_r, out, scratch, flags, N, W, k, lengths,
                      N_PAD: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr, PAIR: tl.constexpr,
-                     BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr):
+                     BLOCK_OUT: tl.constexpr, DIRECT: tl.constexpr, ALL: tl.constexpr):
     """One program = one row of at most N_PAD columns in registers: DIRECT (> 1, the value bins) ``select_direct``
-    (``scratch``: PAIR int32 a row), 0 ``select_in_registers`` (SLOTS int32 a row, its path in ``flags``)."""
+    (``scratch``: PAIR int32 a row; ALL: k >= N), 0 ``select_in_registers`` (SLOTS int32 a row, its path in
+    ``flags``)."""
     r = tl.program_id(0)
     k, length = row_k_len(r, N, W, k, lengths)
     out_row = out + r.to(tl.int64) * W
     row = scores + r.to(tl.int64) * stride_r
     if DIRECT:
         k_eff = select_direct(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * PAIR, N_PAD, PAIR,
-                              DIRECT)
+                              DIRECT, ALL)
         tl.store(flags + r, 0)
     else:
         k_eff, path = select_in_registers(row, 0, length, k, out_row, 0, W, scratch + r.to(tl.int64) * SLOTS, N_PAD,

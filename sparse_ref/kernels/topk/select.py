@@ -191,7 +191,7 @@ def _select_from_runs(cand_row, work_row, sync_row, out_row, total, k, C, W, G: 
     and last slot of every run (``tl.gather``), gives both."""
     s = tl.arange(0, SLOTS)
     ci = tl.arange(0, C_PAD)
-    # Every load goes out together, past L1 (.cg: on a flag-3 row other programs of this launch wrote the slots).
+    # Every load goes out together, past L1 (.cg: the candidates launch wrote the runs, under PDL).
     packed = tl.load(cand_row + s, cache_modifier=".cg")  # every slot (not masked by total)
     n = tl.load(work_row + HEAD + 2 * C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg")
     first = tl.minimum(tl.load(work_row + HEAD + 3 * C_PAD + ci, mask=ci < C, other=0, cache_modifier=".cg"),

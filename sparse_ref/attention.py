@@ -68,8 +68,9 @@ def dense_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 @torch_twin("attention")
 def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                             page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
-                            scale: float | None = None, return_probs: bool = False):
+                            scale: float | None = None, return_probs: bool = False, ready=None):
     """Attention over the first ``kv_len`` tokens of the pages in ``page_table`` ``[bs, W]`` (physical ids).
+    (``ready``: the kernel's offload flags; torch runs in stream order and waits for nothing.)
 
     ``probs``: ``[bs, H_q, W * P]``, position ``i * P + o`` is offset ``o`` of the table's ``i``-th page.
     """

@@ -169,12 +169,12 @@ class DecodeEngine:
             self.offload = offload.OffloadedKV(self.manager.token_to_kv_pool, offloaded, max_requests, size,
                                                max_context_len, self.backend, self.device)
 
-    def attend(self, q: torch.Tensor, layer: int, md: Metadata, kv=None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: int, md: Metadata, kv=None, ready=None) -> torch.Tensor:
         """Paged decode attention of ``q`` over ``md`` with the engine's backend: fp32 ``[bs, H_q, D]``, over the
-        layer's K/V buffers (or ``kv``: an offloaded layer's hot buffers)."""
+        layer's K/V buffers (or ``kv``: an offloaded layer's hot buffers, ``ready``: its copies' flags)."""
         pool = self.manager.token_to_kv_pool
         kv = kv or (pool.get_key_buffer(layer), pool.get_value_buffer(layer))
-        return self.backend.attention(q, *kv, md.page_table, md.kv_lens, md.page_size)
+        return self.backend.attention(q, *kv, md.page_table, md.kv_lens, md.page_size, ready=ready)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_len: int, key: int | None = None, needle_depths=None) -> Request:
@@ -250,7 +250,7 @@ class DecodeEngine:
                     pool.set_kv(layer, batch.out_cache_loc, k, v)
                 md = coord.attention_begin(layer, q, batch, x=x, q_lora=q_lora)
                 hot = off.read(layer, batch, md, k, v, self.manager.req_to_token_pool.req_to_token) if off else None
-                out = self.attend(q, layer, hot, off.buffers(layer)) if off else self.attend(q, layer, md)
+                out = self.attend(q, layer, hot, off.buffers(layer), off.ready) if off else self.attend(q, layer, md)
                 traces.append(LayerTrace(layer, coord.name(layer), md, out, offload=hot))
                 coord.attention_end(layer, batch)
             coord.forward_end(batch)

@@ -14,7 +14,9 @@ The buffer's state is kept as the kernel keeps it (``sparse_ref.kernels.swap_in`
 per layer and row, the token each slot holds (``token``, -1 empty), the step it was last used
 (``last_used``), the reverse map token -> slot (``slot_of``), the slots in eviction order (``lru``: empty
 first, then least recently used, ties by slot id; ``lru_order`` derives it from the other two), a step
-counter per layer (``clock``) and the hit / miss counts (``stats``). The kernel keeps ``lru`` so that it
+counter per layer (``clock``), the hit / miss counts (``stats``) and, per batch row, a flag per chunk of table
+entries that the kernel's copies have landed (``ready``: attention over a chunk that landed starts while the
+others copy). The kernel keeps ``lru`` so that it
 never sorts: a row's victims are the first slots of its list that this step does not use. This reference
 reads the state back and loops on the host: a host sync per layer.
 """
@@ -48,6 +50,11 @@ class OffloadedKV:
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hot.k[layer], self.hot.v[layer]
+
+    @property
+    def ready(self) -> tuple[torch.Tensor, int]:
+        """What attention waits on (``paged_decode_attention(ready=...)``): the swap-in kernel's flags, their chunk."""
+        return self.hot.ready, self.hot.ready_chunk
 
     def forget(self, row: int) -> None:
         self.hot.forget(row)
@@ -137,6 +144,9 @@ class HotBuffer:
         self.lru = torch.arange(size, dtype=torch.int32, **on).repeat(num_layers, num_rows, 1)  # eviction order
         self.clock = torch.zeros(num_layers, dtype=torch.int32, **on)  # swap-ins so far, per layer
         self.stats = torch.zeros(2, dtype=torch.int64, **on)  # tokens read that were held (hits), copied in
+        self.ready_chunk = READY_CHUNK  # the kernel's flags, one per chunk of a row's table entries, 0: copied in
+        self.ready = torch.zeros((num_rows, -(-self.width // READY_CHUNK)), dtype=torch.int32, **on)
+        self.copy_list = torch.zeros(num_rows * self.width, dtype=torch.int32, **on)  # (the kernel's copies)
         self.token_bytes = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()  # K + V
 
     @property
@@ -292,6 +302,7 @@ def check_offload_backend(offloaded, backend) -> None:
              "build the engine with backend='auto', or run the torch reference on CPU.", ConfigError)
 
 
+READY_CHUNK = 256  # table entries per flag of the swap-in kernel (a copy program each; attention waits on them)
 MAX_BUFFER = 1 << 16  # token slots a hot-buffer row may hold (the swap-in kernel's one program per row holds them)
 
 

@@ -11,6 +11,7 @@ import torch
 from sparse_ref.kernels import decode_attention, dsa, page_select, page_table, quest, quest_bounds, swap_in
 from sparse_ref.kernels.topk import candidates, select, sort, threshold
 from sparse_ref.kernels.topk import rows as topk_rows
+from sparse_ref.offload import READY_CHUNK
 
 
 def aot_variant(kernel, constexprs, options=None, **types):
@@ -148,8 +149,8 @@ _TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 
 def _split_signature(q_dtype, kv_dtype, constexprs):
     sig = {"q_ptr": _TRITON_TYPES[q_dtype], "k_ptr": _TRITON_TYPES[kv_dtype], "v_ptr": _TRITON_TYPES[kv_dtype],
-           "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-           "sm_scale": "fp32", "dims": ("i32",) * 5}
+           "page_table_ptr": "*i32", "kv_lens_ptr": "*i32", "ready_ptr": "*i32", "part_out_ptr": "*fp32",
+           "part_lse_ptr": "*fp32", "sm_scale": "fp32", "dims": ("i32",) * 7}
     sig.update({name: "constexpr" for name in constexprs})
     return sig
 
@@ -167,14 +168,16 @@ def _decode_attention_variants():
             for split_len in (0, 1 << 15):  # short splits and long ones (the long-split tile)
                 cfg = decode_attention.launch_config(group, head_dim, kv_dtype, False, precise=precise,
                                                      split_len=split_len)
-                ce = {**cfg["constexprs"], "PDL": True}
-                variant = (decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
-                           cfg["options"])
-                if variant not in variants:
-                    variants.append(variant)
+                # waiting on the offload's flags: the offload's shapes (bf16 K/V, GQA 4 and MHA, D = 128)
+                for wait in (False, True) if (kv_dtype, head_dim) == (torch.bfloat16, 128) and precise else (False,):
+                    ce = {**cfg["constexprs"], "WAIT": wait, "PDL": True}
+                    variant = (decode_attention._decode_split_kernel, _split_signature(q_dtype, kv_dtype, ce), ce,
+                               cfg["options"])
+                    if variant not in variants:
+                        variants.append(variant)
     for group in (4, 1):  # the broadcast path (use_dot=False) for a GQA group and for MHA
         cfg = decode_attention.launch_config(group, 128, torch.bfloat16, False, use_dot=False)
-        ce = {**cfg["constexprs"], "PDL": False}  # (PDL off: the plain launch)
+        ce = {**cfg["constexprs"], "WAIT": False, "PDL": False}  # (PDL off: the plain launch)
         variants.append((decode_attention._decode_split_kernel, _split_signature(torch.float32, torch.bfloat16, ce),
                          ce, {"num_warps": 4}))
     for head_dim, block_s in ((128, 2), (128, 4), (128, 8), (128, 16), (128, 32), (128, 64), (64, 32)):
@@ -223,18 +226,20 @@ DSA = (
 
 
 # the offload swap-in: DSA's top-2048 in a 4096-slot buffer (bf16 K/V, 8 KV heads x 128), and a small fp32 case
-SWAP_IN = [aot_variant(swap_in._swap_in_kernel, dict(P=p, B=b, HD=hd, W_PAD=w, B_PAD=b, BLOCK_D=min(hd, 1024)),
+SWAP_IN = [aot_variant(swap_in._swap_in_kernel, dict(P=p, B=b, HD=hd, W_PAD=w, B_PAD=b, NC_PAD=nc, CHUNK=READY_CHUNK,
+                                                     ROWS=swap_in.COPY_ROWS, BLOCK_D=min(hd, 1024)),
                        {"num_warps": swap_in.BOOK_WARPS},
                        selected="*i32", lengths="*i32", sparse_mask="*i1", seq_lens="*i64", rows="*i64",
                        req_to_token="*i32", host_k=f"*{dt}", host_v=f"*{dt}", hot_k=f"*{dt}", hot_v=f"*{dt}",
                        new_k="*fp32", new_v="*fp32", new_loc="*i64", token="*i32", last_used="*i32",
                        slot_of="*i32", lru="*i32", scratch="*i32", table="*i32", counts="*i32", copies="*i32",
-                       clock_ptr="*i32", stats="*i64")
-           for p, b, hd, w, dt in ((16, 4096, 1024, 2048, "bf16"), (1, 4096, 1024, 2048, "bf16"),
-                                   (1, 16, 64, 32, "fp32"))]
-SWAP_IN += [aot_variant(swap_in._copy_in_kernel, dict(HD=hd, ROWS=swap_in.COPY_ROWS, BLOCK_D=min(hd, 512)),
-                        {"num_warps": 4}, copies="*i32", table="*i32", host_k=f"*{dt}", host_v=f"*{dt}",
-                        hot_k=f"*{dt}", hot_v=f"*{dt}") for hd, dt in ((1024, "bf16"), (64, "fp32"))]
+                       clock_ptr="*i32", stats="*i64", ready="*i32")
+           for p, b, hd, w, dt, nc in ((16, 4096, 1024, 2048, "bf16", 32), (1, 4096, 1024, 2048, "bf16", 32),
+                                       (1, 16, 64, 32, "fp32", 1))]
+SWAP_IN += [aot_variant(swap_in._copy_in_kernel, dict(HD=hd, CHUNK=READY_CHUNK,
+                                                      ROWS=swap_in.COPY_ROWS, BLOCK_D=min(hd, 1024)),
+                        {"num_warps": 8}, copies="*i32", table="*i32", ready="*i32", host_k=f"*{dt}",
+                        host_v=f"*{dt}", hot_k=f"*{dt}", hot_v=f"*{dt}") for hd, dt in ((1024, "bf16"), (64, "fp32"))]
 
 VARIANTS = TOPK + PAGE_SELECT + PAGE_TABLE + QUEST + QUEST_BOUNDS + DECODE_ATTENTION + DSA + SWAP_IN
 

@@ -216,6 +216,12 @@ def _args():
     (lambda a: a.update(scale=float("nan")), "scale: expected a finite number"),
     (lambda a: a.update(out=torch.empty(2, 4, 7, device=DEVICE)), "out: expected shape"),
     (lambda a: a.update(out=torch.empty(2, 4, 8, device=DEVICE, dtype=torch.bfloat16)), "out: expected dtype"),
+    (lambda a: a.update(ready=torch.ones(2, 2, dtype=torch.int32, device=DEVICE)), r"ready: expected a tuple"),
+    (lambda a: a.update(ready=(torch.ones(1, 2, dtype=torch.int32, device=DEVICE), 4)), "ready flags: expected a row"),
+    (lambda a: a.update(ready=(torch.ones(2, 0, dtype=torch.int32, device=DEVICE), 4)), "ready flags: expected a row"),
+    (lambda a: a.update(ready=(torch.ones(2, 2, device=DEVICE), 4)), "ready flags: expected dtype torch.int32"),
+    (lambda a: a.update(ready=(torch.ones(2, dtype=torch.int32, device=DEVICE), 4)), r"ready flags: expected shape"),
+    (lambda a: a.update(ready=(torch.ones(2, 2, dtype=torch.int32, device=DEVICE), 0)), r"ready chunk: expected an"),
 ])
 def test_bad_inputs_raise_before_launch(change, match):
     q, k, v, table, kv_lens = _args()
@@ -224,6 +230,40 @@ def test_bad_inputs_raise_before_launch(change, match):
     knobs = {name: args.pop(name) for name in list(args) if name in da.TUNING}  # launch knobs: the TUNING table
     with pytest.raises(SparseRefError, match=match), tuning(da.TUNING, **knobs):
         paged_decode_attention(**args)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_offload_flags_that_are_set_change_nothing(num_splits):
+    """With every chunk's flag at 0 (the swap-in's copies landed), the launch that waits on them gives the plain
+    launch's result bit for bit: the same table, order and splits; rows past the batch's flags are not read."""
+    lens = [600, 0, 257, 1]  # over two chunks of READY_CHUNK entries, an empty row, a chunk's edge, one token
+    q, k, v, table, kv_lens = make_case(lens, 4, 2, 8, 1, num_pages=700, seed=11)
+    ready = torch.zeros(len(lens) + 2, 3, dtype=torch.int32, device=DEVICE)
+    ready[len(lens):] = -1  # (rows of no request: a program that read them would spin)
+    with tuning(da.TUNING, num_splits=num_splits):
+        plain = paged_decode_attention(q, k, v, table, kv_lens, 1)
+        waited = paged_decode_attention(q, k, v, table, kv_lens, 1, ready=(ready, 256))
+    assert torch.equal(plain, waited)
+    assert_matches_reference(waited, sparse_decode_attention(q, k, v, table, kv_lens, 1), "fp32")
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter runs the launch on a thread of this process")
+def test_the_launch_waits_for_the_flag_of_a_chunk_it_reads():
+    """A chunk whose copies have not landed holds the launch back until its flag reaches 0; then the result is the
+    plain launch's. (On a GPU the swap-in's copy programs set the flags; here the test does, from this thread.)"""
+    import threading
+
+    q, k, v, table, kv_lens = make_case([300], 2, 2, 8, 1, num_pages=400, seed=12)
+    ready = torch.tensor([[0, -1]], dtype=torch.int32)  # entries 256..299: a unit still copying
+    got = {}
+    run = threading.Thread(target=lambda: got.update(out=paged_decode_attention(q, k, v, table, kv_lens, 1,
+                                                                                ready=(ready, 256))), daemon=True)
+    run.start()
+    run.join(timeout=1.0)
+    assert run.is_alive() and "out" not in got  # waiting on chunk 1
+    ready[0, 1] = 0
+    run.join(timeout=60)
+    assert not run.is_alive() and torch.equal(got["out"], paged_decode_attention(q, k, v, table, kv_lens, 1))
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal without the interpreter")

@@ -355,3 +355,20 @@ def test_the_reference_refuses_a_row_that_wraps():
     with pytest.raises(PoolError, match="positions"):
         hot.swap_in(0, torch.tensor([2]), torch.tensor([[0, 9]]), torch.tensor([2]), seq, host, r2t)
     assert int(hot.clock[0]) == 0 and not hot.k[0].any()
+
+
+@pytest.mark.parametrize("size", [8, 600])  # one chunk of READY_CHUNK table entries a row; three
+def test_the_copies_flag_every_chunk_of_the_batch_rows_and_no_other(size):
+    """After a swap-in every chunk flag of the batch's rows is 0, "copied" (the bookkeeping sets each to minus its
+    copy units, each unit counts itself in; attention waits for 0), whatever it held before; the rows past the batch
+    keep theirs. The reference swap-in leaves them at 0 (nothing copies later)."""
+    hot, host, call = swap_in_case(size=size, max_ctx=700)
+    assert tuple(hot.ready.shape) == (3, -(-(size + 1) // 256)) and bool((hot.ready == 0).all())
+    hot.ready.fill_(7)  # (a value neither launch writes)
+    run_swap_in(hot, host, call)
+    assert bool((hot.ready[:2] == 0).all()) and bool((hot.ready[2] == 7).all())
+    ref = HotBuffer(1, 3, size, 1, 2, 700)
+    ref.swap_in(0, call["rows"].cpu(), *positions_read(call["selected"].cpu(), call["lengths"].cpu(),
+                                                       call["sparse_mask"].cpu(), call["seq_lens"].cpu(), 4, 8),
+                call["seq_lens"].cpu(), HostKVPool(1 + 3 * 700, 1, 1, 2), call["r2t"].cpu())
+    assert bool((ref.ready == 0).all())

@@ -1,38 +1,37 @@
 """Paged decode attention in Triton (flash-decoding): one query token per request, K/V read through a page table.
 
-``paged_decode_attention`` computes what ``sparse_ref.attention.sparse_decode_attention`` computes:
-softmax attention of ``q`` ``[bs, H_q, D]`` over the first ``kv_lens[r]`` tokens of the physical
-pages listed in ``page_table[r]`` (token ``t`` of the row lives at slot
-``page_table[r, t // P] * P + t % P`` of the ``[num_slots, H_kv, D]`` K/V buffers). The same
-kernel serves the dense step (the table lists every page of the request) and the sparse step
-(the selected pages), so the speed of the two is compared on equal terms.
+``paged_decode_attention`` computes what ``sparse_ref.attention.sparse_decode_attention`` computes: softmax
+attention of ``q`` ``[bs, H_q, D]`` over the first ``kv_lens[r]`` tokens of the physical pages listed in
+``page_table[r]`` (token ``t`` of the row lives at slot ``page_table[r, t // P] * P + t % P`` of the
+``[num_slots, H_kv, D]`` K/V buffers). The same kernel serves the dense step (the table lists every page of the
+request) and the sparse step (the selected pages), so the speed of the two is compared on equal terms.
 
 Two launches:
 
-1. **split kernel**, grid ``(bs * H_kv, num_splits)``. A program takes one request, one KV head
-   and one slice of the row's KV length (the length is split evenly among ``num_splits``
-   programs, in blocks of ``BLOCK_N`` tokens, from ``kv_lens`` read on the device: no host
-   sync). It handles the whole GQA group of that KV head (query heads ``kvh * G .. kvh * G +
-   G - 1``), so each K/V byte is read once. Online softmax in fp32 (running max, running sum,
-   rescaled accumulator). It writes the slice's normalized output and its log-sum-exp.
-2. **merge kernel**, grid ``(bs * H_q,)``: ``out = sum_s w_s o_s / sum_s w_s`` with
-   ``w_s = exp(lse_s - max lse)``. With one split the split kernel writes ``out`` directly and
-   the merge is skipped.
+1. **split kernel**, grid ``(bs * H_kv, num_splits)``. A program takes one request, one KV head and one slice of
+   the row's KV length (the length is split evenly among ``num_splits`` programs, in blocks of ``BLOCK_N`` tokens,
+   from ``kv_lens`` read on the device: no host sync). It handles the whole GQA group of that KV head (query heads
+   ``kvh * G .. kvh * G + G - 1``), so each K/V byte is read once. Online softmax in fp32 (running max, running
+   sum, rescaled accumulator). It writes the slice's normalized output and its log-sum-exp.
+2. **merge kernel**, grid ``(bs * H_q,)``: ``out = sum_s w_s o_s / sum_s w_s`` with ``w_s = exp(lse_s - max
+   lse)``. With one split the split kernel writes ``out`` directly and the merge is skipped.
 
 Two ways to form ``q . k`` and ``p . v`` (``USE_DOT``):
 
-* ``tl.dot`` over the GQA group padded to 16 rows (tensor cores). With 16-bit K/V the fp32
-  query (and the fp32 probabilities) are split into a high and a low 16-bit part (``PRECISE``), so
-  the result keeps ~16 mantissa bits instead of 8: K/V are exact in 16 bits, only q and p would be
-  rounded. When the group fits half the 16 rows (``PACKED``: groups up to 8) both parts go into
-  one dot, the high parts in the first half of the rows and the low ones in the second, and the
-  two halves of the result are summed; larger groups take two dots each. With fp32 K/V (and always under Triton's
-  interpreter, whose bf16 ``tl.dot`` is wrong) the operands stay fp32 (``FP32_DOT``, IEEE
-  precision, no TF32).
-* broadcast multiply + sum in fp32 (``q[:, None, :] * k[None, :, :]``): a launch knob
-  (``TUNING["use_dot"] = False``). On an H200 the tensor-core path wins even for MHA (one query head padded
-  to 16 rows: 227 µs against 328 µs at bs=1, 32 heads, 32K tokens), so it is the default for
-  every group size.
+* ``tl.dot`` over the GQA group padded to 16 rows (tensor cores). With 16-bit K/V the fp32 query (and the fp32
+  probabilities) are split into a high and a low 16-bit part (``PRECISE``), so the result keeps ~16 mantissa bits
+  instead of 8: K/V are exact in 16 bits, only q and p would be rounded. When the group fits half the 16 rows
+  (``PACKED``: groups up to 8) both parts go into one dot, the high parts in the first half of the rows and the
+  low ones in the second, and the two halves of the result are summed; larger groups take two dots each. With fp32
+  K/V (and always under Triton's interpreter, whose bf16 ``tl.dot`` is wrong) the operands stay fp32
+  (``FP32_DOT``, IEEE precision, no TF32).
+* broadcast multiply + sum in fp32 (``q[:, None, :] * k[None, :, :]``): a launch knob (``TUNING["use_dot"] =
+  False``). On an H200 the tensor-core path wins even for MHA (one query head padded to 16 rows: 227 µs against
+  328 µs at bs=1, 32 heads, 32K tokens), so it is the default for every group size.
+
+Offload (``ready``): the swap-in's copies may still be landing in the hot buffer when this launch starts (PDL
+places its programs once every copy program runs); each program waits only for the flags of its own chunks of
+table entries, so attention overlaps the PCIe copies. Table, order and result are the plain ones.
 
 Edge cases: a row with ``kv_len == 0`` returns zeros (like the reference); a NaN in the query
 gives NaN (it is never turned into 0). Page ids are clamped into the pool and lengths into
@@ -57,6 +56,7 @@ from sparse_ref.checks import (
     check_range,
     check_same_device,
     check_tensor,
+    describe,
     fail,
 )
 from sparse_ref.device import triton_interpreted
@@ -69,15 +69,21 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer's K and V [slots, H_kv, D]
                          page_table_ptr, kv_lens_ptr,  # pages and KV length per request
+                         ready_ptr,  # WAIT: int32 [bs, chunks], 0 once a chunk of table entries landed (< 0 before)
                          part_out_ptr, part_lse_ptr,  # per split: outputs and log-sum-exps (the merge's inputs)
                          sm_scale,  # the softmax scale
-                         dims,  # (KV heads, table width W, page size, pages in the pool, splits per row)
+                         dims,  # (KV heads, table width W, page size, pages, splits per row, flags per row, chunk)
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PRECISE: tl.constexpr, PACKED: tl.constexpr, WAIT: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program = one (request, KV head, split): its slice of the KV length for the whole GQA group;
     writes the group's partial outputs and log-sum-exps for the merge."""
-    after_previous_launch(PDL)  # (the page table and lengths come from the launch before)
+    if WAIT:  # the launch before copies K/V in: the flags below say when (its table was written before it)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+    else:
+        after_previous_launch(PDL)  # (the page table and lengths come from the launch before)
     num_kv_heads, width, page_size, num_pages, num_splits = dims[0], dims[1], dims[2], dims[3], dims[4]
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -110,6 +116,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
     per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
+    if WAIT:
+        _await_chunks(ready_ptr + row.to(tl.int64) * dims[5], start // dims[6],
+                      tl.minimum(tl.cdiv(end, dims[6]), dims[5]))
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -167,6 +176,17 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr,  # queries [bs, H_q, D]; the layer
     base = (row * num_q_heads + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=in_g[:, None] & in_d[None, :])
     tl.store(part_lse_ptr + base, lse, mask=in_g)
+    if WAIT:  # every chunk awaited by one program at least: the launch ends after the copies
+        _await_chunks(ready_ptr + row.to(tl.int64) * dims[5], 0, tl.where((kvh == 0) & (split == 0), dims[5], 0))
+
+
+@triton.jit
+def _await_chunks(flags, first, last):
+    """Spin until the flags ``[first, last)`` of a row reach 0 (the copy programs count up to it, with release)."""
+    for c in range(first, last):
+        while tl.load(flags + c, volatile=True) < 0:  # plain reads while it waits (no read-modify-write traffic)
+            pass
+        tl.atomic_add(flags + c, 0, sem="acquire")  # then one acquire: the copies' stores are seen
 
 
 @triton.jit
@@ -286,7 +306,8 @@ def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted:
 # ------------------------------------------------------------------------------------------
 def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                            page_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
-                           scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float | None = None, out: torch.Tensor | None = None,
+                           ready: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """fp32 ``[bs, H_q, D]``: attention over the first ``kv_lens[r]`` tokens of the pages in ``page_table[r]``.
 
     Equals ``sparse_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale)``
@@ -294,10 +315,13 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     ``[num_slots, H_kv, D]`` (same dtype: fp32/bf16/fp16, contiguous); ``page_table`` int32
     ``[bs, W]`` physical pages in ``[0, num_slots // P)``; ``kv_lens`` int32 ``[bs]`` in
     ``[0, W * P]``. ``scale`` defaults to ``1 / sqrt(D)``. ``out``: fp32 ``[bs, H_q, D]`` buffer.
+    ``ready``: ``(flags, chunk)``, the offload's int32 ``[>= bs, n]`` flags of ``chunk`` table entries each,
+    negative until the swap-in's copies of the chunk landed: each program waits for its own entries' flags, not for
+    the launch before.
     Launch knobs (splits, tile, warps, dot path) are in ``TUNING``.
     """
     page_size, scale, num_pages = check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens,
-                                                                page_size, scale, out)
+                                                                page_size, scale, out, ready)
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads, width = k_buffer.shape[1], page_table.shape[1]
     interpreted = triton_interpreted()
@@ -321,9 +345,11 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part = out if num_splits == 1 else torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                                    device=q.device)
+    flags, chunk = ready or (kv_lens.view(1, -1), 1)  # (not read without ready)
     _decode_split_kernel[(bs * num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, page_table, kv_lens, part, lse, scale,
-        (num_kv_heads, width, page_size, num_pages, num_splits), **ce, **cfg["options"], **pdl)
+        q, k_buffer, v_buffer, page_table, kv_lens, flags, part, lse, scale,
+        (num_kv_heads, width, page_size, num_pages, num_splits, flags.shape[1], chunk), **ce, WAIT=ready is not None,
+        **cfg["options"], **pdl)
     if num_splits > 1:
         _decode_merge_kernel[(bs * num_q_heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   BLOCK_S=triton.next_power_of_2(num_splits),
@@ -332,7 +358,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
-def check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale, out):
+def check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size, scale, out, ready=None):
     """``(page_size, scale, num_pages)`` of ``paged_decode_attention``."""
     fn = "paged_decode_attention"
     check_tensor("q", q, dtype=FLOAT_DTYPES, dims=3, fix="pass one query token per request, [bs, H_q, D].")
@@ -364,8 +390,17 @@ def check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size
     if out is not None:
         check_tensor("out", out, dtype=torch.float32, shape=(bs, num_q_heads, head_dim), contiguous=True,
                      fix="pass torch.empty(bs, H_q, D, dtype=torch.float32) on the device of q.")
+    if ready is not None:
+        fix = "pass OffloadedKV.ready (the hot buffer's flags and their chunk), or None."
+        if not isinstance(ready, tuple) or len(ready) != 2:
+            fail("ready", "a tuple (flags, chunk)", describe(ready), fix)
+        check_tensor("ready flags", ready[0], dtype=torch.int32, shape=(None, None), contiguous=True, fix=fix)
+        if ready[0].shape[0] < bs or ready[0].shape[1] == 0:
+            fail("ready flags", f"a row per request ({bs}) at least, and a flag at least",
+                 f"shape {tuple(ready[0].shape)}", fix)
+        check_int("ready chunk", ready[1], low=1, high=1 << 30, error=ShapeError, fix=fix)
     check_same_device(fn, "q", {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer, "page_table": page_table,
-                                "kv_lens": kv_lens, "out": out})
+                                "kv_lens": kv_lens, "out": out, "ready flags": ready and ready[0]})
     check_kernel_device(f"{fn}: q", q, "move the tensors to the GPU, or use sparse_ref.attention."
                         "sparse_decode_attention on CPU.")
     scale = 1.0 / head_dim ** 0.5 if scale is None else check_float("scale", scale, error=ShapeError)

@@ -18,9 +18,14 @@ and the hit / miss counts. Each program (one request row):
 5. rewrites ``lru``: the slots it kept, in their order, then every slot used this step by slot id (they
    share the newest stamp, and ties go by slot id), so the list stays sorted by (empty, last used, slot).
 
-A second launch (``_copy_in_kernel``, a grid of (row, ``COPY_ROWS`` entries)) copies the missed K/V rows in
-from the host pool: on a GPU the host pool is pinned memory, read through unified addressing (no copy
-engine, no sync), and the many programs keep enough PCIe reads in flight.
+A second launch (``_copy_in_kernel``) copies the missed K/V rows in from the host pool: on a GPU the host pool is
+pinned memory, read through unified addressing (no copy engine, no sync). Its ``COPY_PROGRAMS`` programs take the
+units of ``COPY_ROWS`` table entries in order (the first entries of every row first), enough of them at once to
+keep PCIe busy, and count each unit into its chunk's flag in ``hot.ready`` (the bookkeeping set each to minus its
+units): attention launched with the flags starts while the copies run, and each of its programs waits only for
+its own entries' chunks (``paged_decode_attention(ready=...)``), which land in the order it reads them. The list
+of copies is the buffer's (``hot.copy_list``), not a temporary: attention's buffers may be allocated while the
+copy launch still reads it.
 
 It must equal the torch reference bit for bit: the same tables, the same slots replaced, the same K/V.
 Each row's state is its own (one program per row), so programs never race. An earlier version found the
@@ -44,14 +49,19 @@ from sparse_ref.checks import (
     skip_value_checks,
 )
 from sparse_ref.errors import SparseRefError
+from sparse_ref.kernels import pdl_options
 
 
 @triton.jit
 def _swap_in_kernel(selected, lengths, sparse_mask, seq_lens, rows, req_to_token, host_k, host_v, hot_k, hot_v,
                     new_k, new_v, new_loc, token, last_used, slot_of, lru, scratch, table, counts, copies, clock_ptr,
-                    stats, W, SPAN, SEL_W, R2T_W, MAX_CTX, P: tl.constexpr, B: tl.constexpr, HD: tl.constexpr,
-                    W_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stats, ready, W, SPAN, SEL_W, R2T_W, MAX_CTX, NC, P: tl.constexpr, B: tl.constexpr,
+                    HD: tl.constexpr, W_PAD: tl.constexpr, B_PAD: tl.constexpr, NC_PAD: tl.constexpr,
+                    CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
+    c = tl.arange(0, NC_PAD)  # each chunk's flag: minus its copy units (each adds 1 when done; 0: all landed)
+    units = tl.cdiv(tl.minimum(tl.maximum(SPAN - c * CHUNK, 0), CHUNK), ROWS)
+    tl.store(ready + b.to(tl.int64) * NC + c, -units, mask=c < NC)
     row = tl.load(rows + b).to(tl.int64)
     seq_len, clock = tl.load(seq_lens + b).to(tl.int32), tl.load(clock_ptr)
     base = 1 + row * (B + 1)  # the row's first slot; slot 0 of the buffer is padding
@@ -116,21 +126,26 @@ def _swap_in_kernel(selected, lengths, sparse_mask, seq_lens, rows, req_to_token
 
 
 @triton.jit
-def _copy_in_kernel(copies, table, host_k, host_v, hot_k, hot_v, W, SPAN, HD: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """3b. the missed rows' K/V, ``ROWS`` table entries per program: a grid wide enough to keep many reads of
-    pinned host memory in flight (one program per request row would leave most of the GPU, and PCIe, idle)."""
-    b, j = tl.program_id(0).to(tl.int64), tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    src = tl.load(copies + b * SPAN + j, mask=j < SPAN, other=-1).to(tl.int64)
-    go = src >= 0
-    dst = tl.load(table + b * W + j, mask=go, other=0).to(tl.int64)
-    for d0 in range(0, HD, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        cols = go[:, None] & (d < HD)[None, :]
-        tl.store(hot_k + dst[:, None] * HD + d[None, :], tl.load(host_k + src[:, None] * HD + d[None, :], mask=cols),
-                 mask=cols)
-        tl.store(hot_v + dst[:, None] * HD + d[None, :], tl.load(host_v + src[:, None] * HD + d[None, :], mask=cols),
-                 mask=cols)
+def _copy_in_kernel(copies, table, ready, host_k, host_v, hot_k, hot_v, W, SPAN, NC, BS, UNITS, HD: tl.constexpr,
+                    CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """3b. the missed rows' K/V: unit ``u`` is the ``ROWS`` entries ``u // BS`` of row ``u % BS``; the programs
+    take the units in order, so the table's first entries land first, in every row (as attention reads them)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # (its table and flags were written by the launch before this one)
+    for u in range(tl.program_id(0), UNITS, tl.num_programs(0)):
+        b, j = (u % BS).to(tl.int64), (u // BS) * ROWS + tl.arange(0, ROWS)
+        src = tl.load(copies + b * SPAN + j, mask=j < SPAN, other=-1).to(tl.int64)
+        go = src >= 0
+        dst = tl.load(table + b * W + j, mask=go, other=0).to(tl.int64)
+        for d0 in range(0, HD, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            cols = go[:, None] & (d < HD)[None, :]
+            tl.store(hot_k + dst[:, None] * HD + d[None, :],
+                     tl.load(host_k + src[:, None] * HD + d[None, :], mask=cols), mask=cols)
+            tl.store(hot_v + dst[:, None] * HD + d[None, :],
+                     tl.load(host_v + src[:, None] * HD + d[None, :], mask=cols), mask=cols)
+        tl.debug_barrier()  # every thread's stores happen before the flag counts the unit
+        tl.atomic_add(ready + b * NC + (u // BS) * ROWS // CHUNK, 1, sem="release")
 
 
 def swap_in(hot, layer: int, md, batch, new_kv: tuple, host, req_to_token: torch.Tensor
@@ -154,7 +169,8 @@ def swap_in(hot, layer: int, md, batch, new_kv: tuple, host, req_to_token: torch
     # the buffers' dtype here, by torch (round to nearest even, as set_kv stores): the kernel then only copies
     new_k, new_v = (t.to(hot_k.dtype).contiguous() if isinstance(t, torch.Tensor) else t for t in new_kv)
     check_swap_in(selected, lengths, sparse_mask, page_size, width, (hot_k, hot_v), (new_k, new_v),
-                  (host.k[layer], host.v[layer]), token, last_used, slot_of, lru, clock, hot.stats, size)
+                  (host.k[layer], host.v[layer]), token, last_used, slot_of, lru, clock, hot.stats, size,
+                  (hot.ready, hot.ready_chunk, hot.copy_list))
     check_swap_in_values(selected, lengths, sparse_mask, page_size, width, size, batch, token.shape[0],
                          slot_of.shape[1], host.k[layer], req_to_token)
     clock += 1
@@ -167,27 +183,32 @@ def swap_in(hot, layer: int, md, batch, new_kv: tuple, host, req_to_token: torch
     span = min(width, size + 1)  # a row reads at most its buffer and its newest token (check_offload sizes it so)
     b_pad, w_pad = triton.next_power_of_2(size), triton.next_power_of_2(max(span, 1))
     scratch = torch.empty(bs, 2 * b_pad, dtype=torch.int32, device=selected.device)
-    copies = torch.empty(bs, span, dtype=torch.int32, device=selected.device)
+    ready, nc = hot.ready, hot.ready.shape[1]  # (nc * hot.ready_chunk >= span: HotBuffer sizes it)
+    copies = hot.copy_list.view(-1)[: bs * span].view(bs, span)  # (kept: the copy launch reads it, see above)
     host_k, host_v = host.k[layer], host.v[layer]
     _swap_in_kernel[(bs,)](selected, lengths, sparse_mask, batch.seq_lens, batch.req_pool_indices, req_to_token,
                            host_k, host_v, hot_k, hot_v, new_k, new_v, batch.out_cache_loc, token, last_used, slot_of,
-                           lru, scratch, table, counts, copies, clock, hot.stats, width, span, selected.shape[1],
-                           req_to_token.shape[1], slot_of.shape[1], P=page_size, B=size, HD=hd, W_PAD=w_pad,
-                           B_PAD=b_pad, BLOCK_D=min(triton.next_power_of_2(hd), 1024), num_warps=BOOK_WARPS)
-    rows_per, block_d = COPY_ROWS, min(triton.next_power_of_2(hd), 512)
-    _copy_in_kernel[(bs, triton.cdiv(span, rows_per))](copies, table, host_k, host_v, hot_k, hot_v, width, span,
-                                                       HD=hd, ROWS=rows_per, BLOCK_D=block_d, num_warps=4)
+                           lru, scratch, table, counts, copies, clock, hot.stats, ready, width, span,
+                           selected.shape[1], req_to_token.shape[1], slot_of.shape[1], nc, P=page_size, B=size, HD=hd,
+                           W_PAD=w_pad, B_PAD=b_pad, NC_PAD=triton.next_power_of_2(nc), CHUNK=hot.ready_chunk,
+                           ROWS=COPY_ROWS, BLOCK_D=min(triton.next_power_of_2(hd), 1024), num_warps=BOOK_WARPS)
+    units = bs * triton.cdiv(span, COPY_ROWS)
+    _copy_in_kernel[(min(units, COPY_PROGRAMS),)](copies, table, ready, host_k, host_v, hot_k, hot_v, width, span, nc,
+                                                  bs, units, HD=hd, CHUNK=hot.ready_chunk, ROWS=COPY_ROWS,
+                                                  BLOCK_D=min(triton.next_power_of_2(hd), 1024), num_warps=8,
+                                                  PDL=bool(pdl_options(selected.device)["PDL"]))
     return table, counts
 
 
 BOOK_WARPS = 16  # warps of the bookkeeping program (H200, 32K, bs=1, the program alone: 43.7 us at 8, 33.5 at 16,
 #                  54.7 at 32; the swap-in with its copies 138 us at 4 warps)
-COPY_ROWS = 8  # table entries (token rows) per copy program
+COPY_ROWS = 16  # table entries (token rows) of a copy unit (a ready chunk holds several)
+COPY_PROGRAMS = 264  # copy programs (two an SM of an H100): the units they keep in flight keep PCIe busy
 
 
 # ------------------------------ argument checks (each entry point above calls one first)
 def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_kv, new_kv, host_kv, token, last_used,
-                  slot_of, lru, clock, stats, size) -> None:
+                  slot_of, lru, clock, stats, size, ready) -> None:
     """Shapes and dtypes, without a host sync: the buffer's state of one layer (``token`` ``[rows, size]``, the list
     and the stamps alike, ``slot_of`` ``[rows, max_ctx]``, K and V holding every row's ``size + 1`` slots), the new
     tokens' K and V, the host pool's K and V (the buffers' heads and dims, and dtype)."""
@@ -215,6 +236,13 @@ def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_kv, new_
     check_tensor("host v", host_v, dtype=hot_k.dtype, shape=tuple(host_k.shape), contiguous=True)
     check_tensor("clock", clock, dtype=torch.int32, shape=(1,))
     check_tensor("stats", stats, dtype=torch.int64, shape=(2,))
+    chunk = check_int("hot.ready_chunk", ready[1], low=COPY_ROWS, high=1 << 16)
+    if chunk % COPY_ROWS:
+        fail("hot.ready_chunk", f"a multiple of the copy unit ({COPY_ROWS} entries)", str(chunk), "keep the default.")
+    check_tensor("hot.ready", ready[0], dtype=torch.int32, shape=(token.shape[0], triton.cdiv(size + 1, chunk)),
+                 contiguous=True, fix="pass a HotBuffer (its flags: a row per request row, a flag per chunk).")
+    check_tensor("hot.copy_list", ready[2], dtype=torch.int32, shape=(token.shape[0] * (size + 1),),
+                 fix="pass a HotBuffer (its list of copies: a row of size + 1 per request row).")
     check_kernel_device("selected", selected, "move it with .cuda().")
 
 

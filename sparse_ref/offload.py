@@ -15,10 +15,9 @@ per layer and row, the token each slot holds (``token``, -1 empty), the step it 
 (``last_used``), the reverse map token -> slot (``slot_of``), the slots in eviction order (``lru``: empty
 first, then least recently used, ties by slot id; ``lru_order`` derives it from the other two), a step
 counter per layer (``clock``), the hit / miss counts (``stats``) and, per batch row, a flag per chunk of table
-entries that the kernel's copies have landed (``ready``: attention over a chunk that landed starts while the
-others copy). The kernel keeps ``lru`` so that it
-never sorts: a row's victims are the first slots of its list that this step does not use. This reference
-reads the state back and loops on the host: a host sync per layer.
+entries, 0 once the kernel's copies into it landed (``ready``: attention over a chunk starts while the others
+copy). The kernel keeps ``lru`` so that it never sorts: a row's victims are the first slots of its list that this
+step does not use. This reference reads the state back and loops on the host: a host sync per layer.
 """
 
 from __future__ import annotations
@@ -302,7 +301,7 @@ def check_offload_backend(offloaded, backend) -> None:
              "build the engine with backend='auto', or run the torch reference on CPU.", ConfigError)
 
 
-READY_CHUNK = 256  # table entries per flag of the swap-in kernel (a copy program each; attention waits on them)
+READY_CHUNK = 256  # table entries per flag of the swap-in kernel's copies (attention's programs wait on them)
 MAX_BUFFER = 1 << 16  # token slots a hot-buffer row may hold (the swap-in kernel's one program per row holds them)
 
 

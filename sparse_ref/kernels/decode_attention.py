@@ -278,17 +278,12 @@ def launch_config(group: int, head_dim: int, kv_dtype: torch.dtype, interpreted:
     block_d = triton.next_power_of_2(max(head_dim, 16 if use_dot else 1))
     big = group >= 2 and not fp32_dot
     if block_n is None and use_dot and not fp32_dot and split_len >= (LONG_SPLIT_GQA if big else LONG_SPLIT_MHA):
-        # long splits (H200, bf16 D=128 32K, packed halves, L2 cold): bs=64 32q/8kv (3 splits of 11K tokens)
-        # 1948 us with 128 tokens and 2 stages against 2061 with 64 and 3; bs=1 MHA (33 splits of 1K) 150 against
-        # 181 us with 64 tokens against 32. Short splits keep the defaults below: bs=1 32q/8kv (64 splits of 512)
-        # took 60 us with 128 against 53 with 64
+        # long splits: 128 tokens and 2 stages for GQA, 64 tokens for MHA (the A/Bs: docs/performance.md)
         block_n = 128 if big else 64
         num_stages = 2 if big and num_stages is None else num_stages
     if block_n is None:
-        # broadcast path: keep the [BLOCK_G, BLOCK_N, BLOCK_D] product near 8K fp32 values per program
-        # tensor cores: 64 tokens a step for GQA groups over 16-bit K/V (H200, bs=64 32q/8kv 32K bf16: 2225
-        # against 2530 us with 32); 32 for MHA (at bs=1 the sparse step's short splits lose with 64: 29 against
-        # 25 us) and for fp32 K/V (64 spills registers)
+        # broadcast path: the [BLOCK_G, BLOCK_N, BLOCK_D] product near 8K fp32 values; tensor cores: 64 tokens a
+        # step for GQA over 16-bit K/V, 32 for MHA and for fp32 K/V (64 spills registers; A/Bs: performance.md)
         block_n = (64 if big else 32) if use_dot else max(16, min(64, 8192 // (block_g * block_d)))
     if num_warps is None:
         num_warps = 4
@@ -394,10 +389,9 @@ def check_decode_attention(q, k_buffer, v_buffer, page_table, kv_lens, page_size
         fix = "pass OffloadedKV.ready (the hot buffer's flags and their chunk), or None."
         if not isinstance(ready, tuple) or len(ready) != 2:
             fail("ready", "a tuple (flags, chunk)", describe(ready), fix)
-        check_tensor("ready flags", ready[0], dtype=torch.int32, shape=(None, None), contiguous=True, fix=fix)
-        if ready[0].shape[0] < bs or ready[0].shape[1] == 0:
-            fail("ready flags", f"a row per request ({bs}) at least, and a flag at least",
-                 f"shape {tuple(ready[0].shape)}", fix)
+        flags = check_tensor("ready flags", ready[0], dtype=torch.int32, shape=(None, None), contiguous=True, fix=fix)
+        if flags.shape[0] < bs or flags.shape[1] == 0:
+            fail("ready flags", f"a row per request ({bs}) at least, and a flag", f"shape {tuple(flags.shape)}", fix)
         check_int("ready chunk", ready[1], low=1, high=1 << 30, error=ShapeError, fix=fix)
     check_same_device(fn, "q", {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer, "page_table": page_table,
                                 "kv_lens": kv_lens, "out": out, "ready flags": ready and ready[0]})

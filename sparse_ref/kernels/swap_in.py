@@ -28,9 +28,7 @@ of copies is the buffer's (``hot.copy_list``), not a temporary: attention's buff
 copy launch still reads it.
 
 It must equal the torch reference bit for bit: the same tables, the same slots replaced, the same K/V.
-Each row's state is its own (one program per row), so programs never race. An earlier version found the
-victims by a 51-step bisection over packed (empty, last used, slot) keys: 490 us for one row on the H200,
-where the list costs a few prefix sums.
+Each row's state is its own (one program per row), so programs never race.
 """
 
 from __future__ import annotations
@@ -208,7 +206,7 @@ COPY_PROGRAMS = 264  # copy programs (two an SM of an H100): the units they keep
 
 # ------------------------------ argument checks (each entry point above calls one first)
 def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_kv, new_kv, host_kv, token, last_used,
-                  slot_of, lru, clock, stats, size, ready) -> None:
+                  slot_of, lru, clock, stats, size, copy_state) -> None:
     """Shapes and dtypes, without a host sync: the buffer's state of one layer (``token`` ``[rows, size]``, the list
     and the stamps alike, ``slot_of`` ``[rows, max_ctx]``, K and V holding every row's ``size + 1`` slots), the new
     tokens' K and V, the host pool's K and V (the buffers' heads and dims, and dtype)."""
@@ -236,12 +234,13 @@ def check_swap_in(selected, lengths, sparse_mask, page_size, width, hot_kv, new_
     check_tensor("host v", host_v, dtype=hot_k.dtype, shape=tuple(host_k.shape), contiguous=True)
     check_tensor("clock", clock, dtype=torch.int32, shape=(1,))
     check_tensor("stats", stats, dtype=torch.int64, shape=(2,))
-    chunk = check_int("hot.ready_chunk", ready[1], low=COPY_ROWS, high=1 << 16)
+    ready, chunk, copy_list = copy_state  # (hot.ready, hot.ready_chunk, hot.copy_list)
+    chunk = check_int("hot.ready_chunk", chunk, low=COPY_ROWS, high=1 << 16)
     if chunk % COPY_ROWS:
         fail("hot.ready_chunk", f"a multiple of the copy unit ({COPY_ROWS} entries)", str(chunk), "keep the default.")
-    check_tensor("hot.ready", ready[0], dtype=torch.int32, shape=(token.shape[0], triton.cdiv(size + 1, chunk)),
+    check_tensor("hot.ready", ready, dtype=torch.int32, shape=(token.shape[0], triton.cdiv(size + 1, chunk)),
                  contiguous=True, fix="pass a HotBuffer (its flags: a row per request row, a flag per chunk).")
-    check_tensor("hot.copy_list", ready[2], dtype=torch.int32, shape=(token.shape[0] * (size + 1),),
+    check_tensor("hot.copy_list", copy_list, dtype=torch.int32, shape=(token.shape[0] * (size + 1),),
                  fix="pass a HotBuffer (its list of copies: a row of size + 1 per request row).")
     check_kernel_device("selected", selected, "move it with .cuda().")
 

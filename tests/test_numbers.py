@@ -151,10 +151,10 @@ def test_every_number_with_a_unit_names_its_source():
 def test_a_planted_stale_number_fails():
     """The test of the test: a number its JSON no longer says, beside the JSON's marker, is caught; so is a number
     with no marker, and a record without its date."""
-    tied = "<!-- source: h200_sweep.json -->\n| 64 × 4K | 27.6 | 15.0 µs |"
+    tied = "<!-- source: h200_sweep.json -->\n| 64 × 4K | 27.6 | 15.1 µs |"
     assert problems("planted", tied) == []
-    assert problems("planted", tied.replace("15.0 µs", "15.7 µs"))  # the stale quote the review found
-    assert problems("planted", "<!-- source: h200_engine.json -->\nthe step runs 6.26× faster") == []
+    assert problems("planted", tied.replace("15.1 µs", "15.7 µs"))  # the stale quote the review found
+    assert problems("planted", "<!-- source: h200_engine.json -->\nthe step runs 6.18× faster") == []
     assert problems("planted", "<!-- source: h200_engine.json -->\nthe step runs 9.1× faster")
     assert problems("planted", "about 6.3× faster")  # no marker
     assert problems("planted", "<!-- record: 2026-12-05, same process -->\n+3 µs") == []
